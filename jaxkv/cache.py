@@ -1,0 +1,111 @@
+"""The KV cache: its layout, its placement, and the pure functions that grow it.
+
+Layout, per layer l (B = batch, K = kv heads, Dh = head_dim, P = kv block rows):
+
+  window[l]: [2, B, K, W, Dh]  rows [0, W) of K (index 0) and V (index 1), W = n * P (None while W = 0).
+             Lives in the placement's memory: "device" or "pinned_host". Sharded on K over the `tensor`
+             mesh axis, so each device's shard (host or device) holds only that device's heads.
+  open[l]:   [2, B, K, P, Dh]  rows [W, W + P), the block being written; always in device memory.
+  start:     i32[B]  first valid row of each sequence (prompts are right-aligned: left padding).
+  end:       the next row to write, the same for every sequence.
+
+Row r of sequence b is valid when start[b] <= r < end. A decode step writes row `end` into the open page
+(on device); when the open page is full, `grow` appends it to the window, which is stored back in its
+placement in one explicit transfer. Host and device placement hold the same arrays in different memories,
+so every delivery mode feeds the same compiled layer function the same values.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import mesh as mesh_lib
+from jaxkv.config import KVConfig, ModelConfig
+
+MEMORY_KIND = {"device": "device", "host": "pinned_host"}
+DEFAULT_GPU_PINNED_POOL_GB = 64
+POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+
+
+def grow(window, rows):
+  """window [2, B, K, W, Dh] or None; rows [2, B, K, N, Dh] -> [2, B, K, W + N, Dh]."""
+  return rows if window is None else jnp.concatenate([window, rows], axis=3)
+
+
+def split_prefilled(window, chunk, *, w_rows: int, block: int):
+  """After the last prefill chunk: rows [0, w_rows) become the window, [w_rows, w_rows + block) the open page.
+
+  window [2, B, K, W0, Dh] or None; chunk [2, B, K, C, Dh]. Rows past the chunk read as zeros.
+  """
+  full = grow(window, chunk)
+  pad = w_rows + block - full.shape[3]
+  if pad > 0:
+    full = jnp.pad(full, ((0, 0),) * 3 + ((0, pad), (0, 0)))
+  head = full[:, :, :, :w_rows] if w_rows else None
+  return head, full[:, :, :, w_rows:w_rows + block]
+
+
+class KVCache:
+  """Holds the per-layer windows and open pages; see the module docstring for the layout."""
+
+  def __init__(self, model: ModelConfig, kv: KVConfig, mesh: jax.sharding.Mesh, batch: int, capacity: int):
+    self.model, self.kv, self.mesh = model, kv, mesh
+    self.batch, self.capacity, self.block = batch, capacity, kv.block
+    self.dtype = jnp.dtype(model.dtype)
+    self.device_sharding = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
+    self.store_sharding = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, MEMORY_KIND[kv.placement])
+    if kv.placement == "host":
+      check_pinned_pool(self.host_bytes_per_process(), model, batch, self.rows_bound())
+    self.windows: list[jax.Array | None] = [None] * model.num_layers
+    self.opens: list[jax.Array | None] = [None] * model.num_layers
+    self.rows = 0  # W, the same for every layer.
+
+  def rows_bound(self) -> int:
+    """Largest window plus open page the cache can reach: capacity rounded up to a block, plus a block."""
+    return -(-self.capacity // self.block) * self.block + self.block
+
+  def row_bytes(self, devices: int = 1) -> int:
+    """Bytes of one cache row (K and V, all batch entries) held by each of `devices` head shards."""
+    m = self.model
+    return 2 * self.batch * (m.num_kv_heads // devices) * m.head_dim * self.dtype.itemsize
+
+  def host_bytes_per_process(self) -> int:
+    """Pinned host bytes this process needs at full capacity: its devices' head shares of every layer,
+    plus one layer's window in flight while a grown window replaces the old one."""
+    local = sum(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
+    share = self.row_bytes(mesh_lib.tensor_size(self.mesh)) * local
+    return share * self.rows_bound() * (self.model.num_layers + 1)
+
+  def store(self, layer: int, window_device: jax.Array | None) -> int:
+    """Places layer `layer`'s window (a device array) in the cache's memory. Returns bytes moved D2H."""
+    if window_device is None or self.kv.placement == "device":
+      self.windows[layer] = window_device
+      return 0
+    self.windows[layer] = jax.device_put(window_device, self.store_sharding)
+    return window_device.nbytes
+
+
+def pinned_pool_limit_bytes() -> int | None:
+  """The pinned host pool cap of this process's backend, or None where there is none (CPU)."""
+  env = os.environ.get(POOL_ENV)
+  if env:
+    return int(float(env) * 2**30)
+  if jax.default_backend() == "gpu":
+    return DEFAULT_GPU_PINNED_POOL_GB * 2**30
+  return None
+
+
+def check_pinned_pool(needed: int, model: ModelConfig, batch: int, rows: int) -> None:
+  limit = pinned_pool_limit_bytes()
+  if limit is not None and needed > limit:
+    gib = needed / 2**30
+    raise ValueError(
+        f"the host KV cache needs {gib:.2f} GiB of pinned host memory in this process "
+        f"({model.num_layers} layers x 2 x batch {batch} x {model.num_kv_heads} kv heads x {rows} rows x "
+        f"{model.head_dim} x {jnp.dtype(model.dtype).itemsize} B, plus one layer in flight), but the pinned "
+        f"pool is limited to {limit / 2**30:.2f} GiB. Raise it before starting, e.g. "
+        f"{POOL_ENV}={int(np.ceil(gib)) + 1}, or lower the batch or engine.capacity.")

@@ -1,0 +1,159 @@
+"""Frozen configs at the library boundary.
+
+Experiment files (experiments/*.py) return ml_collections ConfigDicts; `from_config_dict` turns one into
+these dataclasses so that library code never sees a ConfigDict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+PLACEMENTS = ("device", "host")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama-3 style frequency scaling (HF `rope_scaling` with rope_type "llama3")."""
+
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Geometry of a Llama-3 / Qwen3 style decoder."""
+
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  rms_eps: float = 1e-5
+  rope_theta: float = 500_000.0
+  rope_scaling: RopeScaling | None = None
+  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE.
+  tie_embeddings: bool = False
+  dtype: str = "bfloat16"  # Weights, activations and the KV cache.
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads ({self.num_kv_heads})")
+    if self.head_dim % 2:
+      raise ValueError(f"model.head_dim must be even for RoPE, got {self.head_dim}")
+    if self.dtype not in ("bfloat16", "float32", "float16"):
+      raise ValueError(f"model.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+
+  def num_params(self) -> int:
+    attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    mlp = 3 * self.d_model * self.mlp_dim
+    heads = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+    return self.num_layers * (attn + mlp + 2 * self.d_model) + heads + self.d_model
+
+
+@dataclasses.dataclass(frozen=True)
+class KVConfig:
+  """Where the KV cache lives and how it reaches the devices.
+
+  placement: "device" keeps every row in device memory (the reference); "host" keeps the full pages in
+    pinned host memory and delivers each layer's window before its compute.
+  pipeline_depth: 0 = ordered (deliver layer l, then compute it); D >= 1 = issue the delivery of layer
+    l + D before dispatching layer l.
+  block: rows per page. The window a layer receives is a whole number of blocks; the partly filled block
+    (the open page) stays on the device. Also the granularity of compiled shapes.
+  budget_mib: cap on the ring of deliveries per device (0 = no cap).
+  headroom_mib: device memory kept free when sizing the ring.
+  transport_debug: 0 = off, 1 = per-step bytes and ring, 2 = plus per-layer issue/ready times.
+  """
+
+  placement: str = "device"
+  pipeline_depth: int = 1
+  block: int = 256
+  budget_mib: int = 0
+  headroom_mib: int = 512
+  transport_debug: int = 0
+
+  def __post_init__(self):
+    if self.placement not in PLACEMENTS:
+      raise ValueError(f"kv.placement must be one of {PLACEMENTS}, got {self.placement!r}")
+    if self.pipeline_depth < 0:
+      raise ValueError(f"kv.pipeline_depth must be >= 0, got {self.pipeline_depth}")
+    if self.block <= 0:
+      raise ValueError(f"kv.block must be positive, got {self.block}")
+    if self.budget_mib < 0 or self.headroom_mib < 0:
+      raise ValueError("kv.budget_mib and kv.headroom_mib must be >= 0")
+    if self.transport_debug not in (0, 1, 2, 3):
+      raise ValueError(f"kv.transport_debug must be 0..3, got {self.transport_debug}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """capacity: cache rows per sequence (longest prompt + new tokens must fit).
+  prefill_chunk: prompt rows per prefill step, a multiple of kv.block."""
+
+  capacity: int = 256
+  prefill_chunk: int = 256
+
+  def __post_init__(self):
+    if self.capacity <= 0 or self.prefill_chunk <= 0:
+      raise ValueError("engine.capacity and engine.prefill_chunk must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """temperature 0 = greedy. top_k 0 = off. top_p 1.0 = off. eos_id < 0 = none."""
+
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  eos_id: int = -1
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+    if self.top_k < 0:
+      raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig
+  kv: KVConfig
+  engine: EngineConfig
+  sampling: SamplingConfig
+  mesh: tuple[tuple[str, int], ...]  # ((axis_name, size), ...); size -1 = the remaining devices.
+
+
+def _build(cls, d: dict[str, Any], where: str):
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(d) - names)
+  if unknown:
+    raise ValueError(f"unknown {where} field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+  return cls(**d)
+
+
+def from_config_dict(cd) -> Config:
+  """Converts an experiment ConfigDict (or plain nested dict) into a `Config`."""
+  d = cd.to_dict() if hasattr(cd, "to_dict") else dict(cd)
+  model = dict(d["model"])
+  scaling = model.pop("rope_scaling", None)
+  # Experiment files keep the scaling fields overridable and switch them on with use_rope_scaling.
+  use = model.pop("use_rope_scaling", scaling is not None)
+  model["rope_scaling"] = _build(RopeScaling, dict(scaling), "model.rope_scaling") if use and scaling else None
+  return Config(
+      model=_build(ModelConfig, model, "model"),
+      kv=_build(KVConfig, dict(d.get("kv", {})), "kv"),
+      engine=_build(EngineConfig, dict(d.get("engine", {})), "engine"),
+      sampling=_build(SamplingConfig, dict(d.get("sampling", {})), "sampling"),
+      mesh=tuple((str(k), int(v)) for k, v in dict(d.get("mesh", {"tensor": -1})).items()),
+  )

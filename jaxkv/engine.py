@@ -1,0 +1,266 @@
+"""Batched prefill and decode, driven layer by layer from Python.
+
+Prompts are right-aligned in the cache (left padding), so every sequence writes its next row at the same
+row `end` and one `dynamic_update_slice` serves the whole batch. Prefill runs in chunks of
+`engine.prefill_chunk` rows; decode produces one token per sequence per step. Each layer is ONE jitted
+function, shared by every delivery mode: only where its KV window comes from changes (jaxkv.transport).
+
+Per-step metadata, one explicit host->device transfer per pass: meta i32[B + 3] = start[B], end, step, seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import cache as cache_lib
+from jaxkv import mesh as mesh_lib
+from jaxkv import model
+from jaxkv import sampling as sampling_lib
+from jaxkv.config import Config, ModelConfig, SamplingConfig
+from jaxkv.transport import Transport
+
+
+@dataclasses.dataclass
+class GenerateResult:
+  """tokens: generated ids per sequence (up to and including its EOS).
+  tokens_sha256: sha256 of json.dumps(tokens).
+  logits_sha256: sha256 over the f32 little-endian bits of every step's logits, in the order
+    [step][sequence][vocab]; step 0 is the prompt's last row, every sequence of the batch every step.
+  logits: f32[steps, B, V] when asked for (keep_logits=True), else None.
+  transport: telemetry (jaxkv.transport.Transport.summary plus counters).
+  """
+
+  tokens: list[list[int]]
+  tokens_sha256: str
+  logits_sha256: str
+  logits: np.ndarray | None
+  transport: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fns:
+  prefill: object
+  decode: object
+  flush: object
+  grow: object
+  split: object
+  head: object
+  embed: object
+  last_row: object
+
+
+@functools.lru_cache(maxsize=None)
+def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConfig) -> _Fns:
+  """The jitted per-layer functions, shared by every engine (and delivery mode) on one mesh."""
+  rep = mesh_lib.replicated(mesh)
+  kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
+
+  def prefill(p, x, window, meta):
+    return model.prefill_layer(p, x, window, meta[:-3], cfg=cfg)
+
+  def decode(p, x, window, open_page, meta):
+    return model.decode_layer(p, x, window, open_page, meta[:-3], meta[-3], cfg=cfg)
+
+  def flush(window, open_page):
+    return cache_lib.grow(window, open_page), jnp.zeros_like(open_page)
+
+  def head(top, x, meta):
+    lg = model.logits(top, x, cfg)
+    key = jax.random.fold_in(jax.random.key(meta[-1]), meta[-2])
+    tok = sampling_lib.sample(lg, key, sampling)
+    return lg, tok, model.embed(top, tok)
+
+  return _Fns(
+      prefill=jax.jit(prefill, out_shardings=(rep, kv)),
+      decode=jax.jit(decode, out_shardings=(rep, kv), donate_argnums=(3,)),
+      flush=jax.jit(flush, out_shardings=kv, donate_argnums=(1,)),
+      grow=jax.jit(cache_lib.grow, out_shardings=kv),
+      split=jax.jit(cache_lib.split_prefilled, static_argnames=("w_rows", "block"), out_shardings=kv),
+      head=jax.jit(head, out_shardings=rep),
+      embed=jax.jit(model.embed, out_shardings=rep),
+      last_row=jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False),
+                       out_shardings=rep),
+  )
+
+
+class Engine:
+  """Generates from a batch of prompts with a KV cache placed and delivered as `config.kv` says."""
+
+  def __init__(self, config: Config, mesh: jax.sharding.Mesh, params: dict):
+    mesh_lib.check_divisible(config.model, mesh)
+    if config.engine.prefill_chunk % config.kv.block:
+      raise ValueError(f"engine.prefill_chunk ({config.engine.prefill_chunk}) must be a multiple of "
+                       f"kv.block ({config.kv.block})")
+    self.config, self.mesh, self.params = config, mesh, params
+    self.top = {k: v for k, v in params.items() if k != "layers"}
+    self.fns = _functions(config.model, mesh, config.sampling)
+    self._rep = mesh_lib.replicated(mesh)
+
+  def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """Raises ValueError for input that cannot run, before any work."""
+    cap = self.config.engine.capacity
+    vocab = self.config.model.vocab_size
+    if not prompts:
+      raise ValueError("no prompts given")
+    if max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for i, p in enumerate(prompts):
+      if len(p) == 0:
+        raise ValueError(f"prompt {i} is empty")
+      if len(p) > cap:
+        raise ValueError(f"prompt {i} has {len(p)} tokens, longer than the cache capacity {cap} "
+                         "(engine.capacity)")
+      bad = [t for t in p if not 0 <= t < vocab]
+      if bad:
+        raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens - 1 > cap:
+      raise ValueError(
+          f"the longest prompt ({longest} tokens) plus max_new_tokens ({max_new_tokens}) needs "
+          f"{longest + max_new_tokens - 1} cache rows, more than the capacity {cap}; raise engine.capacity "
+          "or lower max_new_tokens")
+
+  def _meta(self, start: np.ndarray, end: int, step: int, seed: int) -> jax.Array:
+    m = np.concatenate([start, [end, step, seed]]).astype(np.int32)
+    return jax.device_put(m, self._rep)
+
+  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int = 0,
+               keep_logits: bool = False) -> GenerateResult:
+    self.validate(prompts, max_new_tokens)
+    cfg = self.config
+    block, chunk = cfg.kv.block, cfg.engine.prefill_chunk
+    batch = len(prompts)
+    lens = np.array([len(p) for p in prompts], np.int32)
+    longest = int(lens.max())
+    start = longest - lens
+    cache = cache_lib.KVCache(cfg.model, cfg.kv, self.mesh, batch, cfg.engine.capacity)
+    transport = Transport(cache, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
+    rec = _Recorder(batch, cfg.sampling.eos_id, max_new_tokens, keep_logits, cfg.kv.transport_debug)
+    shapes: set[tuple] = set()
+    layers = self.params["layers"]
+    fns = self.fns
+
+    # Prefill: chunks of `chunk` rows over the right-aligned prompts.
+    n_chunks = -(-longest // chunk)
+    tokens = np.zeros((batch, n_chunks * chunk), np.int32)
+    for b, p in enumerate(prompts):
+      tokens[b, start[b]:longest] = p
+    w_final = longest // block * block
+    x = None
+    for c in range(n_chunks):
+      last = c == n_chunks - 1
+      x = fns.embed(self.top, jax.device_put(tokens[:, c * chunk:(c + 1) * chunk], self._rep))
+      meta = self._meta(start, c * chunk, 0, seed)
+      d2h = 0
+
+      def compute(l, window):
+        nonlocal x, d2h
+        shapes.add(("prefill", 0 if window is None else window.shape[3]))
+        x, rows = fns.prefill(layers[l], x, window, meta)
+        if last:
+          head, cache.opens[l] = fns.split(window, rows, w_rows=w_final, block=block)
+          d2h += cache.store(l, head)
+        else:
+          d2h += cache.store(l, fns.grow(window, rows))
+
+      transport.run_pass(compute, next_pass=not last or max_new_tokens > 1)
+      rec.counters("prefill", transport, d2h, (c + 1) * chunk)
+    cache.rows = w_final
+    x_last = fns.last_row(x, jax.device_put(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
+    lg, tok, x = fns.head(self.top, x_last, self._meta(start, longest, 0, seed))
+    pending = (lg, tok)
+
+    # Decode: step t writes the token of step t - 1 at row `end` and samples the token of step t.
+    # Step t is dispatched before step t - 1's tokens are read back, so the device never waits on the host.
+    for t in range(1, max_new_tokens):
+      end = longest + t - 1
+      full = end - cache.rows == block - 1  # The open page is full after this step: grow the window.
+      meta = self._meta(start, end, t, seed)
+      d2h = 0
+
+      def compute(l, window):
+        nonlocal x, d2h
+        shapes.add(("decode", 0 if window is None else window.shape[3]))
+        x, cache.opens[l] = fns.decode(layers[l], x, window, cache.opens[l], meta)
+        if full:
+          grown, cache.opens[l] = fns.flush(window, cache.opens[l])
+          d2h += cache.store(l, grown)
+
+      transport.run_pass(compute, next_pass=t < max_new_tokens - 1)
+      if full:
+        cache.rows += block
+      lg, tok, x = fns.head(self.top, x, meta)
+      rec.counters("decode", transport, d2h, cache.rows)
+      if rec.take(*pending):
+        transport.drop()
+        pending = None
+        break
+      pending = (lg, tok)
+    if pending is not None:
+      rec.take(*pending)
+    telemetry = dict(transport.summary(), compiled_shapes=len(shapes), **rec.totals())
+    if cfg.kv.transport_debug >= 1:
+      telemetry["steps"] = rec.steps
+    if cfg.kv.transport_debug >= 2:
+      t0 = transport.layer_times[0][1] if transport.layer_times else 0.0
+      telemetry["layer_times_ms"] = [(l, 1e3 * (a - t0), 1e3 * (b - t0)) for l, a, b in transport.layer_times]
+    return rec.result(telemetry)
+
+
+class _Recorder:
+  """Collects tokens, hashes logits as they arrive, and keeps per-step transport counters."""
+
+  def __init__(self, batch, eos_id, max_new, keep_logits, debug):
+    self.tokens = [[] for _ in range(batch)]
+    self.done = np.zeros(batch, bool)
+    self.eos_id, self.max_new, self.debug = eos_id, max_new, debug
+    self.hash = hashlib.sha256()
+    self.logits = [] if keep_logits else None
+    self.steps: list[dict] = []
+    self.total = dict(h2d_bytes=0, d2h_bytes=0, ring_high_water_bytes_per_device=0, steps=0)
+    self.t_last = time.perf_counter()
+
+  def counters(self, kind, transport, d2h, rows):
+    c = transport.take_counters()
+    self.total["h2d_bytes"] += c["h2d_bytes"]
+    self.total["d2h_bytes"] += d2h
+    self.total["ring_high_water_bytes_per_device"] = max(self.total["ring_high_water_bytes_per_device"],
+                                                         c["ring_high_water_bytes_per_device"])
+    if self.debug >= 1:
+      now = time.perf_counter()
+      self.steps.append(dict(kind=kind, window_rows=rows, d2h_bytes=d2h, host_ms=1e3 * (now - self.t_last), **c))
+      self.t_last = now
+
+  def take(self, lg, tok) -> bool:
+    """Records one step's logits and tokens (blocks on them). Returns True when every sequence is done."""
+    lg, tok = jax.device_get((lg, tok))
+    lg = np.asarray(lg, np.float32)
+    self.hash.update(np.ascontiguousarray(lg).astype("<f4").tobytes())
+    if self.logits is not None:
+      self.logits.append(lg)
+    self.total["steps"] += 1
+    for b, t in enumerate(np.asarray(tok).tolist()):
+      if not self.done[b]:
+        self.tokens[b].append(t)
+        self.done[b] = t == self.eos_id or len(self.tokens[b]) >= self.max_new
+    return bool(self.done.all())
+
+  def totals(self):
+    return dict(self.total)
+
+  def result(self, telemetry) -> GenerateResult:
+    return GenerateResult(
+        tokens=self.tokens,
+        tokens_sha256=hashlib.sha256(json.dumps(self.tokens).encode()).hexdigest(),
+        logits_sha256=self.hash.hexdigest(),
+        logits=None if self.logits is None else np.stack(self.logits),
+        transport=telemetry)

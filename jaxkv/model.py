@@ -1,0 +1,220 @@
+"""A Llama-3 / Qwen3 style decoder in plain JAX, written per layer.
+
+The engine drives the layers from Python so that KV deliveries can be issued between layer calls. Every
+function here is pure; jaxkv.engine jits them with explicit shardings.
+
+Shapes (B = batch, T = tokens in a step, D = d_model, H = heads, K = kv heads, G = H // K, Dh = head_dim,
+F = mlp_dim, V = vocab, R = cache rows in the attended window):
+  layer params: attn_norm [D], wq [D, H, Dh], wk [D, K, Dh], wv [D, K, Dh], wo [H, Dh, D],
+                q_norm [Dh], k_norm [Dh] (qk_norm only), mlp_norm [D], w_gate [D, F], w_up [D, F],
+                w_down [F, D]
+  kv arrays: [2, B, K, R, Dh] (index 0 = K, 1 = V), rows in cache order; see jaxkv.cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import mesh as mesh_lib
+from jaxkv.config import ModelConfig
+
+L_ = mesh_lib  # Short alias for logical axis names below.
+
+LAYER_AXES = {
+    "attn_norm": (L_.EMBED,),
+    "wq": (L_.EMBED, L_.HEADS, L_.HEAD_DIM),
+    "wk": (L_.EMBED, L_.KV_HEADS, L_.HEAD_DIM),
+    "wv": (L_.EMBED, L_.KV_HEADS, L_.HEAD_DIM),
+    "wo": (L_.HEADS, L_.HEAD_DIM, L_.EMBED),
+    "q_norm": (L_.HEAD_DIM,),
+    "k_norm": (L_.HEAD_DIM,),
+    "mlp_norm": (L_.EMBED,),
+    "w_gate": (L_.EMBED, L_.MLP),
+    "w_up": (L_.EMBED, L_.MLP),
+    "w_down": (L_.MLP, L_.EMBED),
+}
+TOP_AXES = {
+    "embed": (None, L_.EMBED),  # Replicated: a gather by token id.
+    "final_norm": (L_.EMBED,),
+    "lm_head": (L_.EMBED, L_.VOCAB),
+}
+
+
+def dtype_of(cfg: ModelConfig):
+  return jnp.dtype(cfg.dtype)
+
+
+def param_axes(cfg: ModelConfig) -> dict:
+  """Logical axes of every parameter, in the structure of `init_params`."""
+  layer = {k: v for k, v in LAYER_AXES.items() if cfg.qk_norm or k not in ("q_norm", "k_norm")}
+  top = {k: v for k, v in TOP_AXES.items() if not (cfg.tie_embeddings and k == "lm_head")}
+  return dict(top, layers=[dict(layer) for _ in range(cfg.num_layers)])
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, mesh: jax.sharding.Mesh) -> dict:
+  """Seeded random weights, created directly in their sharded layout.
+
+  Scales: embeddings N(0, 1); projections N(0, 1/fan_in), so activations keep unit scale; norms 1.
+  """
+  mesh_lib.check_divisible(cfg, mesh)
+  dt = dtype_of(cfg)
+  axes = param_axes(cfg)
+  d, h, k, dh, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+  shapes_layer = {
+      "attn_norm": ((d,), None), "mlp_norm": ((d,), None), "q_norm": ((dh,), None), "k_norm": ((dh,), None),
+      "wq": ((d, h, dh), d), "wk": ((d, k, dh), d), "wv": ((d, k, dh), d), "wo": ((h, dh, d), h * dh),
+      "w_gate": ((d, f), d), "w_up": ((d, f), d), "w_down": ((f, d), f),
+  }
+  shapes_top = {"embed": ((cfg.vocab_size, d), 1), "final_norm": ((d,), None),
+                "lm_head": ((d, cfg.vocab_size), d)}
+
+  def make(shape_fan, name_key, logical):
+    shape, fan_in = shape_fan
+    out = mesh_lib.sharding(mesh, logical)
+    return _init_fn(shape, dt.name, None if fan_in is None else 1.0 / math.sqrt(fan_in), out)(name_key)
+
+  names = sorted(shapes_layer)
+  params = {}
+  for i, name in enumerate(sorted(axes.keys() - {"layers"})):
+    params[name] = make(shapes_top[name], jax.random.fold_in(key, 1_000_000 + i), axes[name])
+  params["layers"] = [
+      {name: make(shapes_layer[name], jax.random.fold_in(key, l * len(names) + names.index(name)), ax)
+       for name, ax in layer_axes.items()}
+      for l, layer_axes in enumerate(axes["layers"])
+  ]
+  return params
+
+
+@functools.lru_cache(maxsize=None)
+def _init_fn(shape, dtype, scale, out_sharding):
+  """Jitted initialiser of one parameter shape: ones (scale None) or N(0, scale^2)."""
+  if scale is None:
+    return jax.jit(lambda key: jnp.ones(shape, dtype), out_shardings=out_sharding)
+  return jax.jit(lambda key: (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype),
+                 out_shardings=out_sharding)
+
+
+def rms_norm(x, w, eps):
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+  """f32[Dh // 2] inverse frequencies, with Llama-3 scaling when configured."""
+  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
+  s = cfg.rope_scaling
+  if s is not None:
+    low_wavelen = s.original_max_position / s.low_freq_factor
+    high_wavelen = s.original_max_position / s.high_freq_factor
+    wavelen = 2 * np.pi / inv
+    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    inv = np.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)
+  return inv.astype(np.float32)
+
+
+def apply_rope(x, pos, inv_freq):
+  """x [B, T, N, Dh]; pos i32[B, T]. Rotate-half convention (as the HF Llama/Qwen3 checkpoints)."""
+  ang = pos.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+  cos = jnp.cos(ang)[:, :, None, :]
+  sin = jnp.sin(ang)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def qkv(p, x, pos, cfg: ModelConfig):
+  """x [B, T, D], pos i32[B, T] -> q [B, T, H, Dh], k, v [B, T, K, Dh] (RoPE applied)."""
+  h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
+  q = jnp.einsum("btd,dhk->bthk", h, p["wq"])
+  k = jnp.einsum("btd,dhk->bthk", h, p["wk"])
+  v = jnp.einsum("btd,dhk->bthk", h, p["wv"])
+  if cfg.qk_norm:
+    q = rms_norm(q, p["q_norm"], cfg.rms_eps)
+    k = rms_norm(k, p["k_norm"], cfg.rms_eps)
+  inv = rope_frequencies(cfg)
+  return apply_rope(q, pos, inv), apply_rope(k, pos, inv), v
+
+
+def attention(q, kv, mask):
+  """q [B, T, H, Dh]; kv [2, B, K, R, Dh]; mask bool[B, T, R] (True = attend) -> [B, T, H, Dh].
+
+  Softmax in f32. Every query row must have at least one True in its mask.
+  """
+  b, t, h, dh = q.shape
+  k_heads = kv.shape[2]
+  qg = q.reshape(b, t, k_heads, h // k_heads, dh)
+  s = jnp.einsum("btkgd,bkrd->bkgtr", qg, kv[0], preferred_element_type=jnp.float32)
+  s = s * (1.0 / math.sqrt(dh))
+  s = jnp.where(mask[:, None, None, :, :], s, -jnp.inf)
+  w = jax.nn.softmax(s, axis=-1).astype(kv.dtype)
+  o = jnp.einsum("bkgtr,bkrd->btkgd", w, kv[1])
+  return o.reshape(b, t, h, dh)
+
+
+def attn_out_and_mlp(p, x, o, cfg: ModelConfig):
+  """Residual adds: x [B, T, D], o [B, T, H, Dh] -> x [B, T, D]."""
+  x = x + jnp.einsum("bthk,hkd->btd", o, p["wo"])
+  h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
+  g = jnp.einsum("btd,df->btf", h, p["w_gate"])
+  u = jnp.einsum("btd,df->btf", h, p["w_up"])
+  return x + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, p["w_down"])
+
+
+def prefill_layer(p, x, window, start, *, cfg: ModelConfig):
+  """One layer over a chunk of C prompt rows that starts at row W = window.shape[3].
+
+  x [B, C, D]; window [2, B, K, W, Dh] rows [0, W) or None (first chunk); start i32[B] first valid row.
+  Returns x [B, C, D] and the chunk's kv [2, B, K, C, Dh].
+  Rows before `start` are left padding: their keys are masked for everyone, and a padding query attends to
+  itself only (so it stays finite).
+  """
+  c = x.shape[1]
+  w_rows = 0 if window is None else window.shape[3]
+  rows = w_rows + jnp.arange(c, dtype=jnp.int32)  # [C]
+  pos = jnp.maximum(rows[None, :] - start[:, None], 0)  # [B, C]
+  q, k, v = qkv(p, x, pos, cfg)
+  chunk = jnp.stack([k, v]).transpose(0, 1, 3, 2, 4)  # [2, B, K, C, Dh]
+  kv = chunk if window is None else jnp.concatenate([window, chunk], axis=3)
+  key_rows = jnp.arange(w_rows + c, dtype=jnp.int32)
+  causal = (key_rows[None, None, :] <= rows[None, :, None]) & (key_rows[None, None, :] >= start[:, None, None])
+  mask = causal | (key_rows[None, None, :] == rows[None, :, None])
+  return attn_out_and_mlp(p, x, attention(q, kv, mask), cfg), chunk
+
+
+def decode_layer(p, x, window, open_page, start, end, *, cfg: ModelConfig):
+  """One layer for one new token per sequence, written at row `end` of every sequence.
+
+  x [B, D]; window [2, B, K, W, Dh] rows [0, W); open_page [2, B, K, P, Dh] rows [W, W + P), on device;
+  start i32[B]; end i32[] with W <= end < W + P.
+  Returns x [B, D] and the open page with the new row written.
+  """
+  w_rows, page = window.shape[3], open_page.shape[3]
+  pos = (end - start)[:, None]  # [B, 1]
+  q, k, v = qkv(p, x[:, None, :], pos, cfg)
+  new = jnp.stack([k, v]).transpose(0, 1, 3, 2, 4).astype(open_page.dtype)  # [2, B, K, 1, Dh]
+  open_page = jax.lax.dynamic_update_slice(open_page, new, (0, 0, 0, end - w_rows, 0))
+  kv = jnp.concatenate([window, open_page], axis=3)
+  key_rows = jnp.arange(w_rows + page, dtype=jnp.int32)
+  mask = (key_rows[None, :] >= start[:, None]) & (key_rows[None, :] <= end)  # [B, R]
+  o = attention(q, kv, mask[:, None, :])
+  return attn_out_and_mlp(p, x[:, None, :], o, cfg)[:, 0, :], open_page
+
+
+def embed(params, tokens):
+  """tokens i32[...] -> [..., D]."""
+  return jnp.take(params["embed"], tokens, axis=0)
+
+
+def logits(params, x, cfg: ModelConfig):
+  """x [..., D] -> f32 logits [..., V]."""
+  h = rms_norm(x, params["final_norm"], cfg.rms_eps)
+  w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+  return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
