@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from jaxkv import cache as cache_lib
 from jaxkv import mesh as mesh_lib
@@ -37,6 +38,8 @@ class GenerateResult:
     [step][sequence][vocab]; step 0 is the prompt's last row, every sequence of the batch every step.
   logits: f32[steps, B, V] when asked for (keep_logits=True), else None.
   transport: telemetry (jaxkv.transport.Transport.summary plus counters).
+  timing: prefill_s (until the first token is on the host), decode_s (from then to the last token),
+    decode_steps (steps whose tokens were kept; a step dispatched after every sequence ended is not counted).
   """
 
   tokens: list[list[int]]
@@ -44,6 +47,7 @@ class GenerateResult:
   logits_sha256: str
   logits: np.ndarray | None
   transport: dict
+  timing: dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,11 +181,16 @@ class Engine:
     cache.rows = w_final
     x_last = fns.last_row(x, jax.device_put(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
     lg, tok, x = fns.head(self.top, x_last, self._meta(start, longest, 0, seed))
-    pending = (lg, tok)
+    t_start = rec.t_start
+    finished = rec.take(lg, tok)  # Waits for the prefill: decode timing starts here.
+    t_prefilled = time.perf_counter()
+    if finished:
+      transport.drop()
+    pending = None
 
     # Decode: step t writes the token of step t - 1 at row `end` and samples the token of step t.
     # Step t is dispatched before step t - 1's tokens are read back, so the device never waits on the host.
-    for t in range(1, max_new_tokens):
+    for t in range(1, 1 if finished else max_new_tokens):
       end = longest + t - 1
       full = end - cache.rows == block - 1  # The open page is full after this step: grow the window.
       meta = self._meta(start, end, t, seed)
@@ -200,20 +209,23 @@ class Engine:
         cache.rows += block
       lg, tok, x = fns.head(self.top, x, meta)
       rec.counters("decode", transport, d2h, cache.rows)
-      if rec.take(*pending):
+      if pending is not None and rec.take(*pending):
         transport.drop()
         pending = None
         break
       pending = (lg, tok)
     if pending is not None:
       rec.take(*pending)
+    t_end = time.perf_counter()
     telemetry = dict(transport.summary(), compiled_shapes=len(shapes), **rec.totals())
     if cfg.kv.transport_debug >= 1:
       telemetry["steps"] = rec.steps
     if cfg.kv.transport_debug >= 2:
       t0 = transport.layer_times[0][1] if transport.layer_times else 0.0
       telemetry["layer_times_ms"] = [(l, 1e3 * (a - t0), 1e3 * (b - t0)) for l, a, b in transport.layer_times]
-    return rec.result(telemetry)
+    timing = dict(prefill_s=t_prefilled - t_start, decode_s=t_end - t_prefilled,
+                  decode_steps=rec.total["steps"] - 1)
+    return rec.result(telemetry, timing)
 
 
 class _Recorder:
@@ -227,7 +239,7 @@ class _Recorder:
     self.logits = [] if keep_logits else None
     self.steps: list[dict] = []
     self.total = dict(h2d_bytes=0, d2h_bytes=0, ring_high_water_bytes_per_device=0, steps=0)
-    self.t_last = time.perf_counter()
+    self.t_last = self.t_start = self.t_progress = time.perf_counter()
 
   def counters(self, kind, transport, d2h, rows):
     c = transport.take_counters()
@@ -248,6 +260,9 @@ class _Recorder:
     if self.logits is not None:
       self.logits.append(lg)
     self.total["steps"] += 1
+    if time.perf_counter() - self.t_progress > 10.0:
+      self.t_progress = time.perf_counter()
+      logging.info("decode step %d of at most %d", self.total["steps"], self.max_new)
     for b, t in enumerate(np.asarray(tok).tolist()):
       if not self.done[b]:
         self.tokens[b].append(t)
@@ -257,10 +272,10 @@ class _Recorder:
   def totals(self):
     return dict(self.total)
 
-  def result(self, telemetry) -> GenerateResult:
+  def result(self, telemetry, timing) -> GenerateResult:
     return GenerateResult(
         tokens=self.tokens,
         tokens_sha256=hashlib.sha256(json.dumps(self.tokens).encode()).hexdigest(),
         logits_sha256=self.hash.hexdigest(),
         logits=None if self.logits is None else np.stack(self.logits),
-        transport=telemetry)
+        transport=telemetry, timing=timing)

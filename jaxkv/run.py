@@ -31,5 +31,5 @@ def generate_random(config_dict, lengths, max_new_tokens: int, seed: int) -> dic
   engine.validate(prompts, max_new_tokens)
   res = engine.generate(prompts, max_new_tokens, seed=seed)
   return dict(tokens=res.tokens, tokens_sha256=res.tokens_sha256, logits_sha256=res.logits_sha256,
-              transport=res.transport, prompt_lengths=list(lengths), max_new_tokens=max_new_tokens,
+              transport=res.transport, timing=res.timing, prompt_lengths=list(lengths), max_new_tokens=max_new_tokens,
               seed=seed, config=config_dict.to_dict(), devices=[str(d) for d in jax.devices()])

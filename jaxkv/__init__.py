@@ -1,0 +1,13 @@
+"""jaxkv: decode transformers in JAX with the KV cache in pinned host memory, delivered behind compute."""
+
+from jaxkv.config import Config, EngineConfig, KVConfig, ModelConfig, RopeScaling, SamplingConfig
+from jaxkv.config import from_config_dict
+from jaxkv.engine import Engine, GenerateResult
+from jaxkv.mesh import make_mesh, sharding
+from jaxkv.model import init_params
+from jaxkv.run import build
+
+__all__ = [
+    "Config", "EngineConfig", "KVConfig", "ModelConfig", "RopeScaling", "SamplingConfig", "from_config_dict",
+    "Engine", "GenerateResult", "make_mesh", "sharding", "init_params", "build",
+]
