@@ -1,0 +1,85 @@
+"""Decode benchmark: `python -m jaxkv.bench` (tiny model, 4 simulated CPU devices by default).
+
+Times tokens/s and ms/step per arm ("device", "host_d<depth>", and the Hugging Face offloaded-cache peer)
+over contexts and batches in alternating rounds, with the link and transfer ceilings measured in the same run;
+see jaxkv/benchmark.py. On the GPU, e.g.:
+
+  python -m jaxkv.bench --cpu_devices=0 --config=experiments/llama3_8b.py --batches=1,4 \
+      --json_out=bench.json --md_out=bench.md --plot_out=bench.png
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from absl import app
+from absl import flags
+
+from jaxkv import cli
+
+CONTEXTS = flags.DEFINE_list(
+    "contexts", ["4096", "16384", "32768"], "Prompt tokens per sequence (the decode starts at this context)."
+)
+BATCHES = flags.DEFINE_list("batches", ["1"], "Sequences per generate.")
+ARMS = flags.DEFINE_list(
+    "arms",
+    ["device", "host_d0", "host_d1", "host_d2", "host_d4"],
+    "KV arms: 'device' or 'host_d<depth>' (host_d0 = ordered).",
+)
+NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "Tokens generated per sequence per sample.")
+ROUNDS = flags.DEFINE_integer("rounds", 3, "Timed samples per arm; arm order alternates between rounds.")
+PEER = flags.DEFINE_bool(
+    "peer",
+    True,
+    "Add the Hugging Face offloaded-cache arm (needs torch, transformers and "
+    "a CUDA device beside a JAX GPU run; else reported skipped).",
+)
+PEAK_MIB = flags.DEFINE_integer("peak_mib", 1024, "Per-device size of the link peak transfer, MiB.")
+SEED = flags.DEFINE_integer("seed", 0, "Seeds the weights and the prompt ids.")
+JSON_OUT = flags.DEFINE_string("json_out", None, "Write every raw sample, the ceilings and the stats here.")
+MD_OUT = flags.DEFINE_string("md_out", None, "Write the markdown report here.")
+PLOT_OUT = flags.DEFINE_string("plot_out", None, "Write a PNG of tokens/s against context here (matplotlib).")
+
+
+def _ints(flag) -> tuple[int, ...]:
+  try:
+    return tuple(int(v) for v in flag.value)
+  except ValueError as e:
+    raise app.UsageError(f"--{flag.name} must be comma-separated integers, got {flag.value}") from e
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  cli.setup_platform()
+  # pylint: disable=g-import-not-at-top  (after the platform is set)
+  from jaxkv import bench_report
+  from jaxkv import benchmark
+
+  try:
+    spec = benchmark.BenchSpec(
+        contexts=_ints(CONTEXTS),
+        batches=_ints(BATCHES),
+        arms=tuple(ARMS.value),
+        new_tokens=NEW_TOKENS.value,
+        rounds=ROUNDS.value,
+        peer=PEER.value,
+        seed=SEED.value,
+        peak_bytes=PEAK_MIB.value * 2**20,
+    )
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  out = benchmark.run(
+      cli.resolved_config(),
+      spec,
+      command=shlex.join(sys.argv),
+      json_out=JSON_OUT.value,
+      md_out=MD_OUT.value,
+      plot_out=PLOT_OUT.value,
+  )
+  print(bench_report.markdown(out))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,120 @@
+"""Renders a jaxkv.benchmark result (its JSON dict): a markdown report and a tokens/s-vs-context PNG."""
+
+from __future__ import annotations
+
+from absl import logging
+
+
+def _num(x, fmt: str) -> str:
+  return "—" if x is None else format(x, fmt)
+
+
+def _mib(x) -> str:
+  return "—" if x is None else f"{x / 2**20:.1f}"
+
+
+def markdown(out: dict) -> str:
+  """The report: setup, the per-arm table, then the per-cell ceilings."""
+  hw, spec, peak = out["hardware"], out["spec"], out["h2d_peak"]
+  m = out["config"]["model"]
+  peer = out["peer"]
+  lines = [
+      "# jaxkv.bench",
+      "",
+      f"- command: `{out['command']}`",
+      f"- hardware: {len(hw['devices'])} x {hw['device_kind']} ({hw['backend']}), jax {hw['jax']}, "
+      f"jaxlib {hw['jaxlib']}, tensor axis {out['tensor']}",
+      f"- model: {m['num_layers']} layers, d_model {m['d_model']}, {m['num_heads']} heads / {m['num_kv_heads']} "
+      f"KV heads x {m['head_dim']}, {m['dtype']}; kv.block {out['config']['kv']['block']}",
+      f"- {spec['new_tokens']} new tokens per sample; {spec['rounds']} rounds in alternating arm order after one "
+      "warm-up per arm; median (min–max) of the rounds",
+      f"- link peak, pinned host -> device `jax.device_put` of {_mib(peak['bytes_per_device'])} MiB per device: "
+      f"{peak['gbps_median']:.1f} GB/s (median of {len(peak['gbps'])})",
+      f"- peer arm (Hugging Face offloaded cache): {peer['status']}"
+      + (f" — {peer['reason']}" if peer.get("reason") else "")
+      + (f" — {peer['note']}" if peer.get("note") else ""),
+      "- gain = tok/s over host_d0 (ordered); overlap ratio = ms/step / max(transfer-only, compute-only "
+      "(= the device arm)); link efficiency = KV window bytes per step / step time / link peak",
+      "",
+      "| context | batch | arm | tok/s | ms/step | spread ms (min–max) | gain vs ordered | overlap ratio "
+      "| link efficiency | ring MiB/device | peak device MiB (process) |",
+      "|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for cell in out["cells"]:
+    for name, a in cell["arms"].items():
+      head = f"| {cell['context']} | {cell['batch']} | {name} |"
+      if a["status"] != "ok":
+        lines.append(f"{head} skipped: {a['reason']} | | | | | | | |")
+        continue
+      ms = a["ms_per_step"]
+      lines.append(
+          f"{head} {a['tok_s']['median']:.2f} | {ms['median']:.2f} | {ms['min']:.2f}–{ms['max']:.2f} | "
+          f"{_num(a['gain_vs_ordered'], '.2f')} | {_num(a['overlap_ratio'], '.3f')} | "
+          f"{_num(a['link_efficiency'], '.2f')} | {_mib(a['ring_bytes_per_device_configured'])} | "
+          f"{_mib(a['device_peak_bytes_in_use_process'])} |"
+      )
+  lines += [
+      "",
+      "## Ceilings per cell",
+      "",
+      "| context | batch | window rows | KV MiB/step/device | layer h2d GB/s | transfer-only ms (depth) "
+      "| compute-only ms | link-bound tok/s | same tokens in every jaxkv arm |",
+      "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for cell in out["cells"]:
+    c = cell["ceilings"]
+    layer = c.get("h2d_layer") or {}
+    tr = c.get("transfer_only") or {}
+    transfer = f"{tr['ms_median']:.2f} ({tr['depth']})" if tr else f"— {c.get('skipped', '')}"
+    lines.append(
+        f"| {cell['context']} | {cell['batch']} | {c['window_rows']} | {_mib(cell['kv_bytes_per_step_per_device'])} "
+        f"| {_num(layer.get('gbps_median'), '.1f')} | {transfer} | {_num(cell['compute_only_ms'], '.2f')} "
+        f"| {_num(cell['link_bound_tok_s'], '.2f')} | {cell['tokens_match_across_arms']} |"
+    )
+  return "\n".join(lines) + "\n"
+
+
+def plot(out: dict, path: str) -> dict:
+  """tokens/s (median) against context, one panel per batch, one line per arm, and the link-bound line.
+
+  Returns {"status": "ok", "path": path} or {"status": "skipped", "reason": ...} (matplotlib missing).
+  """
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    logging.warning("no plot: %s (pip install matplotlib)", e)
+    return dict(status="skipped", reason=f"matplotlib is not installed: {e}")
+  batches = sorted({c["batch"] for c in out["cells"]})
+  arms = list(dict.fromkeys(name for c in out["cells"] for name in c["arms"]))
+  fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
+  for ax, batch in zip(axes[0], batches):
+    cells = [c for c in out["cells"] if c["batch"] == batch]
+    for name in arms:
+      pts = [
+          (c["context"], c["arms"][name]["tok_s"]["median"])
+          for c in cells
+          if name in c["arms"] and c["arms"][name]["tok_s"]
+      ]
+      if pts:
+        ax.plot(*zip(*pts), marker="o", label=name)
+    bound = [(c["context"], c["link_bound_tok_s"]) for c in cells if c["link_bound_tok_s"]]
+    if bound:
+      ax.plot(*zip(*bound), "k--", label="link bound")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([c["context"] for c in cells], [str(c["context"]) for c in cells])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"batch {batch}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.suptitle(f"jaxkv decode, {out['hardware']['device_kind']} x {out['tensor']}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  logging.info("wrote %s", path)
+  return dict(status="ok", path=path)

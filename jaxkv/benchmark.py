@@ -1,0 +1,332 @@
+"""The decode benchmark behind `python -m jaxkv.bench`: arms x contexts x batches in alternating rounds.
+
+An arm is a KV placement and delivery depth ("device"; "host_d0" = ordered; "host_dN" = pipelined at depth N)
+or the Hugging Face peer (PEER_ARM, jaxkv.peer_hf). Every jaxkv arm shares one set of weights. For each
+(context, batch) cell: the ceilings (jaxkv.ceilings), then one untimed warm-up generate per arm (it also
+compiles), then `rounds` timed generates per arm in alternating order (round 0 A B C, round 1 C B A, ...).
+A sample is one generate of `new_tokens` tokens from `batch` random prompts of `context` tokens:
+ms/step = 1e3 * decode_s / decode_steps, tok/s = batch * decode_steps / decode_s.
+
+An arm that does not fit (pinned pool ValueError, XLA RESOURCE_EXHAUSTED / out of memory, or a peer that
+cannot run) is reported skipped with its reason, from then on in that cell.
+
+Units: s in raw samples, ms and tok/s in stats, GB/s = 1e9 B/s, bytes "per device" = one device's KV head
+share. `peak_bytes_in_use` from memory_stats() is process-wide since start: a later arm inherits earlier peaks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import platform
+import re
+import statistics
+from collections.abc import Callable
+
+import jax
+import jaxlib
+from absl import logging
+
+from jaxkv import bench_report
+from jaxkv import ceilings
+from jaxkv import mesh as mesh_lib
+from jaxkv import peer_hf
+from jaxkv import run as run_lib
+from jaxkv.cache import KVCache
+from jaxkv.config import Config
+from jaxkv.engine import Engine
+
+PEER_ARM = "hf_offloaded"
+ORDERED_ARM = "host_d0"
+DEVICE_ARM = "device"
+_ARM_RE = re.compile(r"^(device|host_d(\d+))$")
+_TRANSFER_ONLY_PASSES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSpec:
+  """contexts: prompt tokens per sequence; batches: sequences; arms: "device" or "host_d<depth>";
+  new_tokens: tokens generated per sequence (>= 2; decode steps = new_tokens - 1); rounds: timed samples per
+  arm and cell; peer: add PEER_ARM; peak_bytes: per-device size of the link peak transfer; ceiling_reps:
+  samples per ceiling."""
+
+  contexts: tuple[int, ...]
+  batches: tuple[int, ...]
+  arms: tuple[str, ...]
+  new_tokens: int
+  rounds: int
+  peer: bool
+  seed: int = 0
+  peak_bytes: int = 2**30
+  ceiling_reps: int = 5
+
+  def __post_init__(self):
+    if not self.contexts or min(self.contexts) < 1 or not self.batches or min(self.batches) < 1:
+      raise ValueError(f"contexts and batches must be positive, got {self.contexts} and {self.batches}")
+    if not self.arms or len(set(self.arms)) != len(self.arms):
+      raise ValueError(f"arms must be distinct and not empty, got {self.arms}")
+    for a in self.arms:
+      parse_arm(a)
+    if self.new_tokens < 2:
+      raise ValueError(f"new_tokens must be >= 2 (one decode step at least), got {self.new_tokens}")
+    if self.rounds < 1 or self.ceiling_reps < 1 or self.peak_bytes < 1:
+      raise ValueError("rounds, ceiling_reps and peak_bytes must be positive")
+
+
+def parse_arm(name: str) -> tuple[str, int | None]:
+  """Arm name -> (placement, depth): "device" -> ("device", None); "host_d<N>" -> ("host", N)."""
+  m = _ARM_RE.match(name)
+  if not m:
+    raise ValueError(f"unknown arm {name!r}: use 'device' or 'host_d<depth>' (host_d0 = ordered)")
+  return ("device", None) if m.group(2) is None else ("host", int(m.group(2)))
+
+
+def arm_config(config: Config, arm: str) -> Config:
+  placement, depth = parse_arm(arm)
+  kv = dataclasses.replace(
+      config.kv, placement=placement, pipeline_depth=config.kv.pipeline_depth if depth is None else depth
+  )
+  return dataclasses.replace(config, kv=kv)
+
+
+def cell_config(config: Config, context: int, new_tokens: int) -> Config:
+  """engine.capacity = context + new_tokens rounded up to a kv.block (prefill_chunk is left as configured)."""
+  block = config.kv.block
+  cap = -(-(context + new_tokens) // block) * block
+  return dataclasses.replace(config, engine=dataclasses.replace(config.engine, capacity=cap))
+
+
+def decode_window_rows(context: int, decode_steps: int, block: int) -> list[int]:
+  """Rows of the window delivered at decode steps 1..decode_steps (full blocks below the row written)."""
+  return [(context + t - 1) // block * block for t in range(1, decode_steps + 1)]
+
+
+def skip_reason(e: Exception) -> str | None:
+  """The reason to report an arm skipped for this error, or None when it is a bug to raise."""
+  msg = str(e)
+  fits = isinstance(e, ValueError) and "pinned" in msg
+  oom = "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower()
+  if fits or oom or isinstance(e, peer_hf.PeerError):
+    return f"{type(e).__name__}: {msg[:800]}"
+  return None
+
+
+def _stats(values: list[float]) -> dict | None:
+  return dict(median=statistics.median(values), min=min(values), max=max(values)) if values else None
+
+
+def _device_peak(mesh: jax.sharding.Mesh) -> int | None:
+  """Largest memory_stats()['peak_bytes_in_use'] of the mesh's devices, or None where there are no stats."""
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in mesh.devices.flat]
+  return None if None in peaks else max(peaks)
+
+
+def hardware() -> dict:
+  return dict(
+      devices=[str(d) for d in jax.devices()],
+      device_kind=jax.devices()[0].device_kind,
+      backend=jax.default_backend(),
+      jax=jax.__version__,
+      jaxlib=jaxlib.__version__,
+      python=platform.python_version(),
+      host=platform.node(),
+  )
+
+
+class _Arm:
+  """One arm in one cell: run_once() -> a sample dict (decode_s, decode_steps, ...; "transport" is kept apart),
+  and the record that goes to the JSON: status, reason, warmup, samples, transport."""
+
+  def __init__(self, name: str, run_once: Callable[[], dict] | None, reason: str | None = None):
+    self.name, self.run_once = name, run_once
+    self.rec: dict = dict(status="ok" if reason is None else "skipped", reason=reason, samples=[])
+
+  def attempt(self, label: str, batch: int, mesh) -> dict | None:
+    """Runs one generate; on an error that means "does not fit" marks the arm skipped and returns None."""
+    if self.rec["status"] != "ok":
+      return None
+    try:
+      s = self.run_once()
+    except Exception as e:  # pylint: disable=broad-except  (re-raised unless it means "does not fit")
+      reason = skip_reason(e)
+      if reason is None:
+        raise
+      self.rec.update(status="skipped", reason=f"{label}: {reason}")
+      logging.warning("arm %s skipped at %s: %s", self.name, label, reason)
+      return None
+    finally:
+      gc.collect()
+    if "transport" in s:
+      self.rec["transport"] = s.pop("transport")
+    s.update(
+        ms_per_step=1e3 * s["decode_s"] / s["decode_steps"],
+        tok_s=batch * s["decode_steps"] / s["decode_s"],
+        device_peak_bytes_in_use_process=_device_peak(mesh),
+    )
+    return s
+
+
+def _jax_runner(engine: Engine, prompts, new_tokens: int, seed: int) -> Callable[[], dict]:
+  def run_once():
+    res = engine.generate(prompts, new_tokens, seed=seed)
+    transport = {k: v for k, v in res.transport.items() if k not in ("steps", "layer_times_ms")}
+    return dict(res.timing, tokens_sha256=res.tokens_sha256, transport=transport)
+
+  return run_once
+
+
+def _run_cell(
+    config: Config, mesh, params, peer, peer_reason, spec: BenchSpec, context: int, batch: int, peak_gbps: float
+) -> dict:
+  cfg = cell_config(config, context, spec.new_tokens)
+  t = mesh_lib.tensor_size(mesh)
+  steps = spec.new_tokens - 1
+  rows = decode_window_rows(context, steps, cfg.kv.block)
+  row_bytes = KVCache(
+      cfg.model, dataclasses.replace(cfg.kv, placement="device"), mesh, batch, cfg.engine.capacity
+  ).row_bytes(t)
+  step_bytes = cfg.model.num_layers * row_bytes * statistics.mean(rows)  # KV moved per decode step, per device
+  cell = dict(
+      context=context,
+      batch=batch,
+      capacity=cfg.engine.capacity,
+      decode_window_rows=rows,
+      kv_bytes_per_step_per_device=step_bytes,
+      link_bound_tok_s=batch * peak_gbps * 1e9 / step_bytes if step_bytes else None,
+  )
+  logging.info("cell context %d batch %d: ceilings", context, batch)
+  try:
+    # At the first decode step's window (new_tokens < kv.block keeps it for every step).
+    cell["ceilings"] = ceilings.cell_ceilings(cfg, mesh, batch, rows[0], spec.ceiling_reps, _TRANSFER_ONLY_PASSES)
+  except Exception as e:  # pylint: disable=broad-except  (re-raised unless it means "does not fit")
+    reason = skip_reason(e)
+    if reason is None:
+      raise
+    cell["ceilings"] = dict(window_rows=rows[0], skipped=reason)
+  gc.collect()
+
+  prompts = run_lib.random_prompts(cfg.model.vocab_size, [context] * batch, spec.seed + context + batch)
+  arms = [
+      _Arm(name, _jax_runner(Engine(arm_config(cfg, name), mesh, params), prompts, spec.new_tokens, spec.seed))
+      for name in spec.arms
+  ]
+  if spec.peer:
+    run_peer = None if peer is None else lambda: peer.generate(prompts, spec.new_tokens)
+    arms.append(_Arm(PEER_ARM, run_peer, peer_reason))
+
+  for arm in arms:
+    logging.info("context %d batch %d: warm-up %s", context, batch, arm.name)
+    arm.rec["warmup"] = arm.attempt("warm-up", batch, mesh)
+  order = []
+  for r in range(spec.rounds):
+    names = arms if r % 2 == 0 else arms[::-1]
+    order.append([a.name for a in names])
+    for arm in names:
+      s = arm.attempt(f"round {r}", batch, mesh)
+      if s is not None:
+        arm.rec["samples"].append(dict(s, round=r))
+        logging.info(
+            "context %d batch %d round %d/%d %s: %.2f ms/step, %.1f tok/s",
+            context,
+            batch,
+            r + 1,
+            spec.rounds,
+            arm.name,
+            s["ms_per_step"],
+            s["tok_s"],
+        )
+  cell["order"] = order
+  cell["arms"] = {a.name: a.rec for a in arms}
+  _summarize(cell, peak_gbps, t)
+  return cell
+
+
+def _summarize(cell: dict, peak_gbps: float, tensor: int) -> None:
+  """Adds per-arm stats, gain vs ordered, overlap ratio and link efficiency to a finished cell."""
+  arms = cell["arms"]
+  for rec in arms.values():
+    ok = rec["status"] == "ok"
+    rec["ms_per_step"] = _stats([s["ms_per_step"] for s in rec["samples"]]) if ok else None
+    rec["tok_s"] = _stats([s["tok_s"] for s in rec["samples"]]) if ok else None
+    warm = rec.get("warmup") or {}
+    rec["device_peak_bytes_in_use_process"] = warm.get("device_peak_bytes_in_use_process")
+
+  def med(name, key):
+    stats = arms[name][key] if name in arms else None
+    return stats and stats["median"]
+
+  ordered_tok_s = med(ORDERED_ARM, "tok_s")
+  compute_ms = med(DEVICE_ARM, "ms_per_step")
+  transfer_ms = (cell["ceilings"].get("transfer_only") or {}).get("ms_median")
+  bound_ms = max([m for m in (compute_ms, transfer_ms) if m], default=None)
+  cell["compute_only_ms"] = compute_ms
+  cell["transfer_only_ms"] = transfer_ms
+  for name, rec in arms.items():
+    ms, tok_s = med(name, "ms_per_step"), med(name, "tok_s")
+    moved = cell["kv_bytes_per_step_per_device"] * (tensor if name == PEER_ARM else 1)
+    rec["gain_vs_ordered"] = tok_s / ordered_tok_s if tok_s and ordered_tok_s else None
+    rec["overlap_ratio"] = ms / bound_ms if ms and bound_ms else None
+    rec["link_efficiency"] = moved / (ms * 1e-3) / (peak_gbps * 1e9) if ms and name != DEVICE_ARM else None
+    rec["ring_bytes_per_device_configured"] = rec.get("transport", {}).get("ring_bytes_per_device_configured")
+  hashes = {s["tokens_sha256"] for n, r in arms.items() if n != PEER_ARM for s in r["samples"]}
+  cell["tokens_match_across_arms"] = len(hashes) == 1 if hashes else None
+
+
+def _start_peer(config: Config, spec: BenchSpec):
+  """(peer or None, status dict). The peer runs only beside a JAX GPU run."""
+  if not spec.peer:
+    return None, dict(status="off")
+  if jax.default_backend() != "gpu":
+    reason = f"jax runs on {jax.default_backend()}: the peer is compared on GPU only"
+    return None, dict(status="skipped", reason=reason)
+  try:
+    peer = peer_hf.HFPeer.start(config.model, max(spec.contexts) + spec.new_tokens + config.kv.block)
+  except peer_hf.PeerError as e:
+    return None, dict(status="skipped", reason=str(e))
+  return peer, dict(
+      status="ok", info=peer.info, note="interleaved in the rounds like the other arms; runs in a worker process"
+  )
+
+
+def run(
+    config: Config,
+    spec: BenchSpec,
+    command: str = "",
+    json_out: str | None = None,
+    md_out: str | None = None,
+    plot_out: str | None = None,
+) -> dict:
+  """Runs the benchmark; writes the JSON / markdown / PNG outputs that are asked for; returns the JSON dict."""
+  mesh, params, _ = run_lib.build(config, spec.seed)
+  out = dict(
+      command=command,
+      hardware=hardware(),
+      config=dataclasses.asdict(config),
+      spec=dataclasses.asdict(spec),
+      tensor=mesh_lib.tensor_size(mesh),
+  )
+  logging.info("link peak: %d B per device, %d puts", spec.peak_bytes, spec.ceiling_reps)
+  peak = ceilings.h2d_peak(mesh, spec.peak_bytes, spec.ceiling_reps)
+  out["h2d_peak"] = peak
+  peer, out["peer"] = _start_peer(config, spec)
+  try:
+    out["cells"] = [
+        _run_cell(config, mesh, params, peer, out["peer"].get("reason"), spec, context, batch, peak["gbps_median"])
+        for context in spec.contexts
+        for batch in spec.batches
+    ]
+  finally:
+    if peer is not None:
+      peer.close()
+  if plot_out:
+    out["plot"] = bench_report.plot(out, plot_out)
+  if md_out:
+    with open(md_out, "w") as f:
+      f.write(bench_report.markdown(out))
+    logging.info("wrote %s", md_out)
+  if json_out:
+    with open(json_out, "w") as f:
+      json.dump(out, f, indent=1)
+    logging.info("wrote %s", json_out)
+  return out

@@ -1,0 +1,120 @@
+"""Link and transfer ceilings for the benchmark, measured in the same process as the arms.
+
+Every figure is per device: each device receives only its own KV heads (K / tensor of them), so a delivery's
+"bytes per device" is its head share, and GB/s (1e9 B/s) is what one device's link carried. Timings wrap an
+eager `jax.device_put` from pinned host memory and a `block_until_ready` on its result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import mesh as mesh_lib
+from jaxkv.cache import KVCache
+from jaxkv.config import Config
+from jaxkv.transport import Transport
+
+TRANSFER_ONLY_DEPTH = 2
+
+
+def _ones(shape, dtype, out_sharding) -> jax.Array:
+  """A device array of ones, created in its sharded layout (never whole on one device)."""
+  return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=out_sharding)()
+
+
+def _put_seconds(src: jax.Array, dst: jax.sharding.Sharding) -> float:
+  t0 = time.perf_counter()
+  jax.device_put(src, dst).block_until_ready()
+  return time.perf_counter() - t0
+
+
+def _gbps_summary(bytes_per_device: int, seconds: list[float]) -> dict:
+  gbps = [bytes_per_device / s / 1e9 for s in seconds]
+  return dict(bytes_per_device=bytes_per_device, seconds=seconds, gbps=gbps, gbps_median=statistics.median(gbps))
+
+
+def h2d_peak(mesh: jax.sharding.Mesh, bytes_per_device: int, reps: int) -> dict:
+  """pinned_host -> device GB/s of one `jax.device_put` of u8[T * bytes_per_device] sharded over `tensor`.
+
+  One untimed put, then `reps` timed ones; returns bytes_per_device, seconds, gbps (per sample) and
+  gbps_median.
+  """
+  t = mesh_lib.tensor_size(mesh)
+  spec = mesh_lib.P(mesh_lib.TENSOR)
+  dev = mesh_lib.NamedSharding(mesh, spec, memory_kind="device")
+  host = jax.device_put(
+      _ones((t * bytes_per_device,), jnp.uint8, dev), mesh_lib.NamedSharding(mesh, spec, memory_kind="pinned_host")
+  )
+  host.block_until_ready()
+  _put_seconds(host, dev)
+  seconds = [_put_seconds(host, dev) for _ in range(reps)]
+  host.delete()
+  return _gbps_summary(bytes_per_device, seconds)
+
+
+def host_cache_filled(config: Config, mesh: jax.sharding.Mesh, batch: int, rows: int) -> KVCache:
+  """A host-placement KVCache whose every layer window is ones[2, B, K, rows, Dh] in pinned_host.
+
+  Each layer gets its own host buffer, as in a real cache. Raises ValueError when the pinned pool is too small.
+  """
+  cache = KVCache(config.model, dataclasses.replace(config.kv, placement="host"), mesh, batch, config.engine.capacity)
+  m = config.model
+  src = _ones((2, batch, m.num_kv_heads, rows, m.head_dim), cache.dtype, cache.device_sharding)
+  for l in range(m.num_layers):
+    cache.windows[l] = jax.device_put(src, cache.store_sharding)
+  cache.rows = rows
+  jax.block_until_ready(cache.windows)
+  src.delete()
+  return cache
+
+
+def transfer_only_ms(transport: Transport, passes: int) -> float:
+  """ms per pass of `passes` back-to-back passes whose compute only drops the delivered window.
+
+  Deliveries run into the next pass as in decode; the clock stops when the last delivery of the last pass is
+  on the devices (host -> device copies complete in issue order).
+  """
+  last = [None]
+  n = transport.num_layers
+
+  def compute(l, window):
+    if l == n - 1:
+      last[0] = window
+
+  t0 = time.perf_counter()
+  for i in range(passes):
+    transport.run_pass(compute, next_pass=i < passes - 1)
+  jax.block_until_ready(last[0])
+  return 1e3 * (time.perf_counter() - t0) / passes
+
+
+def cell_ceilings(config: Config, mesh: jax.sharding.Mesh, batch: int, rows: int, reps: int, passes: int) -> dict:
+  """Ceilings for one (context, batch) cell whose decode delivers windows of `rows` rows per layer.
+
+  h2d_layer: GB/s of single per-layer deliveries (`reps` puts of windows[l], layers in turn).
+  transfer_only: ms per step of Transport(depth=2) passes with no compute, median of `reps` runs of
+    `passes` passes (after one untimed run); also the transport's summary (depth after any fallback).
+  """
+  if rows == 0:
+    return dict(window_rows=0, skipped="the decode window is empty (context < kv.block): nothing is delivered")
+  cache = host_cache_filled(config, mesh, batch, rows)
+  n = config.model.num_layers
+  _put_seconds(cache.windows[0], cache.device_sharding)
+  seconds = [_put_seconds(cache.windows[i % n], cache.device_sharding) for i in range(reps)]
+  layer = _gbps_summary(cache.windows[0].nbytes // mesh_lib.tensor_size(mesh), seconds)
+  transport = Transport(cache, TRANSFER_ONLY_DEPTH)
+  transfer_only_ms(transport, passes)
+  ms = [transfer_only_ms(transport, passes) for _ in range(reps)]
+  out = dict(
+      window_rows=rows,
+      h2d_layer=layer,
+      transfer_only=dict(ms=ms, ms_median=statistics.median(ms), passes=passes, **transport.summary()),
+  )
+  for w in cache.windows:
+    w.delete()
+  return out

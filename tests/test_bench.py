@@ -1,0 +1,177 @@
+"""The benchmark (jaxkv.benchmark) end to end on the tiny model over 2 CPU devices, and its skip paths."""
+
+import json
+
+import jax
+import pytest
+
+from experiments import tiny
+from jaxkv import benchmark
+from jaxkv import cache as cache_lib
+from jaxkv import peer_hf
+from jaxkv.config import from_config_dict
+
+ARMS = ("device", "host_d0", "host_d1", "host_d2", "host_d4")
+ROUNDS = 2
+TOP_FIELDS = {"command", "hardware", "config", "spec", "tensor", "h2d_peak", "peer", "cells", "plot"}
+CELL_FIELDS = {
+    "context",
+    "batch",
+    "capacity",
+    "decode_window_rows",
+    "kv_bytes_per_step_per_device",
+    "link_bound_tok_s",
+    "ceilings",
+    "order",
+    "arms",
+    "compute_only_ms",
+    "transfer_only_ms",
+    "tokens_match_across_arms",
+}
+ARM_FIELDS = {
+    "status",
+    "reason",
+    "samples",
+    "warmup",
+    "transport",
+    "ms_per_step",
+    "tok_s",
+    "gain_vs_ordered",
+    "overlap_ratio",
+    "link_efficiency",
+    "device_peak_bytes_in_use_process",
+    "ring_bytes_per_device_configured",
+}
+SAMPLE_FIELDS = {
+    "round",
+    "decode_s",
+    "decode_steps",
+    "prefill_s",
+    "ms_per_step",
+    "tok_s",
+    "tokens_sha256",
+    "device_peak_bytes_in_use_process",
+}
+
+
+def _config():
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py)")
+  cd = tiny.get_config()
+  cd.mesh.tensor = 2
+  return from_config_dict(cd)
+
+
+def _spec(**kw):
+  args = dict(
+      contexts=(16, 40),
+      batches=(2,),
+      arms=ARMS,
+      new_tokens=8,
+      rounds=ROUNDS,
+      peer=True,
+      peak_bytes=2**20,
+      ceiling_reps=2,
+  )
+  return benchmark.BenchSpec(**dict(args, **kw))
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+  d = tmp_path_factory.mktemp("bench")
+  paths = {k: str(d / f"bench.{k}") for k in ("json", "md", "png")}
+  benchmark.run(_config(), _spec(), command="pytest", json_out=paths["json"], md_out=paths["md"], plot_out=paths["png"])
+  with open(paths["json"]) as f:
+    return json.load(f), paths
+
+
+def test_json_has_every_field(bench):
+  out, _ = bench
+  assert TOP_FIELDS <= set(out)
+  assert out["tensor"] == 2
+  assert out["h2d_peak"]["gbps_median"] > 0 and len(out["h2d_peak"]["gbps"]) == 2
+  assert out["hardware"]["jax"] == jax.__version__ and out["hardware"]["devices"]
+  assert [(c["context"], c["batch"]) for c in out["cells"]] == [(16, 2), (40, 2)]
+  for cell in out["cells"]:
+    assert CELL_FIELDS <= set(cell)
+    assert cell["ceilings"]["window_rows"] == cell["context"]  # Both are multiples of kv.block (8).
+    assert cell["ceilings"]["h2d_layer"]["gbps_median"] > 0
+    assert cell["ceilings"]["transfer_only"]["ms_median"] > 0
+    assert cell["tokens_match_across_arms"] is True
+    assert len(cell["order"]) == ROUNDS and cell["order"][1] == cell["order"][0][::-1]
+    assert list(cell["arms"]) == [*ARMS, benchmark.PEER_ARM]
+
+
+def test_each_arm_has_numbers(bench):
+  out, _ = bench
+  for cell in out["cells"]:
+    for name in ARMS:
+      a = cell["arms"][name]
+      assert ARM_FIELDS <= set(a), name
+      assert a["status"] == "ok", a["reason"]
+      assert len(a["samples"]) == ROUNDS and all(SAMPLE_FIELDS <= set(s) for s in a["samples"])
+      assert all(s["decode_steps"] == 7 for s in a["samples"])
+      assert 0 < a["tok_s"]["min"] <= a["tok_s"]["median"] <= a["tok_s"]["max"]
+      assert a["ms_per_step"]["median"] > 0 and a["gain_vs_ordered"] > 0 and a["overlap_ratio"] > 0
+      assert (a["link_efficiency"] is None) == (name == "device")
+      assert a["ring_bytes_per_device_configured"] > 0
+    assert cell["arms"]["host_d0"]["gain_vs_ordered"] == 1.0
+    peer = cell["arms"][benchmark.PEER_ARM]
+    assert peer["status"] == "skipped" and "cpu" in peer["reason"] and not peer["samples"]
+
+
+def test_markdown_and_plot(bench):
+  out, paths = bench
+  with open(paths["md"]) as f:
+    md = f.read()
+  for name in ARMS:
+    assert f"| 40 | 2 | {name} |" in md
+  assert f"| 16 | 2 | {benchmark.PEER_ARM} | skipped" in md
+  if out["plot"]["status"] == "ok":
+    with open(paths["png"], "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  else:
+    assert "matplotlib" in out["plot"]["reason"]
+
+
+def test_arm_that_does_not_fit_is_skipped(monkeypatch):
+  monkeypatch.setenv(cache_lib.POOL_ENV, "0.000001")  # A ~1 KiB pinned pool: no host cache fits.
+  out = benchmark.run(_config(), _spec(contexts=(16,), arms=("device", "host_d1"), new_tokens=3, rounds=1, peer=False))
+  cell = out["cells"][0]
+  assert "pinned" in cell["ceilings"]["skipped"]
+  assert cell["arms"]["device"]["status"] == "ok" and cell["arms"]["device"]["gain_vs_ordered"] is None
+  host = cell["arms"]["host_d1"]
+  assert host["status"] == "skipped" and "warm-up" in host["reason"] and "pinned" in host["reason"]
+  assert host["tok_s"] is None and not host["samples"]
+  assert benchmark.PEER_ARM not in cell["arms"]
+
+
+def test_skip_reason():
+  assert "pinned" in benchmark.skip_reason(ValueError("needs 3 GiB of pinned host memory"))
+  assert benchmark.skip_reason(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1 GiB"))
+  assert benchmark.skip_reason(peer_hf.PeerError("no CUDA"))
+  assert benchmark.skip_reason(ValueError("shapes do not match")) is None
+  assert benchmark.skip_reason(TypeError("bug")) is None
+
+
+def test_arm_names():
+  assert benchmark.parse_arm("device") == ("device", None)
+  assert benchmark.parse_arm("host_d4") == ("host", 4)
+  for bad in ("host", "host_d", "device_d1", "hf_offloaded"):
+    with pytest.raises(ValueError):
+      benchmark.parse_arm(bad)
+
+
+def test_peer_starts_or_says_why():
+  """Without torch, transformers or a CUDA device the worker says why; with them it decodes."""
+  model = from_config_dict(tiny.get_config()).model
+  try:
+    peer = peer_hf.HFPeer.start(model, 64)
+  except peer_hf.PeerError as e:
+    assert "torch" in str(e) or "transformers" in str(e) or "CUDA" in str(e), e
+    return
+  try:
+    res = peer.generate([[1, 2, 3, 4]] * 2, 4)
+    assert res["decode_steps"] == 3 and res["decode_s"] > 0
+  finally:
+    peer.close()
