@@ -138,7 +138,9 @@ class Engine:
     return jax.device_put(m, self._rep)
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int = 0,
-               keep_logits: bool = False) -> GenerateResult:
+               keep_logits: bool = False, on_step=None) -> GenerateResult:
+    """Generates up to max_new_tokens per prompt. on_step(step, cache), if given, runs after each decode
+    step's tokens are back on the host (for monitoring)."""
     self.validate(prompts, max_new_tokens)
     cfg = self.config
     block, chunk = cfg.kv.block, cfg.engine.prefill_chunk
@@ -209,13 +211,13 @@ class Engine:
         cache.rows += block
       lg, tok, x = fns.head(self.top, x, meta)
       rec.counters("decode", transport, d2h, cache.rows)
-      if pending is not None and rec.take(*pending):
+      if pending is not None and self._take(rec, pending, on_step, cache):
         transport.drop()
         pending = None
         break
-      pending = (lg, tok)
+      pending = (t, lg, tok)
     if pending is not None:
-      rec.take(*pending)
+      self._take(rec, pending, on_step, cache)
     t_end = time.perf_counter()
     telemetry = dict(transport.summary(), compiled_shapes=len(shapes), **rec.totals())
     if cfg.kv.transport_debug >= 1:
@@ -226,6 +228,15 @@ class Engine:
     timing = dict(prefill_s=t_prefilled - t_start, decode_s=t_end - t_prefilled,
                   decode_steps=rec.total["steps"] - 1)
     return rec.result(telemetry, timing)
+
+
+  @staticmethod
+  def _take(rec, pending, on_step, cache) -> bool:
+    step, lg, tok = pending
+    done = rec.take(lg, tok)
+    if on_step is not None:
+      on_step(step, cache)
+    return done
 
 
 class _Recorder:

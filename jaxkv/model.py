@@ -192,16 +192,16 @@ def prefill_layer(p, x, window, start, *, cfg: ModelConfig):
 def decode_layer(p, x, window, open_page, start, end, *, cfg: ModelConfig):
   """One layer for one new token per sequence, written at row `end` of every sequence.
 
-  x [B, D]; window [2, B, K, W, Dh] rows [0, W); open_page [2, B, K, P, Dh] rows [W, W + P), on device;
-  start i32[B]; end i32[] with W <= end < W + P.
+  x [B, D]; window [2, B, K, W, Dh] rows [0, W), or None while W = 0; open_page [2, B, K, P, Dh] rows
+  [W, W + P), on device; start i32[B]; end i32[] with W <= end < W + P.
   Returns x [B, D] and the open page with the new row written.
   """
-  w_rows, page = window.shape[3], open_page.shape[3]
+  w_rows, page = (0 if window is None else window.shape[3]), open_page.shape[3]
   pos = (end - start)[:, None]  # [B, 1]
   q, k, v = qkv(p, x[:, None, :], pos, cfg)
   new = jnp.stack([k, v]).transpose(0, 1, 3, 2, 4).astype(open_page.dtype)  # [2, B, K, 1, Dh]
   open_page = jax.lax.dynamic_update_slice(open_page, new, (0, 0, 0, end - w_rows, 0))
-  kv = jnp.concatenate([window, open_page], axis=3)
+  kv = open_page if window is None else jnp.concatenate([window, open_page], axis=3)
   key_rows = jnp.arange(w_rows + page, dtype=jnp.int32)
   mask = (key_rows[None, :] >= start[:, None]) & (key_rows[None, :] <= end)  # [B, R]
   o = attention(q, kv, mask[:, None, :])

@@ -130,6 +130,10 @@ class Transport:
       del window
     self._next -= n
 
+  def in_flight(self) -> int:
+    """Deliveries issued and not yet handed to their compute."""
+    return len(self._ring)
+
   def drop(self) -> None:
     """Forgets deliveries issued for a pass that will not run."""
     self._ring.clear()

@@ -1,0 +1,52 @@
+"""Shared, cached test fixtures: the tiny config, meshes and weights (compiled functions are shared through
+jaxkv.engine's cache, keyed by model config and mesh)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+from experiments import tiny
+from jaxkv import config as config_lib
+from jaxkv import engine as engine_lib
+from jaxkv import mesh as mesh_lib
+from jaxkv import model
+
+MESH_SIZES = (1, 2, 4, 8)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_config(**model_overrides) -> config_lib.Config:
+  cd = tiny.get_config()
+  cd.model.update(model_overrides)
+  return config_lib.from_config_dict(cd)
+
+
+@functools.lru_cache(maxsize=None)
+def mesh(tensor: int) -> jax.sharding.Mesh:
+  return mesh_lib.make_mesh((("tensor", tensor),))
+
+
+@functools.lru_cache(maxsize=None)
+def params(tensor: int, seed: int = 0, cfg: config_lib.ModelConfig | None = None):
+  cfg = cfg or tiny_config().model
+  return model.init_params(cfg, jax.random.key(seed), mesh(tensor))
+
+
+def engine(tensor: int = 1, *, placement="device", depth=1, block=None, capacity=None, chunk=None,
+           sampling=None, budget_mib=0, debug=0, cfg: config_lib.Config | None = None) -> engine_lib.Engine:
+  cfg = cfg or tiny_config()
+  kv = dataclasses.replace(cfg.kv, placement=placement, pipeline_depth=depth, block=block or cfg.kv.block,
+                           budget_mib=budget_mib, transport_debug=debug)
+  eng = dataclasses.replace(cfg.engine, capacity=capacity or cfg.engine.capacity,
+                            prefill_chunk=chunk or cfg.engine.prefill_chunk)
+  c = dataclasses.replace(cfg, kv=kv, engine=eng, sampling=sampling or cfg.sampling)
+  return engine_lib.Engine(c, mesh(tensor), params(tensor, 0, cfg.model))
+
+
+def prompts(lengths, seed=0, vocab=256):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, vocab, size=n).tolist() for n in lengths]
