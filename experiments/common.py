@@ -5,15 +5,30 @@ import ml_collections
 
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.model = ml_collections.ConfigDict(dict(
-      vocab_size=0, d_model=0, num_layers=0, num_heads=0, num_kv_heads=0, head_dim=0, mlp_dim=0,
-      rms_eps=1e-5, rope_theta=500_000.0, rope_scaling=None, qk_norm=False, tie_embeddings=False,
-      dtype="bfloat16"))
-  c.model.rope_scaling = ml_collections.ConfigDict(dict(
-      factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192))
+  c.model = ml_collections.ConfigDict(
+      dict(
+          vocab_size=0,
+          d_model=0,
+          num_layers=0,
+          num_heads=0,
+          num_kv_heads=0,
+          head_dim=0,
+          mlp_dim=0,
+          rms_eps=1e-5,
+          rope_theta=500_000.0,
+          rope_scaling=None,
+          qk_norm=False,
+          tie_embeddings=False,
+          dtype="bfloat16",
+      )
+  )
+  c.model.rope_scaling = ml_collections.ConfigDict(
+      dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
+  )
   c.model.use_rope_scaling = False  # True: apply model.rope_scaling (Llama-3.1 style).
-  c.kv = ml_collections.ConfigDict(dict(
-      placement="device", pipeline_depth=1, block=256, budget_mib=0, headroom_mib=512, transport_debug=0))
+  c.kv = ml_collections.ConfigDict(
+      dict(placement="device", pipeline_depth=1, block=256, budget_mib=0, headroom_mib=512, transport_debug=0)
+  )
   c.engine = ml_collections.ConfigDict(dict(capacity=4096, prefill_chunk=1024))
   c.sampling = ml_collections.ConfigDict(dict(temperature=0.0, top_k=0, top_p=1.0, eos_id=-1))
   c.mesh = ml_collections.ConfigDict(dict(tensor=-1))

@@ -6,7 +6,17 @@ from experiments import common
 def get_config(arg=None):
   del arg
   c = common.base_config()
-  c.model.update(vocab_size=151_936, d_model=5120, num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128,
-                 mlp_dim=25_600, rope_theta=1_000_000.0, rms_eps=1e-6, qk_norm=True)
+  c.model.update(
+      vocab_size=151_936,
+      d_model=5120,
+      num_layers=64,
+      num_heads=64,
+      num_kv_heads=8,
+      head_dim=128,
+      mlp_dim=25_600,
+      rope_theta=1_000_000.0,
+      rms_eps=1e-6,
+      qk_norm=True,
+  )
   c.engine.update(capacity=32_768 + 256, prefill_chunk=2048)
   return c
