@@ -8,6 +8,17 @@ from jaxkv.model import init_params
 from jaxkv.run import build
 
 __all__ = [
-    "Config", "EngineConfig", "KVConfig", "ModelConfig", "RopeScaling", "SamplingConfig", "from_config_dict",
-    "Engine", "GenerateResult", "make_mesh", "sharding", "init_params", "build",
+    "Config",
+    "EngineConfig",
+    "KVConfig",
+    "ModelConfig",
+    "RopeScaling",
+    "SamplingConfig",
+    "from_config_dict",
+    "Engine",
+    "GenerateResult",
+    "make_mesh",
+    "sharding",
+    "init_params",
+    "build",
 ]

@@ -46,7 +46,7 @@ def split_prefilled(window, chunk, *, w_rows: int, block: int):
   if pad > 0:
     full = jnp.pad(full, ((0, 0),) * 3 + ((0, pad), (0, 0)))
   head = full[:, :, :, :w_rows] if w_rows else None
-  return head, full[:, :, :, w_rows:w_rows + block]
+  return head, full[:, :, :, w_rows : w_rows + block]
 
 
 class KVCache:
@@ -108,4 +108,5 @@ def check_pinned_pool(needed: int, model: ModelConfig, batch: int, rows: int) ->
         f"({model.num_layers} layers x 2 x batch {batch} x {model.num_kv_heads} kv heads x {rows} rows x "
         f"{model.head_dim} x {jnp.dtype(model.dtype).itemsize} B, plus one layer in flight), but the pinned "
         f"pool is limited to {limit / 2**30:.2f} GiB. Raise it before starting, e.g. "
-        f"{POOL_ENV}={int(np.ceil(gib)) + 1}, or lower the batch or engine.capacity.")
+        f"{POOL_ENV}={int(np.ceil(gib)) + 1}, or lower the batch or engine.capacity."
+    )

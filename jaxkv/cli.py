@@ -1,4 +1,4 @@
-"""Flags shared by the absl apps (generate, and later bench and gates), and their resolution.
+"""Flags shared by the absl apps (generate, bench), and their resolution.
 
 `--cpu_devices=N` must act before JAX creates its backends: apps call `setup_platform()` first thing in
 main(), before any JAX call.
@@ -13,26 +13,40 @@ from ml_collections import config_flags
 
 from jaxkv import config as config_lib
 
-_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                               "experiments", "tiny.py")
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny.py")
 
 CONFIG = config_flags.DEFINE_config_file(
-    "config", _DEFAULT_CONFIG, "Experiment config file, e.g. experiments/llama3_8b.py; override fields "
-    "with --config.model.num_layers=2.", lock_config=True)
+    "config",
+    _DEFAULT_CONFIG,
+    "Experiment config file, e.g. experiments/llama3_8b.py; override fields " "with --config.model.num_layers=2.",
+    lock_config=True,
+)
 CPU_DEVICES = flags.DEFINE_integer(
-    "cpu_devices", 4, "Simulate N CPU devices (forces the CPU backend). 0 = use the real accelerators.")
-KV_PLACEMENT = flags.DEFINE_enum("kv_placement", None, list(config_lib.PLACEMENTS),
-                                 "KV cache placement (default: config kv.placement).")
-KV_DEPTH = flags.DEFINE_integer("kv_pipeline_depth", None,
-                                "0 = ordered; N >= 1 = deliver layer l+N before computing layer l.")
+    "cpu_devices", 4, "Simulate N CPU devices (forces the CPU backend). 0 = use the real accelerators."
+)
+KV_PLACEMENT = flags.DEFINE_enum(
+    "kv_placement", None, list(config_lib.PLACEMENTS), "KV cache placement (default: config kv.placement)."
+)
+KV_DEPTH = flags.DEFINE_integer(
+    "kv_pipeline_depth", None, "0 = ordered; N >= 1 = deliver layer l+N before computing layer l."
+)
 KV_BLOCK = flags.DEFINE_integer("kv_block", None, "Rows per KV page (default: config kv.block).")
-KV_BUDGET = flags.DEFINE_integer("kv_pipeline_budget_mib", None, "Cap on the delivery ring per device, MiB "
-                                 "(0 = none).")
+KV_BUDGET = flags.DEFINE_integer(
+    "kv_pipeline_budget_mib", None, "Cap on the delivery ring per device, MiB " "(0 = none)."
+)
 KV_HEADROOM = flags.DEFINE_integer("kv_headroom_mib", None, "Device memory kept free when sizing the ring.")
-KV_DEBUG = flags.DEFINE_integer("kv_transport_debug", None, "Transport telemetry level 0..3.")
+KV_DEBUG = flags.DEFINE_integer(
+    "kv_transport_debug", None, "Transport telemetry: 0 totals, 1 per step, 2 per layer, 3 log per step."
+)
 
-_KV_FLAGS = {"placement": KV_PLACEMENT, "pipeline_depth": KV_DEPTH, "block": KV_BLOCK,
-             "budget_mib": KV_BUDGET, "headroom_mib": KV_HEADROOM, "transport_debug": KV_DEBUG}
+_KV_FLAGS = {
+    "placement": KV_PLACEMENT,
+    "pipeline_depth": KV_DEPTH,
+    "block": KV_BLOCK,
+    "budget_mib": KV_BUDGET,
+    "headroom_mib": KV_HEADROOM,
+    "transport_debug": KV_DEBUG,
+}
 
 
 def setup_platform() -> None:
@@ -45,6 +59,7 @@ def setup_platform() -> None:
     xla = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(xla + [f"--xla_force_host_platform_device_count={n}"])
     import jax  # pylint: disable=g-import-not-at-top
+
     jax.config.update("jax_platforms", "cpu")
 
 

@@ -46,7 +46,8 @@ class ModelConfig:
         raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
-          f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads ({self.num_kv_heads})")
+          f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads ({self.num_kv_heads})"
+      )
     if self.head_dim % 2:
       raise ValueError(f"model.head_dim must be even for RoPE, got {self.head_dim}")
     if self.dtype not in ("bfloat16", "float32", "float16"):
@@ -71,7 +72,8 @@ class KVConfig:
     (the open page) stays on the device. Also the granularity of compiled shapes.
   budget_mib: cap on the ring of deliveries per device (0 = no cap).
   headroom_mib: device memory kept free when sizing the ring.
-  transport_debug: 0 = off, 1 = per-step bytes and ring, 2 = plus per-layer issue/ready times.
+  transport_debug: 0 = totals, 1 = plus per-step bytes and ring, 2 = plus per-layer issue/ready times (it waits
+    for each delivery to time it), 3 = plus a log line per step.
   """
 
   placement: str = "device"

@@ -10,6 +10,7 @@ Per-step metadata, one explicit host->device transfer per pass: meta i32[B + 3] 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -28,6 +29,8 @@ from jaxkv import model
 from jaxkv import sampling as sampling_lib
 from jaxkv.config import Config, ModelConfig, SamplingConfig
 from jaxkv.transport import Transport
+
+_LAG = 2  # Decode steps between dispatching a step and reading its tokens back.
 
 
 @dataclasses.dataclass
@@ -78,10 +81,12 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
     return cache_lib.grow(window, open_page), jnp.zeros_like(open_page)
 
   def head(top, x, meta):
+    """Logits, sampled tokens, their embeddings, and the next step's meta (end + 1, step + 1)."""
     lg = model.logits(top, x, cfg)
     key = jax.random.fold_in(jax.random.key(meta[-1]), meta[-2])
     tok = sampling_lib.sample(lg, key, sampling)
-    return lg, tok, model.embed(top, tok)
+    step = jnp.zeros_like(meta).at[-3:-1].set(1)
+    return lg, tok, model.embed(top, tok), meta + step
 
   return _Fns(
       prefill=jax.jit(prefill, out_shardings=(rep, kv)),
@@ -91,8 +96,7 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
       split=jax.jit(cache_lib.split_prefilled, static_argnames=("w_rows", "block"), out_shardings=kv),
       head=jax.jit(head, out_shardings=rep),
       embed=jax.jit(model.embed, out_shardings=rep),
-      last_row=jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False),
-                       out_shardings=rep),
+      last_row=jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), out_shardings=rep),
   )
 
 
@@ -102,8 +106,9 @@ class Engine:
   def __init__(self, config: Config, mesh: jax.sharding.Mesh, params: dict):
     mesh_lib.check_divisible(config.model, mesh)
     if config.engine.prefill_chunk % config.kv.block:
-      raise ValueError(f"engine.prefill_chunk ({config.engine.prefill_chunk}) must be a multiple of "
-                       f"kv.block ({config.kv.block})")
+      raise ValueError(
+          f"engine.prefill_chunk ({config.engine.prefill_chunk}) must be a multiple of " f"kv.block ({config.kv.block})"
+      )
     self.config, self.mesh, self.params = config, mesh, params
     self.top = {k: v for k, v in params.items() if k != "layers"}
     self.fns = _functions(config.model, mesh, config.sampling)
@@ -121,8 +126,7 @@ class Engine:
       if len(p) == 0:
         raise ValueError(f"prompt {i} is empty")
       if len(p) > cap:
-        raise ValueError(f"prompt {i} has {len(p)} tokens, longer than the cache capacity {cap} "
-                         "(engine.capacity)")
+        raise ValueError(f"prompt {i} has {len(p)} tokens, longer than the cache capacity {cap} " "(engine.capacity)")
       bad = [t for t in p if not 0 <= t < vocab]
       if bad:
         raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
@@ -131,14 +135,21 @@ class Engine:
       raise ValueError(
           f"the longest prompt ({longest} tokens) plus max_new_tokens ({max_new_tokens}) needs "
           f"{longest + max_new_tokens - 1} cache rows, more than the capacity {cap}; raise engine.capacity "
-          "or lower max_new_tokens")
+          "or lower max_new_tokens"
+      )
 
   def _meta(self, start: np.ndarray, end: int, step: int, seed: int) -> jax.Array:
     m = np.concatenate([start, [end, step, seed]]).astype(np.int32)
     return jax.device_put(m, self._rep)
 
-  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int = 0,
-               keep_logits: bool = False, on_step=None) -> GenerateResult:
+  def generate(
+      self,
+      prompts: Sequence[Sequence[int]],
+      max_new_tokens: int,
+      seed: int = 0,
+      keep_logits: bool = False,
+      on_step=None,
+  ) -> GenerateResult:
     """Generates up to max_new_tokens per prompt. on_step(step, cache), if given, runs after each decode
     step's tokens are back on the host (for monitoring)."""
     self.validate(prompts, max_new_tokens)
@@ -159,12 +170,12 @@ class Engine:
     n_chunks = -(-longest // chunk)
     tokens = np.zeros((batch, n_chunks * chunk), np.int32)
     for b, p in enumerate(prompts):
-      tokens[b, start[b]:longest] = p
+      tokens[b, start[b] : longest] = p
     w_final = longest // block * block
     x = None
     for c in range(n_chunks):
       last = c == n_chunks - 1
-      x = fns.embed(self.top, jax.device_put(tokens[:, c * chunk:(c + 1) * chunk], self._rep))
+      x = fns.embed(self.top, jax.device_put(tokens[:, c * chunk : (c + 1) * chunk], self._rep))
       meta = self._meta(start, c * chunk, 0, seed)
       d2h = 0
 
@@ -182,42 +193,44 @@ class Engine:
       rec.counters("prefill", transport, d2h, (c + 1) * chunk)
     cache.rows = w_final
     x_last = fns.last_row(x, jax.device_put(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
-    lg, tok, x = fns.head(self.top, x_last, self._meta(start, longest, 0, seed))
+    lg, tok, x, _ = fns.head(self.top, x_last, self._meta(start, longest, 0, seed))
     t_start = rec.t_start
     finished = rec.take(lg, tok)  # Waits for the prefill: decode timing starts here.
     t_prefilled = time.perf_counter()
-    if finished:
-      transport.drop()
-    pending = None
 
-    # Decode: step t writes the token of step t - 1 at row `end` and samples the token of step t.
-    # Step t is dispatched before step t - 1's tokens are read back, so the device never waits on the host.
-    for t in range(1, 1 if finished else max_new_tokens):
-      end = longest + t - 1
-      full = end - cache.rows == block - 1  # The open page is full after this step: grow the window.
-      meta = self._meta(start, end, t, seed)
-      d2h = 0
+    # Decode: step t writes the token of step t - 1 at row `end` and samples the token of step t. Each step's
+    # logits and tokens start copying to the host when dispatched and are read `_LAG` steps later, when they
+    # have arrived, so this thread never waits for the device. Steps dispatched after every sequence ended
+    # are discarded.
+    meta = self._meta(start, longest, 1, seed)
+    pending: collections.deque = collections.deque()
+    try:
+      for t in range(1, 1 if finished else max_new_tokens):
+        full = (longest + t - 1) - cache.rows == block - 1  # The open page fills: grow the window.
+        d2h = 0
 
-      def compute(l, window):
-        nonlocal x, d2h
-        shapes.add(("decode", 0 if window is None else window.shape[3]))
-        x, cache.opens[l] = fns.decode(layers[l], x, window, cache.opens[l], meta)
+        def compute(l, window):
+          nonlocal x, d2h
+          shapes.add(("decode", 0 if window is None else window.shape[3]))
+          x, cache.opens[l] = fns.decode(layers[l], x, window, cache.opens[l], meta)
+          if full:
+            grown, cache.opens[l] = fns.flush(window, cache.opens[l])
+            d2h += cache.store(l, grown)
+
+        transport.run_pass(compute, next_pass=t < max_new_tokens - 1)
         if full:
-          grown, cache.opens[l] = fns.flush(window, cache.opens[l])
-          d2h += cache.store(l, grown)
-
-      transport.run_pass(compute, next_pass=t < max_new_tokens - 1)
-      if full:
-        cache.rows += block
-      lg, tok, x = fns.head(self.top, x, meta)
-      rec.counters("decode", transport, d2h, cache.rows)
-      if pending is not None and self._take(rec, pending, on_step, cache):
-        transport.drop()
-        pending = None
-        break
-      pending = (t, lg, tok)
-    if pending is not None:
-      self._take(rec, pending, on_step, cache)
+          cache.rows += block
+        lg, tok, x, meta = fns.head(self.top, x, meta)
+        lg.copy_to_host_async()
+        tok.copy_to_host_async()
+        rec.counters("decode", transport, d2h, cache.rows)
+        pending.append((t, lg, tok))
+        if len(pending) > _LAG and self._take(rec, pending.popleft(), on_step, cache):
+          break
+      while pending and not self._take(rec, pending.popleft(), on_step, cache):
+        pass
+    finally:
+      transport.close()
     t_end = time.perf_counter()
     telemetry = dict(transport.summary(), compiled_shapes=len(shapes), **rec.totals())
     if cfg.kv.transport_debug >= 1:
@@ -225,10 +238,10 @@ class Engine:
     if cfg.kv.transport_debug >= 2:
       t0 = transport.layer_times[0][1] if transport.layer_times else 0.0
       telemetry["layer_times_ms"] = [(l, 1e3 * (a - t0), 1e3 * (b - t0)) for l, a, b in transport.layer_times]
-    timing = dict(prefill_s=t_prefilled - t_start, decode_s=t_end - t_prefilled,
-                  decode_steps=rec.total["steps"] - 1)
+    timing = dict(
+        prefill_s=t_prefilled - t_start, decode_s=t_end - t_prefilled, decode_steps=rec.total["steps_read"] - 1
+    )
     return rec.result(telemetry, timing)
-
 
   @staticmethod
   def _take(rec, pending, on_step, cache) -> bool:
@@ -249,19 +262,22 @@ class _Recorder:
     self.hash = hashlib.sha256()
     self.logits = [] if keep_logits else None
     self.steps: list[dict] = []
-    self.total = dict(h2d_bytes=0, d2h_bytes=0, ring_high_water_bytes_per_device=0, steps=0)
+    self.total = dict(h2d_bytes=0, d2h_bytes=0, ring_high_water_bytes_per_device=0, steps_read=0)
     self.t_last = self.t_start = self.t_progress = time.perf_counter()
 
   def counters(self, kind, transport, d2h, rows):
     c = transport.take_counters()
     self.total["h2d_bytes"] += c["h2d_bytes"]
     self.total["d2h_bytes"] += d2h
-    self.total["ring_high_water_bytes_per_device"] = max(self.total["ring_high_water_bytes_per_device"],
-                                                         c["ring_high_water_bytes_per_device"])
+    self.total["ring_high_water_bytes_per_device"] = max(
+        self.total["ring_high_water_bytes_per_device"], c["ring_high_water_bytes_per_device"]
+    )
     if self.debug >= 1:
       now = time.perf_counter()
       self.steps.append(dict(kind=kind, window_rows=rows, d2h_bytes=d2h, host_ms=1e3 * (now - self.t_last), **c))
       self.t_last = now
+      if self.debug >= 3:
+        logging.info("kv transport: %s", self.steps[-1])
 
   def take(self, lg, tok) -> bool:
     """Records one step's logits and tokens (blocks on them). Returns True when every sequence is done."""
@@ -270,10 +286,10 @@ class _Recorder:
     self.hash.update(np.ascontiguousarray(lg).astype("<f4").tobytes())
     if self.logits is not None:
       self.logits.append(lg)
-    self.total["steps"] += 1
+    self.total["steps_read"] += 1
     if time.perf_counter() - self.t_progress > 10.0:
       self.t_progress = time.perf_counter()
-      logging.info("decode step %d of at most %d", self.total["steps"], self.max_new)
+      logging.info("decode step %d of at most %d", self.total["steps_read"], self.max_new)
     for b, t in enumerate(np.asarray(tok).tolist()):
       if not self.done[b]:
         self.tokens[b].append(t)
@@ -289,4 +305,6 @@ class _Recorder:
         tokens_sha256=hashlib.sha256(json.dumps(self.tokens).encode()).hexdigest(),
         logits_sha256=self.hash.hexdigest(),
         logits=None if self.logits is None else np.stack(self.logits),
-        transport=telemetry, timing=timing)
+        transport=telemetry,
+        timing=timing,
+    )

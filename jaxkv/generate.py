@@ -16,8 +16,9 @@ from absl import logging
 from jaxkv import cli
 
 BATCH = flags.DEFINE_integer("batch", None, "Sequences; default = number of --prompt_len values.")
-PROMPT_LEN = flags.DEFINE_list("prompt_len", ["5", "12", "1", "9"],
-                               "Prompt lengths, one per sequence (or one for all of --batch).")
+PROMPT_LEN = flags.DEFINE_list(
+    "prompt_len", ["5", "12", "1", "9"], "Prompt lengths, one per sequence (or one for all of --batch)."
+)
 MAX_NEW = flags.DEFINE_integer("max_new_tokens", 16, "Tokens to generate per sequence.")
 SEED = flags.DEFINE_integer("seed", 0, "Seeds the weights, the prompt ids and sampling.")
 JSON_OUT = flags.DEFINE_string("json_out", None, "Write tokens, hashes, config and telemetry here.")
@@ -44,6 +45,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   cli.setup_platform()
   from jaxkv import run  # pylint: disable=g-import-not-at-top  (after the platform is set)
+
   cd = cli.resolved_config_dict()
   lens = prompt_lengths(PROMPT_LEN.value, BATCH.value)
   t0 = time.perf_counter()
@@ -54,8 +56,10 @@ def main(argv):
   print(f"tokens_sha256 {out['tokens_sha256']}")
   print(f"logits_sha256 {out['logits_sha256']}")
   t = out["transport"]
-  print(f"kv placement {t['placement']}, depth {t['depth']}, h2d {t['h2d_bytes']} B, d2h {t['d2h_bytes']} B, "
-        f"compiled shapes {t['compiled_shapes']}")
+  print(
+      f"kv placement {t['placement']}, depth {t['depth']}, h2d {t['h2d_bytes']} B, d2h {t['d2h_bytes']} B, "
+      f"compiled shapes {t['compiled_shapes']}"
+  )
   if JSON_OUT.value:
     with open(JSON_OUT.value, "w") as f:
       json.dump(out, f, indent=1)

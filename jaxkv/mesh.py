@@ -45,8 +45,9 @@ RULES: dict[str, str | None] = {
 CACHE_AXES = (CACHE_KV, BATCH, KV_HEADS, CACHE_ROWS, HEAD_DIM)
 
 
-def make_mesh(axes: Sequence[tuple[str, int]] = ((TENSOR, -1),),
-              devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+def make_mesh(
+    axes: Sequence[tuple[str, int]] = ((TENSOR, -1),), devices: Sequence[jax.Device] | None = None
+) -> jax.sharding.Mesh:
   """Builds a mesh from ((name, size), ...); one size may be -1 (= the remaining devices).
 
   Axis types are Auto so that GSPMD propagates shardings (jax >= 0.10 defaults to Explicit).
@@ -79,8 +80,7 @@ def spec(*logical: str | None) -> P:
   return P(*(RULES.get(a) if a is not None else None for a in logical))
 
 
-def sharding(mesh: jax.sharding.Mesh, logical: Sequence[str | None],
-             memory_kind: str = "device") -> NamedSharding:
+def sharding(mesh: jax.sharding.Mesh, logical: Sequence[str | None], memory_kind: str = "device") -> NamedSharding:
   """NamedSharding of a logical layout in a memory kind ("device" or "pinned_host")."""
   return NamedSharding(mesh, spec(*logical), memory_kind=memory_kind)
 
@@ -96,8 +96,14 @@ def tensor_size(mesh: jax.sharding.Mesh) -> int:
 def check_divisible(model, mesh: jax.sharding.Mesh) -> None:
   """Fails with a clear error when a sharded dimension does not split over the tensor axis."""
   t = tensor_size(mesh)
-  for what, n in (("num_kv_heads", model.num_kv_heads), ("num_heads", model.num_heads),
-                  ("mlp_dim", model.mlp_dim), ("vocab_size", model.vocab_size)):
+  for what, n in (
+      ("num_kv_heads", model.num_kv_heads),
+      ("num_heads", model.num_heads),
+      ("mlp_dim", model.mlp_dim),
+      ("vocab_size", model.vocab_size),
+  ):
     if n % t:
-      raise ValueError(f"model.{what} = {n} is not divisible by the tensor axis size {t}; "
-                       f"choose a tensor axis size that divides {n}")
+      raise ValueError(
+          f"model.{what} = {n} is not divisible by the tensor axis size {t}; "
+          f"choose a tensor axis size that divides {n}"
+      )

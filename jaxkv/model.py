@@ -66,12 +66,19 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh: jax.sharding.Mesh) -> di
   axes = param_axes(cfg)
   d, h, k, dh, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
   shapes_layer = {
-      "attn_norm": ((d,), None), "mlp_norm": ((d,), None), "q_norm": ((dh,), None), "k_norm": ((dh,), None),
-      "wq": ((d, h, dh), d), "wk": ((d, k, dh), d), "wv": ((d, k, dh), d), "wo": ((h, dh, d), h * dh),
-      "w_gate": ((d, f), d), "w_up": ((d, f), d), "w_down": ((f, d), f),
+      "attn_norm": ((d,), None),
+      "mlp_norm": ((d,), None),
+      "q_norm": ((dh,), None),
+      "k_norm": ((dh,), None),
+      "wq": ((d, h, dh), d),
+      "wk": ((d, k, dh), d),
+      "wv": ((d, k, dh), d),
+      "wo": ((h, dh, d), h * dh),
+      "w_gate": ((d, f), d),
+      "w_up": ((d, f), d),
+      "w_down": ((f, d), f),
   }
-  shapes_top = {"embed": ((cfg.vocab_size, d), 1), "final_norm": ((d,), None),
-                "lm_head": ((d, cfg.vocab_size), d)}
+  shapes_top = {"embed": ((cfg.vocab_size, d), 1), "final_norm": ((d,), None), "lm_head": ((d, cfg.vocab_size), d)}
 
   def make(shape_fan, name_key, logical):
     shape, fan_in = shape_fan
@@ -83,8 +90,10 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh: jax.sharding.Mesh) -> di
   for i, name in enumerate(sorted(axes.keys() - {"layers"})):
     params[name] = make(shapes_top[name], jax.random.fold_in(key, 1_000_000 + i), axes[name])
   params["layers"] = [
-      {name: make(shapes_layer[name], jax.random.fold_in(key, l * len(names) + names.index(name)), ax)
-       for name, ax in layer_axes.items()}
+      {
+          name: make(shapes_layer[name], jax.random.fold_in(key, l * len(names) + names.index(name)), ax)
+          for name, ax in layer_axes.items()
+      }
       for l, layer_axes in enumerate(axes["layers"])
   ]
   return params
@@ -95,8 +104,9 @@ def _init_fn(shape, dtype, scale, out_sharding):
   """Jitted initialiser of one parameter shape: ones (scale None) or N(0, scale^2)."""
   if scale is None:
     return jax.jit(lambda key: jnp.ones(shape, dtype), out_shardings=out_sharding)
-  return jax.jit(lambda key: (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype),
-                 out_shardings=out_sharding)
+  return jax.jit(
+      lambda key: (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype), out_shardings=out_sharding
+  )
 
 
 def rms_norm(x, w, eps):

@@ -1,24 +1,31 @@
 """Delivery of each layer's KV window to the devices: ordered (depth 0) or pipelined (depth D >= 1).
 
-A pass is one run over all layers (a prefill chunk or a decode step). Before dispatching layer l's compute,
-the transport issues the delivery of layer l + D: an eager `jax.device_put` of that layer's window from
-pinned host memory to the devices, each device receiving only its own heads. Issued before the compute it
-must overlap, the copy runs beside it (see docs/design.md). Deliveries past the last layer belong to the
-next pass and are issued only if the caller says one follows; by then the rows they carry are final,
-because layer j of a pass is computed before layer j of the next is issued (the depth is capped at
-num_layers - 1).
+A pass is one run over all layers (a prefill chunk or a decode step). With placement "host", a feeder thread
+issues the deliveries, in layer order: an eager `jax.device_put` of a layer's window from pinned host memory
+to the devices, each device receiving only its own heads. The main thread takes them in the same order and
+dispatches each layer's compute. The feeder keeps at most D + 1 deliveries whose compute has not been
+dispatched yet, so the delivery of layer l + D is issued while layer l - 1 computes, before layer l is
+dispatched: issued before the compute it must overlap, the copy runs beside it (docs/design.md says why the
+order of issue matters and why a thread: a dispatch that consumes a delivery still in flight blocks the
+host, so issuing from the dispatching thread would cost it that wait).
 
-The ring: the deliveries issued ahead (at most D) plus the one being computed plus the one whose compute may
-still be running: at most D + 2 windows alive per device. A consumed delivery is dropped right after its
-compute is dispatched; the runtime frees it when that compute ends.
+Deliveries past the last layer belong to the next pass; they are queued only when the caller says one
+follows. Their rows are final by then: layer j of the next pass is issued only after layer j of this pass
+has been computed and stored (the depth is capped at num_layers - 1).
 
-With placement "device" the windows are already resident: a delivery is the resident array, nothing moves.
+The ring: the D + 1 deliveries held by the feeder's slots plus the previous one, whose compute may still
+run: at most D + 2 windows alive per device. A consumed delivery is dropped right after its compute is
+dispatched; the runtime frees it when that compute ends. Depth 0 is ordered: layer l's copy is issued only
+after layer l - 1 was dispatched, so the copy stream waits for that compute.
+
+With placement "device" the windows are resident: run_pass hands each layer its window, nothing moves.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import queue
+import threading
 import time
 from collections.abc import Callable
 
@@ -49,8 +56,9 @@ def free_device_bytes(devices) -> int | None:
   return min(free) if free else None
 
 
-def choose_depth(requested: int, num_layers: int, slot_bytes: int, budget_mib: int, headroom_mib: int,
-                 free_bytes: int | None) -> DepthChoice:
+def choose_depth(
+    requested: int, num_layers: int, slot_bytes: int, budget_mib: int, headroom_mib: int, free_bytes: int | None
+) -> DepthChoice:
   """Largest depth <= requested whose ring (depth + 2 slots of `slot_bytes` per device) fits both the budget
   (budget_mib, 0 = none) and the free memory of the fullest device minus the headroom."""
   reasons = []
@@ -59,18 +67,24 @@ def choose_depth(requested: int, num_layers: int, slot_bytes: int, budget_mib: i
     depth = max(num_layers - 1, 0)
     reasons.append(f"depth {requested} capped at num_layers - 1 = {depth}")
   limits = []
-  if budget_mib:
+  if budget_mib and slot_bytes:
     limits.append((budget_mib * 2**20, f"--kv_pipeline_budget_mib={budget_mib}"))
   if free_bytes is not None:
-    limits.append((free_bytes - headroom_mib * 2**20,
-                   f"free device memory {free_bytes / 2**20:.0f} MiB - --kv_headroom_mib={headroom_mib}"))
+    limits.append(
+        (
+            free_bytes - headroom_mib * 2**20,
+            f"free device memory {free_bytes / 2**20:.0f} MiB - --kv_headroom_mib={headroom_mib}",
+        )
+    )
   for cap, what in limits:
     fit = cap // slot_bytes - 2 if slot_bytes else depth
     if fit < depth:
       new = max(fit, 0)
       note = "" if fit >= 0 else " (even ordered does not fit: expect an out-of-memory error)"
-      reasons.append(f"ring of depth {depth} needs {(depth + 2) * slot_bytes / 2**20:.1f} MiB per device, "
-                     f"over {what}: using depth {new}{note}; raise the limit to keep depth {depth}")
+      reasons.append(
+          f"ring of depth {depth} needs {(depth + 2) * slot_bytes / 2**20:.1f} MiB per device, "
+          f"over {what}: using depth {new}{note}; raise the limit to keep depth {depth}"
+      )
       depth = new
   reason = "; ".join(reasons) or None
   if reason and depth < requested:
@@ -78,36 +92,61 @@ def choose_depth(requested: int, num_layers: int, slot_bytes: int, budget_mib: i
   return DepthChoice(requested, depth, depth + 2, slot_bytes, reason)
 
 
+_BARRIER = -1  # Feeder job: acknowledge that every earlier job has been issued.
+_STOP = -2
+
+
 class Transport:
-  """Delivers layer windows of a `KVCache` to the devices, `depth` layers ahead."""
+  """Delivers layer windows of a `KVCache` to the devices, `depth` layers ahead. Call close() when done."""
 
   def __init__(self, cache: KVCache, depth: int, debug: int = 0):
     self.cache, self.debug = cache, debug
     self.num_layers = cache.model.num_layers
+    self.streamed = cache.kv.placement == "host"
     t = mesh_lib.tensor_size(cache.mesh)
-    slot = cache.row_bytes(t) * cache.rows_bound()
-    free = free_device_bytes(cache.mesh.devices.flat) if cache.kv.placement == "host" else None
+    slot = cache.row_bytes(t) * cache.rows_bound() if self.streamed else 0  # Resident: no ring.
+    free = free_device_bytes(cache.mesh.devices.flat) if self.streamed else None
     self.choice = choose_depth(depth, self.num_layers, slot, cache.kv.budget_mib, cache.kv.headroom_mib, free)
     self.depth = self.choice.depth
     self._tensor = t
-    self._ring: collections.deque = collections.deque()  # (layer, window or None, bytes, issue time)
-    self._next = 0  # Index (relative to the current pass) of the next delivery to issue.
+    self._queued_next = False  # The next pass's jobs are already queued.
+    self._lock = threading.Lock()
     self._h2d = 0
-    self._live_high_water = 0
-    self._last_bytes = 0  # Bytes of the delivery consumed last (its compute may still run).
+    self._held = 0  # Bytes of deliveries holding a slot.
+    self._previous = 0  # Bytes of the delivery consumed last (its compute may still run).
+    self._high_water = 0
     self.layer_times: list[tuple[int, float, float]] = []  # (layer, issue, ready) at debug >= 2.
+    self._error: BaseException | None = None
+    if self.streamed:
+      self._slots = threading.Semaphore(self.depth + 1)
+      self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+      self._ready: queue.SimpleQueue = queue.SimpleQueue()
+      self._feeder = threading.Thread(target=self._feed, name="jaxkv-feeder", daemon=True)
+      self._feeder.start()
 
-  def _issue(self, layer: int) -> None:
-    window = self.cache.windows[layer]
-    nbytes = 0
-    if window is not None and self.cache.kv.placement == "host":
-      window = jax.device_put(window, self.cache.device_sharding)
-      nbytes = window.nbytes
-    self._ring.append((layer, window, nbytes, time.perf_counter()))
-    self._h2d += nbytes
-    # Alive now: the ring plus the previous delivery, whose compute may still run.
-    live = sum(b for _, _, b, _ in self._ring) + self._last_bytes
-    self._live_high_water = max(self._live_high_water, live)
+  def _feed(self) -> None:
+    """Feeder thread: issues the queued layers' deliveries, one slot each."""
+    while True:
+      layer = self._jobs.get()
+      if layer == _STOP:
+        return
+      if layer == _BARRIER:
+        self._ready.put((_BARRIER, None, 0, 0.0))
+        continue
+      self._slots.acquire()
+      try:
+        window = self.cache.windows[layer]
+        nbytes = 0
+        if window is not None:
+          window = jax.device_put(window, self.cache.device_sharding)
+          nbytes = window.nbytes
+      except BaseException as e:  # Handed to the main thread, which raises it.
+        self._error, window = e, None
+      with self._lock:
+        self._h2d += nbytes
+        self._held += nbytes
+        self._high_water = max(self._high_water, self._held + self._previous)
+      self._ready.put((layer, window, nbytes, time.perf_counter()))
 
   def run_pass(self, compute: Callable[[int, jax.Array | None], None], next_pass: bool) -> None:
     """Calls compute(l, window_l) for every layer in order, window_l on the devices (None while empty).
@@ -116,39 +155,81 @@ class Transport:
     next_pass: a pass follows, so deliveries may run into its first layers.
     """
     n = self.num_layers
+    if not self.streamed:
+      for l in range(n):
+        compute(l, self.cache.windows[l])
+      return
+    if not self._queued_next:
+      for l in range(n):
+        self._jobs.put(l)
+    self._queued_next = next_pass
     for l in range(n):
-      while self._next <= l + self.depth and (self._next < n or (next_pass and self._next < 2 * n)):
-        self._issue(self._next % n)
-        self._next += 1
-      layer, window, nbytes, t_issue = self._ring.popleft()
+      if next_pass and l == 0:
+        # Queued now, issued as slots free: the next pass's layer j after this pass's layer j - D - 1.
+        for j in range(n):
+          self._jobs.put(j)
+      layer, window, nbytes, t_issue = self._ready.get()
+      if self._error is not None:
+        raise RuntimeError("KV delivery failed") from self._error
       assert layer == l, (layer, l)
       if self.debug >= 2 and window is not None:
         window.block_until_ready()
         self.layer_times.append((l, t_issue, time.perf_counter()))
       compute(l, window)
-      self._last_bytes = nbytes
       del window
-    self._next -= n
+      with self._lock:
+        self._held -= nbytes
+        self._previous = nbytes
+      self._slots.release()
 
   def in_flight(self) -> int:
     """Deliveries issued and not yet handed to their compute."""
-    return len(self._ring)
+    return self._ready.qsize() if self.streamed else 0
 
   def drop(self) -> None:
-    """Forgets deliveries issued for a pass that will not run."""
-    self._ring.clear()
-    self._next = 0
-    self._last_bytes = 0
+    """Forgets deliveries queued or issued for a pass that will not run."""
+    if not self.streamed:
+      return
+    while True:  # Unqueue jobs not yet started.
+      try:
+        self._jobs.get_nowait()
+      except queue.Empty:
+        break
+    self._jobs.put(_BARRIER)
+    while True:
+      layer, window, nbytes, _ = self._ready.get()
+      if layer == _BARRIER:
+        break
+      del window
+      with self._lock:
+        self._held -= nbytes
+      self._slots.release()
+    self._queued_next = False
+    self._previous = 0
+
+  def close(self) -> None:
+    """Drops pending deliveries and stops the feeder thread."""
+    if self.streamed and self._feeder.is_alive():
+      self.drop()
+      self._jobs.put(_STOP)
+      self._feeder.join()
 
   def take_counters(self) -> dict:
     """Bytes delivered and the ring's high-water mark since the last call (per device), then resets."""
-    out = dict(h2d_bytes=self._h2d, ring_high_water_bytes_per_device=self._live_high_water // self._tensor)
-    self._h2d = 0
-    self._live_high_water = 0
+    with self._lock:
+      out = dict(h2d_bytes=self._h2d, ring_high_water_bytes_per_device=self._high_water // self._tensor)
+      self._h2d = 0
+      self._high_water = self._held + self._previous
     return out
 
   def summary(self) -> dict:
     c = self.choice
-    return dict(placement=self.cache.kv.placement, depth_requested=c.requested, depth=c.depth,
-                ring_slots=c.ring_slots, ring_bytes_per_device_configured=c.ring_slots * c.slot_bytes_per_device,
-                fallback_reason=c.fallback_reason)
+    ring = c.ring_slots * c.slot_bytes_per_device if self.streamed else 0
+    return dict(
+        placement=self.cache.kv.placement,
+        depth_requested=c.requested,
+        depth=c.depth,
+        ring_slots=c.ring_slots if self.streamed else 0,
+        ring_bytes_per_device_configured=ring,
+        fallback_reason=c.fallback_reason,
+    )

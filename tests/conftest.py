@@ -4,5 +4,6 @@ import os
 
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in f]
-    + ["--xla_force_host_platform_device_count=8"])
+    + ["--xla_force_host_platform_device_count=8"]
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -35,18 +35,37 @@ def params(tensor: int, seed: int = 0, cfg: config_lib.ModelConfig | None = None
   return model.init_params(cfg, jax.random.key(seed), mesh(tensor))
 
 
-def engine(tensor: int = 1, *, placement="device", depth=1, block=None, capacity=None, chunk=None,
-           sampling=None, budget_mib=0, debug=0, cfg: config_lib.Config | None = None) -> engine_lib.Engine:
+def engine(
+    tensor: int = 1,
+    *,
+    placement="device",
+    depth=1,
+    block=None,
+    capacity=None,
+    chunk=None,
+    sampling=None,
+    budget_mib=0,
+    debug=0,
+    cfg: config_lib.Config | None = None,
+) -> engine_lib.Engine:
   cfg = cfg or tiny_config()
-  kv = dataclasses.replace(cfg.kv, placement=placement, pipeline_depth=depth, block=block or cfg.kv.block,
-                           budget_mib=budget_mib, transport_debug=debug)
-  eng = dataclasses.replace(cfg.engine, capacity=capacity or cfg.engine.capacity,
-                            prefill_chunk=chunk or cfg.engine.prefill_chunk)
+  kv = dataclasses.replace(
+      cfg.kv,
+      placement=placement,
+      pipeline_depth=depth,
+      block=block or cfg.kv.block,
+      budget_mib=budget_mib,
+      transport_debug=debug,
+  )
+  eng = dataclasses.replace(
+      cfg.engine, capacity=capacity or cfg.engine.capacity, prefill_chunk=chunk or cfg.engine.prefill_chunk
+  )
   c = dataclasses.replace(cfg, kv=kv, engine=eng, sampling=sampling or cfg.sampling)
   return engine_lib.Engine(c, mesh(tensor), params(tensor, 0, cfg.model))
 
 
 def prompts(lengths, seed=0, vocab=256):
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   rng = np.random.default_rng(seed)
   return [rng.integers(0, vocab, size=n).tolist() for n in lengths]

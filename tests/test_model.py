@@ -46,7 +46,7 @@ def test_decode_logits_match_full_recompute(placement, one_device_run):
   cfg = helpers.tiny_config().model
   for b, prompt in enumerate(helpers.prompts(LENGTHS)):
     seq = np.array([prompt + res.tokens[b][:-1]], np.int32)
-    ref = np.asarray(reference.forward(helpers.params(1), seq, cfg))[0, len(prompt) - 1:]
+    ref = np.asarray(reference.forward(helpers.params(1), seq, cfg))[0, len(prompt) - 1 :]
     np.testing.assert_allclose(res.logits[:, b], ref, rtol=1e-5, atol=2e-5)
 
 
@@ -68,12 +68,17 @@ def test_chunked_prefill_matches_one_shot(chunk, one_device_run):
 def test_qwen3_qk_norm_tied_embeddings_and_llama3_rope_scaling():
   """The family switches change the function and still match the reference."""
   base = helpers.tiny_config()
-  mc = dataclasses.replace(base.model, qk_norm=True, tie_embeddings=True,
-                           rope_scaling=config_lib.RopeScaling(factor=8.0, original_max_position=16))
+  mc = dataclasses.replace(
+      base.model,
+      qk_norm=True,
+      tie_embeddings=True,
+      rope_scaling=config_lib.RopeScaling(factor=8.0, original_max_position=16),
+  )
   cfg = dataclasses.replace(base, model=mc)
   params = model.init_params(mc, jax.random.key(1), helpers.mesh(2))
   assert "lm_head" not in params and "q_norm" in params["layers"][0]
   from jaxkv import engine as engine_lib  # pylint: disable=g-import-not-at-top
+
   eng = engine_lib.Engine(cfg, helpers.mesh(2), params)
   prompt = helpers.prompts([20])[0]
   res = eng.generate([prompt], 8, keep_logits=True)
@@ -84,8 +89,9 @@ def test_qwen3_qk_norm_tied_embeddings_and_llama3_rope_scaling():
 
 
 def test_llama3_rope_scaling_frequencies():
-  cfg = dataclasses.replace(helpers.tiny_config().model, head_dim=128, rope_theta=500_000.0,
-                            rope_scaling=config_lib.RopeScaling())
+  cfg = dataclasses.replace(
+      helpers.tiny_config().model, head_dim=128, rope_theta=500_000.0, rope_scaling=config_lib.RopeScaling()
+  )
   inv = model.rope_frequencies(cfg)
   base = 1.0 / (500_000.0 ** (np.arange(0, 128, 2) / 128))
   wavelen = 2 * np.pi / base
@@ -113,5 +119,5 @@ def test_eos_stops_each_sequence(one_device_run):
   s = config_lib.SamplingConfig(eos_id=eos)
   res = helpers.engine(1, sampling=s).generate(helpers.prompts(LENGTHS), NEW)
   for got, full in zip(res.tokens, one_device_run.tokens):
-    want = full[:full.index(eos) + 1] if eos in full else full
+    want = full[: full.index(eos) + 1] if eos in full else full
     assert got == want
