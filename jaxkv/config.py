@@ -77,7 +77,7 @@ class KVConfig:
   """
 
   placement: str = "device"
-  pipeline_depth: int = 1
+  pipeline_depth: int = 2
   block: int = 256
   budget_mib: int = 0
   headroom_mib: int = 512

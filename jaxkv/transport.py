@@ -4,8 +4,8 @@ A pass is one run over all layers (a prefill chunk or a decode step). With place
 issues the deliveries, in layer order: an eager `jax.device_put` of a layer's window from pinned host memory
 to the devices, each device receiving only its own heads. The main thread takes them in the same order and
 dispatches each layer's compute. The feeder keeps at most D + 1 deliveries whose compute has not been
-dispatched yet, and the main thread dispatches layer l only after the delivery of layer l + D was issued:
-issued before the compute it must overlap, the copy runs beside it (docs/design.md says why the
+dispatched yet: the delivery of layer l + D is issued as soon as layer l - 1 has been dispatched, normally
+before layer l is. Issued before the compute it must overlap, the copy runs beside it (docs/design.md says why the
 order of issue matters and why a thread: a dispatch that consumes a delivery still in flight blocks the
 host, so issuing from the dispatching thread would cost it that wait).
 
@@ -119,8 +119,6 @@ class Transport:
     self._error: BaseException | None = None
     if self.streamed:
       self._slots = threading.Semaphore(self.depth + 1)
-      self._issued = threading.Condition()  # Notified by the feeder after each delivery it issues.
-      self._queued = 0  # Jobs queued and not yet taken by run_pass.
       self._jobs: queue.SimpleQueue = queue.SimpleQueue()
       self._ready: queue.SimpleQueue = queue.SimpleQueue()
       self._feeder = threading.Thread(target=self._feed, name="jaxkv-feeder", daemon=True)
@@ -149,8 +147,6 @@ class Transport:
         self._held += nbytes
         self._high_water = max(self._high_water, self._held + self._previous)
       self._ready.put((layer, window, nbytes, time.perf_counter()))
-      with self._issued:
-        self._issued.notify()
 
   def run_pass(self, compute: Callable[[int, jax.Array | None], None], next_pass: bool) -> None:
     """Calls compute(l, window_l) for every layer in order, window_l on the devices (None while empty).
@@ -171,10 +167,6 @@ class Transport:
         # Queued now, issued as slots free: the next pass's layer j after this pass's layer j - D - 1.
         self._queue_pass()
       layer, window, nbytes, t_issue = self._ready.get()
-      self._queued -= 1
-      # Dispatch layer l only once layer l + D is issued: a copy waits for the compute enqueued before it.
-      with self._issued:
-        self._issued.wait_for(lambda: self._ready.qsize() >= min(self.depth, self._queued) or self._error)
       if self._error is not None:
         raise RuntimeError("KV delivery failed") from self._error
       assert layer == l, (layer, l)
@@ -191,7 +183,6 @@ class Transport:
   def _queue_pass(self) -> None:
     for l in range(self.num_layers):
       self._jobs.put(l)
-    self._queued += self.num_layers
 
   def in_flight(self) -> int:
     """Deliveries issued and not yet handed to their compute."""
@@ -216,7 +207,6 @@ class Transport:
         self._held -= nbytes
       self._slots.release()
     self._queued_next = False
-    self._queued = 0
     self._previous = 0
 
   def close(self) -> None:
