@@ -27,7 +27,15 @@ def base_config() -> ml_collections.ConfigDict:
   )
   c.model.use_rope_scaling = False  # True: apply model.rope_scaling (Llama-3.1 style).
   c.kv = ml_collections.ConfigDict(
-      dict(placement="device", pipeline_depth=2, block=256, budget_mib=0, headroom_mib=512, transport_debug=0)
+      dict(
+          placement="device",
+          pipeline_depth=2,
+          block=256,
+          budget_mib=0,
+          headroom_mib=512,
+          transport_debug=0,
+          dtype="model",  # "model" = model.dtype; or bfloat16, float32, int8, float8_e4m3fn (jaxkv.kv_quant).
+      )
   )
   c.engine = ml_collections.ConfigDict(dict(capacity=4096, prefill_chunk=1024))
   c.sampling = ml_collections.ConfigDict(dict(temperature=0.0, top_k=0, top_p=1.0, eos_id=-1))

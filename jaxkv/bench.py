@@ -1,6 +1,7 @@
 """Decode benchmark: `python -m jaxkv.bench` (tiny model, 4 simulated CPU devices by default).
 
-Times tokens/s and ms/step per arm ("device", "host_d<depth>", and the Hugging Face offloaded-cache peer)
+Times tokens/s and ms/step per arm ("device", "host_d<depth>", either with an optional KV dtype suffix such as
+"host_d2_int8", and the Hugging Face offloaded-cache peer)
 over contexts and batches in alternating rounds, with the link and transfer ceilings measured in the same run;
 see jaxkv/benchmark.py. On the GPU, e.g.:
 
@@ -25,7 +26,8 @@ BATCHES = flags.DEFINE_list("batches", ["1"], "Sequences per generate.")
 ARMS = flags.DEFINE_list(
     "arms",
     ["device", "host_d0", "host_d1", "host_d2", "host_d4"],
-    "KV arms: 'device' or 'host_d<depth>' (host_d0 = ordered).",
+    "KV arms: 'device' or 'host_d<depth>' (host_d0 = ordered), optionally with a KV dtype suffix: "
+    "'_bfloat16', '_float32', '_int8', '_float8_e4m3fn' (e.g. host_d2_int8; none = config kv.dtype).",
 )
 NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "Tokens generated per sequence per sample.")
 ROUNDS = flags.DEFINE_integer("rounds", 3, "Timed samples per arm; arm order alternates between rounds.")

@@ -25,7 +25,8 @@ def markdown(out: dict) -> str:
       f"- hardware: {len(hw['devices'])} x {hw['device_kind']} ({hw['backend']}), jax {hw['jax']}, "
       f"jaxlib {hw['jaxlib']}, tensor axis {out['tensor']}",
       f"- model: {m['num_layers']} layers, d_model {m['d_model']}, {m['num_heads']} heads / {m['num_kv_heads']} "
-      f"KV heads x {m['head_dim']}, {m['dtype']}; kv.block {out['config']['kv']['block']}",
+      f"KV heads x {m['head_dim']}, {m['dtype']}; kv.block {out['config']['kv']['block']}; kv.dtype "
+      f"{out['config']['kv'].get('dtype', 'model')} (an arm's _<dtype> suffix overrides it)",
       f"- {spec['new_tokens']} new tokens per sample; {spec['rounds']} rounds in alternating arm order after one "
       "warm-up per arm; median (min–max) of the rounds",
       f"- link peak, pinned host -> device `jax.device_put` of {_mib(peak['bytes_per_device'])} MiB per device: "
@@ -34,16 +35,17 @@ def markdown(out: dict) -> str:
       + (f" — {peer['reason']}" if peer.get("reason") else "")
       + (f" — {peer['note']}" if peer.get("note") else ""),
       "- gain = tok/s over host_d0 (ordered); overlap ratio = ms/step / max(transfer-only, compute-only "
-      "(= the device arm)); link efficiency = KV window bytes per step / step time / link peak, where the link "
-      "peak of a cell is the better of the 1 GiB put and the transfer-only step's rate",
+      "(= the device arm)), both of the arm's KV dtype; link efficiency = the arm's stored KV window bytes per "
+      "step / step time / link peak, where the link peak of a cell is the best of the 1 GiB put and the "
+      "transfer-only steps' rates",
       "",
-      "| context | batch | arm | tok/s | ms/step | spread ms (min–max) | gain vs ordered | overlap ratio "
-      "| link efficiency | ring MiB/device | peak device MiB (process) |",
-      "|---|---|---|---|---|---|---|---|---|---|---|",
+      "| context | batch | arm | KV MiB/step/device | tok/s | ms/step | spread ms (min–max) | gain vs ordered "
+      "| overlap ratio | link efficiency | ring MiB/device | peak device MiB (process) |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for cell in out["cells"]:
     for name, a in cell["arms"].items():
-      head = f"| {cell['context']} | {cell['batch']} | {name} |"
+      head = f"| {cell['context']} | {cell['batch']} | {name} | {_mib(a.get('kv_bytes_per_step_per_device'))} |"
       if a["status"] != "ok":
         lines.append(f"{head} skipped: {a['reason']} | | | | | | | |")
         continue
@@ -58,21 +60,30 @@ def markdown(out: dict) -> str:
       "",
       "## Ceilings per cell",
       "",
-      "| context | batch | window rows | KV MiB/step/device | layer h2d GB/s | transfer-only ms (depth) "
-      "| compute-only ms | link peak GB/s | link-bound tok/s | same tokens in every jaxkv arm |",
-      "|---|---|---|---|---|---|---|---|---|---|",
+      "Compute-only, link peak, link-bound tok/s and token agreement are per cell (link bound: the config's KV "
+      "dtype); the other rows hold the transfer ceilings of another KV dtype that a host arm streams.",
+      "",
+      "| context | batch | kv dtype | window rows | KV MiB/step/device | layer h2d GB/s | transfer-only ms (depth) "
+      "| compute-only ms | link peak GB/s | link-bound tok/s | same tokens in the jaxkv arms of each kv dtype |",
+      "|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for cell in out["cells"]:
-    c = cell["ceilings"]
-    layer = c.get("h2d_layer") or {}
-    tr = c.get("transfer_only") or {}
-    transfer = f"{tr['ms_median']:.2f} ({tr['depth']})" if tr else f"— {c.get('skipped', '')}"
-    lines.append(
-        f"| {cell['context']} | {cell['batch']} | {c['window_rows']} | {_mib(cell['kv_bytes_per_step_per_device'])} "
-        f"| {_num(layer.get('gbps_median'), '.1f')} | {transfer} | {_num(cell['compute_only_ms'], '.2f')} "
-        f"| {_num(cell.get('link_peak_gbps'), '.1f')} | {_num(cell['link_bound_tok_s'], '.2f')} "
-        f"| {cell['tokens_match_across_arms']} |"
-    )
+    rows = [(cell.get("kv_dtype", "model"), cell["ceilings"], cell["kv_bytes_per_step_per_device"], True)]
+    rows += [(d, c, c["kv_bytes_per_step_per_device"], False) for d, c in cell.get("ceilings_kv_dtype", {}).items()]
+    for kv_dtype, c, step_bytes, first in rows:
+      layer = c.get("h2d_layer") or {}
+      tr = c.get("transfer_only") or {}
+      transfer = f"{tr['ms_median']:.2f} ({tr['depth']})" if tr else f"— {c.get('skipped', '')}"
+      per_cell = (
+          f"{_num(cell['compute_only_ms'], '.2f')} | {_num(cell.get('link_peak_gbps'), '.1f')} "
+          f"| {_num(cell['link_bound_tok_s'], '.2f')} | {cell['tokens_match_across_arms']}"
+          if first
+          else "| | |"
+      )
+      lines.append(
+          f"| {cell['context']} | {cell['batch']} | {kv_dtype} | {c['window_rows']} | {_mib(step_bytes)} "
+          f"| {_num(layer.get('gbps_median'), '.1f')} | {transfer} | {per_cell} |"
+      )
   return "\n".join(lines) + "\n"
 
 

@@ -1,9 +1,11 @@
 """The decode benchmark behind `python -m jaxkv.bench`: arms x contexts x batches in alternating rounds.
 
-An arm is a KV placement and delivery depth ("device"; "host_d0" = ordered; "host_dN" = pipelined at depth N)
-or the Hugging Face peer (PEER_ARM, jaxkv.peer_hf). Every jaxkv arm shares one set of weights. For each
-(context, batch) cell: the ceilings (jaxkv.ceilings), then one untimed warm-up generate per arm (it also
-compiles), then `rounds` timed generates per arm in alternating order (round 0 A B C, round 1 C B A, ...).
+An arm is a KV placement and delivery depth ("device"; "host_d0" = ordered; "host_dN" = pipelined at depth N),
+optionally with a KV dtype suffix ("host_d2_int8", "device_float8_e4m3fn"; none = the config's kv.dtype), or the
+Hugging Face peer (PEER_ARM, jaxkv.peer_hf). Every jaxkv arm shares one set of weights. For each
+(context, batch) cell: the ceilings (jaxkv.ceilings) for the config's KV dtype and for every other KV dtype of a
+host arm, then one untimed warm-up generate per arm (it also compiles), then `rounds` timed generates per arm in
+alternating order (round 0 A B C, round 1 C B A, ...).
 A sample is one generate of `new_tokens` tokens from `batch` random prompts of `context` tokens:
 ms/step = 1e3 * decode_s / decode_steps, tok/s = batch * decode_steps / decode_s.
 
@@ -12,6 +14,8 @@ cannot run) is reported skipped with its reason, from then on in that cell.
 
 Units: s in raw samples, ms and tok/s in stats, GB/s = 1e9 B/s, bytes "per device" = one device's KV head
 share. `peak_bytes_in_use` from memory_stats() is process-wide since start: a later arm inherits earlier peaks.
+KV bytes are the stored bytes (a quantized row's packed values and scales): each arm's link efficiency and
+transfer-only bound use its own KV dtype's bytes and ceilings.
 """
 
 from __future__ import annotations
@@ -34,19 +38,21 @@ from jaxkv import mesh as mesh_lib
 from jaxkv import peer_hf
 from jaxkv import run as run_lib
 from jaxkv.cache import KVCache
-from jaxkv.config import Config
+from jaxkv.config import KV_DTYPES, Config
 from jaxkv.engine import Engine
 
 PEER_ARM = "hf_offloaded"
 ORDERED_ARM = "host_d0"
 DEVICE_ARM = "device"
-_ARM_RE = re.compile(r"^(device|host_d(\d+))$")
+ARM_KV_DTYPES = tuple(d for d in KV_DTYPES if d != "model")  # Arm name suffixes.
+_ARM_RE = re.compile(rf"^(device|host_d(\d+))(?:_({'|'.join(ARM_KV_DTYPES)}))?$")
 _TRANSFER_ONLY_PASSES = 8
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchSpec:
-  """contexts: prompt tokens per sequence; batches: sequences; arms: "device" or "host_d<depth>";
+  """contexts: prompt tokens per sequence; batches: sequences; arms: "device" or "host_d<depth>", each with an
+  optional "_<kv dtype>" suffix;
   new_tokens: tokens generated per sequence (>= 2; decode steps = new_tokens - 1); rounds: timed samples per
   arm and cell; peer: add PEER_ARM; peak_bytes: per-device size of the link peak transfer; ceiling_reps:
   samples per ceiling."""
@@ -74,20 +80,40 @@ class BenchSpec:
       raise ValueError("rounds, ceiling_reps and peak_bytes must be positive")
 
 
-def parse_arm(name: str) -> tuple[str, int | None]:
-  """Arm name -> (placement, depth): "device" -> ("device", None); "host_d<N>" -> ("host", N)."""
+def parse_arm(name: str) -> tuple[str, int | None, str | None]:
+  """Arm name -> (placement, depth, kv dtype): "device" -> ("device", None, None); "host_d<N>" -> ("host", N,
+  None); "host_d<N>_int8" -> ("host", N, "int8"). A None kv dtype means the config's kv.dtype."""
   m = _ARM_RE.match(name)
   if not m:
-    raise ValueError(f"unknown arm {name!r}: use 'device' or 'host_d<depth>' (host_d0 = ordered)")
-  return ("device", None) if m.group(2) is None else ("host", int(m.group(2)))
+    raise ValueError(
+        f"unknown arm {name!r}: use 'device' or 'host_d<depth>' (host_d0 = ordered), optionally followed by "
+        f"'_<kv dtype>' with a kv dtype of {', '.join(ARM_KV_DTYPES)} (e.g. host_d2_int8)"
+    )
+  return ("device", None, m.group(3)) if m.group(2) is None else ("host", int(m.group(2)), m.group(3))
 
 
 def arm_config(config: Config, arm: str) -> Config:
-  placement, depth = parse_arm(arm)
+  """The config of an arm; ValueError when its KV dtype does not fit the model (int8 needs head_dim % 32 == 0)."""
+  placement, depth, kv_dtype = parse_arm(arm)
   kv = dataclasses.replace(
-      config.kv, placement=placement, pipeline_depth=config.kv.pipeline_depth if depth is None else depth
+      config.kv,
+      placement=placement,
+      pipeline_depth=config.kv.pipeline_depth if depth is None else depth,
+      dtype=kv_dtype or config.kv.dtype,
   )
   return dataclasses.replace(config, kv=kv)
+
+
+def arm_kv_dtype(config: Config, arm: str) -> str:
+  """The KV dtype an arm runs with (its suffix, else the config's kv.dtype)."""
+  return parse_arm(arm)[2] or config.kv.dtype
+
+
+def kv_bytes_per_step_per_device(config: Config, mesh, batch: int, rows: list[int]) -> float:
+  """Stored KV bytes one device receives per decode step (mean over the steps' windows), in config.kv.dtype."""
+  kv = dataclasses.replace(config.kv, placement="device")
+  row_bytes = KVCache(config.model, kv, mesh, batch, config.engine.capacity).row_bytes(mesh_lib.tensor_size(mesh))
+  return config.model.num_layers * row_bytes * statistics.mean(rows)
 
 
 def cell_config(config: Config, context: int, new_tokens: int) -> Config:
@@ -183,27 +209,26 @@ def _run_cell(
   t = mesh_lib.tensor_size(mesh)
   steps = spec.new_tokens - 1
   rows = decode_window_rows(context, steps, cfg.kv.block)
-  row_bytes = KVCache(
-      cfg.model, dataclasses.replace(cfg.kv, placement="device"), mesh, batch, cfg.engine.capacity
-  ).row_bytes(t)
-  step_bytes = cfg.model.num_layers * row_bytes * statistics.mean(rows)  # KV moved per decode step, per device
   cell = dict(
       context=context,
       batch=batch,
       capacity=cfg.engine.capacity,
       decode_window_rows=rows,
-      kv_bytes_per_step_per_device=step_bytes,
+      kv_dtype=cfg.kv.dtype,
+      kv_bytes_per_step_per_device=kv_bytes_per_step_per_device(cfg, mesh, batch, rows),
   )
-  logging.info("cell context %d batch %d: ceilings", context, batch)
-  try:
-    # At the first decode step's window (new_tokens < kv.block keeps it for every step).
-    cell["ceilings"] = ceilings.cell_ceilings(cfg, mesh, batch, rows[0], spec.ceiling_reps, _TRANSFER_ONLY_PASSES)
-  except Exception as e:  # pylint: disable=broad-except  (re-raised unless it means "does not fit")
-    reason = skip_reason(e)
-    if reason is None:
-      raise
-    cell["ceilings"] = dict(window_rows=rows[0], skipped=reason)
-  gc.collect()
+  # Ceilings for the config's KV dtype, then for every other KV dtype that a host arm streams.
+  other = [
+      d for d in dict.fromkeys(arm_kv_dtype(cfg, a) for a in spec.arms if a.startswith("host")) if d != cfg.kv.dtype
+  ]
+  cell["ceilings"] = _ceilings(cfg, mesh, batch, rows[0], spec)
+  cell["ceilings_kv_dtype"] = {}
+  for kv_dtype in other:
+    dcfg = dataclasses.replace(cfg, kv=dataclasses.replace(cfg.kv, dtype=kv_dtype))
+    cell["ceilings_kv_dtype"][kv_dtype] = dict(
+        _ceilings(dcfg, mesh, batch, rows[0], spec),
+        kv_bytes_per_step_per_device=kv_bytes_per_step_per_device(dcfg, mesh, batch, rows),
+    )
 
   prompts = run_lib.random_prompts(cfg.model.vocab_size, [context] * batch, spec.seed + context + batch)
   arms = [
@@ -237,12 +262,40 @@ def _run_cell(
         )
   cell["order"] = order
   cell["arms"] = {a.name: a.rec for a in arms}
+  for name, rec in cell["arms"].items():
+    # The peer keeps its cache in the model dtype.
+    kv = dataclasses.replace(cfg.kv, dtype="model") if name == PEER_ARM else arm_config(cfg, name).kv
+    acfg = dataclasses.replace(cfg, kv=kv)
+    rec.update(kv_dtype=kv.dtype, kv_bytes_per_step_per_device=kv_bytes_per_step_per_device(acfg, mesh, batch, rows))
   _summarize(cell, peak_gbps, t)
   return cell
 
 
+def _ceilings(cfg: Config, mesh, batch: int, rows: int, spec: BenchSpec) -> dict:
+  """jaxkv.ceilings.cell_ceilings at the first decode step's window (new_tokens < kv.block keeps it for every
+  step), in cfg.kv.dtype; a ceiling that does not fit is reported skipped."""
+  logging.info("ceilings, kv dtype %s", cfg.kv.dtype)
+  try:
+    out = ceilings.cell_ceilings(cfg, mesh, batch, rows, spec.ceiling_reps, _TRANSFER_ONLY_PASSES)
+  except Exception as e:  # pylint: disable=broad-except  (re-raised unless it means "does not fit")
+    reason = skip_reason(e)
+    if reason is None:
+      raise
+    out = dict(window_rows=rows, skipped=reason)
+  gc.collect()
+  return out
+
+
+def _transfer_ms(ceil: dict) -> float | None:
+  return (ceil.get("transfer_only") or {}).get("ms_median")
+
+
 def _summarize(cell: dict, peak_gbps: float, tensor: int) -> None:
-  """Adds per-arm stats, gain vs ordered, overlap ratio and link efficiency to a finished cell."""
+  """Adds per-arm stats, gain vs ordered, overlap ratio and link efficiency to a finished cell.
+
+  Per KV dtype: the transfer-only ceiling of that dtype, and the compute-only time of the device arm of that
+  dtype (else the plain device arm).
+  """
   arms = cell["arms"]
   for rec in arms.values():
     ok = rec["status"] == "ok"
@@ -256,26 +309,39 @@ def _summarize(cell: dict, peak_gbps: float, tensor: int) -> None:
     return stats and stats["median"]
 
   ordered_tok_s = med(ORDERED_ARM, "tok_s")
-  compute_ms = med(DEVICE_ARM, "ms_per_step")
-  transfer_ms = (cell["ceilings"].get("transfer_only") or {}).get("ms_median")
-  bound_ms = max([m for m in (compute_ms, transfer_ms) if m], default=None)
-  cell["compute_only_ms"] = compute_ms
-  cell["transfer_only_ms"] = transfer_ms
-  # Back-to-back layer deliveries can beat one large put: the link peak is the better of the two.
+  base = cell["kv_dtype"]
+  # Per KV dtype: (stored bytes per step per device, transfer-only ms); the config's dtype first.
+  per_dtype = {base: (cell["kv_bytes_per_step_per_device"], _transfer_ms(cell["ceilings"]))}
+  for d, c in cell["ceilings_kv_dtype"].items():
+    per_dtype[d] = (c["kv_bytes_per_step_per_device"], _transfer_ms(c))
+  cell["compute_only_ms"] = med(DEVICE_ARM, "ms_per_step")
+  cell["transfer_only_ms"] = per_dtype[base][1]
+  # Back-to-back layer deliveries can beat one large put: the link peak is the best of the put and the
+  # transfer-only streaming rates.
+  streaming = [b / (ms * 1e-3) / 1e9 for b, ms in per_dtype.values() if b and ms]
+  peak_gbps = max([peak_gbps, *streaming])
   step_bytes = cell["kv_bytes_per_step_per_device"]
-  streaming_gbps = step_bytes / (transfer_ms * 1e-3) / 1e9 if transfer_ms and step_bytes else 0.0
-  peak_gbps = max(peak_gbps, streaming_gbps)
   cell["link_peak_gbps"] = peak_gbps
   cell["link_bound_tok_s"] = cell["batch"] * peak_gbps * 1e9 / step_bytes if step_bytes else None
   for name, rec in arms.items():
     ms, tok_s = med(name, "ms_per_step"), med(name, "tok_s")
-    moved = cell["kv_bytes_per_step_per_device"] * (tensor if name == PEER_ARM else 1)
+    kv_dtype = rec["kv_dtype"]
+    transfer_ms = per_dtype.get(kv_dtype, per_dtype[base])[1]
+    compute_ms = med(f"{DEVICE_ARM}_{kv_dtype}", "ms_per_step") or cell["compute_only_ms"]
+    bound_ms = max([m for m in (compute_ms, transfer_ms) if m], default=None)
+    moved = rec["kv_bytes_per_step_per_device"] * (tensor if name == PEER_ARM else 1)
+    is_device = name != PEER_ARM and parse_arm(name)[0] == "device"
     rec["gain_vs_ordered"] = tok_s / ordered_tok_s if tok_s and ordered_tok_s else None
     rec["overlap_ratio"] = ms / bound_ms if ms and bound_ms else None
-    rec["link_efficiency"] = moved / (ms * 1e-3) / (peak_gbps * 1e9) if ms and name != DEVICE_ARM else None
+    rec["link_efficiency"] = moved / (ms * 1e-3) / (peak_gbps * 1e9) if ms and not is_device else None
     rec["ring_bytes_per_device_configured"] = rec.get("transport", {}).get("ring_bytes_per_device_configured")
-  hashes = {s["tokens_sha256"] for n, r in arms.items() if n != PEER_ARM for s in r["samples"]}
-  cell["tokens_match_across_arms"] = len(hashes) == 1 if hashes else None
+  # Arms of one KV dtype must agree bit for bit; arms of different KV dtypes may differ.
+  hashes: dict[str, set] = {}
+  for n, r in arms.items():
+    if n != PEER_ARM:
+      hashes.setdefault(r["kv_dtype"], set()).update(s["tokens_sha256"] for s in r["samples"])
+  seen = [h for h in hashes.values() if h]
+  cell["tokens_match_across_arms"] = all(len(h) == 1 for h in seen) if seen else None
 
 
 def _start_peer(config: Config, spec: BenchSpec):
@@ -303,6 +369,8 @@ def run(
     plot_out: str | None = None,
 ) -> dict:
   """Runs the benchmark; writes the JSON / markdown / PNG outputs that are asked for; returns the JSON dict."""
+  for arm in spec.arms:  # A KV dtype that does not fit the model fails here, before any work.
+    arm_config(config, arm)
   mesh, params, _ = run_lib.build(config, spec.seed)
   out = dict(
       command=command,

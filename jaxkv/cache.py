@@ -1,13 +1,17 @@
 """The KV cache: its layout, its placement, and the pure functions that grow it.
 
-Layout, per layer l (B = batch, K = kv heads, Dh = head_dim, P = kv block rows):
+Layout, per layer l (B = batch, K = kv heads, P = kv block rows, E = stored values per head row):
 
-  window[l]: [2, B, K, W, Dh]  rows [0, W) of K (index 0) and V (index 1), W = n * P (None while W = 0).
+  window[l]: [2, B, K, W, E]  rows [0, W) of K (index 0) and V (index 1), W = n * P (None while W = 0).
              Lives in the placement's memory: "device" or "pinned_host". Sharded on K over the `tensor`
              mesh axis, so each device's shard (host or device) holds only that device's heads.
-  open[l]:   [2, B, K, P, Dh]  rows [W, W + P), the block being written; always in device memory.
+  open[l]:   [2, B, K, P, E]  rows [W, W + P), the block being written; always in device memory.
   start:     i32[B]  first valid row of each sequence (prompts are right-aligned: left padding).
   end:       the next row to write, the same for every sequence.
+
+E and the dtype follow kv.dtype (jaxkv.kv_quant.KVFormat): E = head_dim values of a float dtype, or for int8 and
+float8_e4m3fn head_dim quantized bytes followed by their float16 scales, all in one uint8 array, so that a
+layer's window is still ONE array (one transfer). Zero bytes decode to zeros in every format.
 
 Row r of sequence b is valid when start[b] <= r < end. A decode step writes row `end` into the open page
 (on device); when the open page is full, `grow` appends it to the window, which is stored back in its
@@ -25,6 +29,7 @@ import numpy as np
 
 from jaxkv import mesh as mesh_lib
 from jaxkv.config import KVConfig, ModelConfig
+from jaxkv.kv_quant import KVFormat
 
 MEMORY_KIND = {"device": "device", "host": "pinned_host"}
 DEFAULT_GPU_PINNED_POOL_GB = 64
@@ -32,14 +37,14 @@ POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 
 
 def grow(window, rows):
-  """window [2, B, K, W, Dh] or None; rows [2, B, K, N, Dh] -> [2, B, K, W + N, Dh]."""
+  """window [2, B, K, W, E] or None; rows [2, B, K, N, E] -> [2, B, K, W + N, E]."""
   return rows if window is None else jnp.concatenate([window, rows], axis=3)
 
 
 def split_prefilled(window, chunk, *, w_rows: int, block: int):
   """After the last prefill chunk: rows [0, w_rows) become the window, [w_rows, w_rows + block) the open page.
 
-  window [2, B, K, W0, Dh] or None; chunk [2, B, K, C, Dh]. Rows past the chunk read as zeros.
+  window [2, B, K, W0, E] or None; chunk [2, B, K, C, E]. Rows past the chunk are zeros (zero bytes decode to 0).
   """
   full = grow(window, chunk)
   pad = w_rows + block - full.shape[3]
@@ -55,11 +60,13 @@ class KVCache:
   def __init__(self, model: ModelConfig, kv: KVConfig, mesh: jax.sharding.Mesh, batch: int, capacity: int):
     self.model, self.kv, self.mesh = model, kv, mesh
     self.batch, self.capacity, self.block = batch, capacity, kv.block
-    self.dtype = jnp.dtype(model.dtype)
+    self.format = KVFormat.of(model, kv.dtype)
+    self.dtype = self.format.storage_dtype
+    self.row_width = self.format.width  # E.
     self.device_sharding = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
     self.store_sharding = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, MEMORY_KIND[kv.placement])
     if kv.placement == "host":
-      check_pinned_pool(self.host_bytes_per_process(), model, batch, self.rows_bound())
+      check_pinned_pool(self.host_bytes_per_process(), model, self.format, batch, self.rows_bound())
     self.windows: list[jax.Array | None] = [None] * model.num_layers
     self.opens: list[jax.Array | None] = [None] * model.num_layers
     self.rows = 0  # W, the same for every layer.
@@ -69,9 +76,9 @@ class KVCache:
     return -(-self.capacity // self.block) * self.block + self.block
 
   def row_bytes(self, devices: int = 1) -> int:
-    """Bytes of one cache row (K and V, all batch entries) held by each of `devices` head shards."""
-    m = self.model
-    return 2 * self.batch * (m.num_kv_heads // devices) * m.head_dim * self.dtype.itemsize
+    """Bytes of one stored cache row (K and V, all batch entries, packed scales included) held by each of
+    `devices` head shards."""
+    return 2 * self.batch * (self.model.num_kv_heads // devices) * self.format.row_bytes
 
   def host_bytes_per_process(self) -> int:
     """Pinned host bytes this process needs at full capacity: its devices' head shares of every layer,
@@ -99,14 +106,14 @@ def pinned_pool_limit_bytes() -> int | None:
   return None
 
 
-def check_pinned_pool(needed: int, model: ModelConfig, batch: int, rows: int) -> None:
+def check_pinned_pool(needed: int, model: ModelConfig, fmt: KVFormat, batch: int, rows: int) -> None:
   limit = pinned_pool_limit_bytes()
   if limit is not None and needed > limit:
     gib = needed / 2**30
     raise ValueError(
         f"the host KV cache needs {gib:.2f} GiB of pinned host memory in this process "
         f"({model.num_layers} layers x 2 x batch {batch} x {model.num_kv_heads} kv heads x {rows} rows x "
-        f"{model.head_dim} x {jnp.dtype(model.dtype).itemsize} B, plus one layer in flight), but the pinned "
+        f"{fmt.row_bytes} B per head row ({fmt.name}), plus one layer in flight), but the pinned "
         f"pool is limited to {limit / 2**30:.2f} GiB. Raise it before starting, e.g. "
         f"{POOL_ENV}={int(np.ceil(gib)) + 1}, or lower the batch or engine.capacity."
     )

@@ -58,13 +58,14 @@ def h2d_peak(mesh: jax.sharding.Mesh, bytes_per_device: int, reps: int) -> dict:
 
 
 def host_cache_filled(config: Config, mesh: jax.sharding.Mesh, batch: int, rows: int) -> KVCache:
-  """A host-placement KVCache whose every layer window is ones[2, B, K, rows, Dh] in pinned_host.
+  """A host-placement KVCache whose every layer window is ones[2, B, K, rows, E] in pinned_host (E and the dtype
+  of config.kv.dtype: the packed rows of a quantized cache, so the bytes moved are the real ones).
 
   Each layer gets its own host buffer, as in a real cache. Raises ValueError when the pinned pool is too small.
   """
   cache = KVCache(config.model, dataclasses.replace(config.kv, placement="host"), mesh, batch, config.engine.capacity)
   m = config.model
-  src = _ones((2, batch, m.num_kv_heads, rows, m.head_dim), cache.dtype, cache.device_sharding)
+  src = _ones((2, batch, m.num_kv_heads, rows, cache.row_width), cache.dtype, cache.device_sharding)
   for l in range(m.num_layers):
     cache.windows[l] = jax.device_put(src, cache.store_sharding)
   cache.rows = rows

@@ -35,6 +35,13 @@ KV_BUDGET = flags.DEFINE_integer(
     "kv_pipeline_budget_mib", None, "Cap on the delivery ring per device, MiB " "(0 = none)."
 )
 KV_HEADROOM = flags.DEFINE_integer("kv_headroom_mib", None, "Device memory kept free when sizing the ring.")
+KV_DTYPE = flags.DEFINE_enum(
+    "kv_dtype",
+    None,
+    list(config_lib.KV_DTYPES),
+    "KV cache storage (default: config kv.dtype, 'model' = the model dtype). int8: blocks of 32 values along "
+    "head_dim with a float16 scale each (head_dim % 32 == 0); float8_e4m3fn: a float16 scale per head row.",
+)
 KV_DEBUG = flags.DEFINE_integer(
     "kv_transport_debug", None, "Transport telemetry: 0 totals, 1 per step, 2 per layer, 3 log per step."
 )
@@ -46,6 +53,7 @@ _KV_FLAGS = {
     "budget_mib": KV_BUDGET,
     "headroom_mib": KV_HEADROOM,
     "transport_debug": KV_DEBUG,
+    "dtype": KV_DTYPE,
 }
 
 

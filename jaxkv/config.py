@@ -10,6 +10,9 @@ import dataclasses
 from typing import Any
 
 PLACEMENTS = ("device", "host")
+# KV cache storage: "model" = the model dtype; two float dtypes; two quantized ones (see jaxkv.kv_quant).
+KV_DTYPES = ("model", "bfloat16", "float32", "int8", "float8_e4m3fn")
+INT8_BLOCK = 32  # int8 KV: values per scale along head_dim (llama.cpp q8_0).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,9 @@ class KVConfig:
   headroom_mib: device memory kept free when sizing the ring.
   transport_debug: 0 = totals, 1 = plus per-step bytes and ring, 2 = plus per-layer issue/ready times (it waits
     for each delivery to time it), 3 = plus a log line per step.
+  dtype: how cache rows are stored and delivered, one of KV_DTYPES: "model" (the model dtype), "bfloat16",
+    "float32", or quantized "int8" (blocks of INT8_BLOCK values along head_dim, one scale each) and
+    "float8_e4m3fn" (one scale per head row); jaxkv.kv_quant has the packed layout.
   """
 
   placement: str = "device"
@@ -82,6 +88,7 @@ class KVConfig:
   budget_mib: int = 0
   headroom_mib: int = 512
   transport_debug: int = 0
+  dtype: str = "model"
 
   def __post_init__(self):
     if self.placement not in PLACEMENTS:
@@ -94,6 +101,18 @@ class KVConfig:
       raise ValueError("kv.budget_mib and kv.headroom_mib must be >= 0")
     if self.transport_debug not in (0, 1, 2, 3):
       raise ValueError(f"kv.transport_debug must be 0..3, got {self.transport_debug}")
+    check_kv_dtype(self.dtype)
+
+
+def check_kv_dtype(kv_dtype: str, head_dim: int | None = None) -> None:
+  """Raises ValueError for an unknown KV dtype, or for int8 with a head_dim that is not a multiple of INT8_BLOCK."""
+  if kv_dtype not in KV_DTYPES:
+    raise ValueError(f"kv.dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
+  if kv_dtype == "int8" and head_dim is not None and head_dim % INT8_BLOCK:
+    raise ValueError(
+        f"kv.dtype int8 quantizes blocks of {INT8_BLOCK} values along head_dim, so model.head_dim must be a "
+        f"multiple of {INT8_BLOCK}; got head_dim {head_dim}. Use another kv.dtype (e.g. float8_e4m3fn)."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +153,9 @@ class Config:
   engine: EngineConfig
   sampling: SamplingConfig
   mesh: tuple[tuple[str, int], ...]  # ((axis_name, size), ...); size -1 = the remaining devices.
+
+  def __post_init__(self):
+    check_kv_dtype(self.kv.dtype, self.model.head_dim)
 
 
 def _build(cls, d: dict[str, Any], where: str):

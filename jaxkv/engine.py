@@ -28,6 +28,7 @@ from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv import sampling as sampling_lib
 from jaxkv.config import Config, ModelConfig, SamplingConfig
+from jaxkv.kv_quant import KVFormat
 from jaxkv.transport import Transport
 
 _LAG = 2  # Decode steps between dispatching a step and reading its tokens back.
@@ -66,16 +67,17 @@ class _Fns:
 
 
 @functools.lru_cache(maxsize=None)
-def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConfig) -> _Fns:
-  """The jitted per-layer functions, shared by every engine (and delivery mode) on one mesh."""
+def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConfig, kv_dtype: str = "model") -> _Fns:
+  """The jitted per-layer functions, shared by every engine (and delivery mode) on one mesh and KV dtype."""
   rep = mesh_lib.replicated(mesh)
   kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
+  fmt = KVFormat.of(cfg, kv_dtype)
 
   def prefill(p, x, window, meta):
-    return model.prefill_layer(p, x, window, meta[:-3], cfg=cfg)
+    return model.prefill_layer(p, x, window, meta[:-3], cfg=cfg, kv_format=fmt)
 
   def decode(p, x, window, open_page, meta):
-    return model.decode_layer(p, x, window, open_page, meta[:-3], meta[-3], cfg=cfg)
+    return model.decode_layer(p, x, window, open_page, meta[:-3], meta[-3], cfg=cfg, kv_format=fmt)
 
   def flush(window, open_page):
     return cache_lib.grow(window, open_page), jnp.zeros_like(open_page)
@@ -111,7 +113,7 @@ class Engine:
       )
     self.config, self.mesh, self.params = config, mesh, params
     self.top = {k: v for k, v in params.items() if k != "layers"}
-    self.fns = _functions(config.model, mesh, config.sampling)
+    self.fns = _functions(config.model, mesh, config.sampling, config.kv.dtype)
     self._rep = mesh_lib.replicated(mesh)
 
   def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:

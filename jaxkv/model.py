@@ -8,7 +8,9 @@ F = mlp_dim, V = vocab, R = cache rows in the attended window):
   layer params: attn_norm [D], wq [D, H, Dh], wk [D, K, Dh], wv [D, K, Dh], wo [H, Dh, D],
                 q_norm [Dh], k_norm [Dh] (qk_norm only), mlp_norm [D], w_gate [D, F], w_up [D, F],
                 w_down [F, D]
-  kv arrays: [2, B, K, R, Dh] (index 0 = K, 1 = V), rows in cache order; see jaxkv.cache.
+  kv arrays: stored [2, B, K, R, E] (index 0 = K, 1 = V), rows in cache order; see jaxkv.cache. E and the
+    dtype come from the KV format (jaxkv.kv_quant): E = Dh for a float cache; quantized rows are packed with
+    their scales. Rows are packed when written and unpacked to [2, B, K, R, Dh] inside the layer that attends.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 
 from jaxkv import mesh as mesh_lib
 from jaxkv.config import ModelConfig
+from jaxkv.kv_quant import KVFormat
 
 L_ = mesh_lib  # Short alias for logical axis names below.
 
@@ -154,9 +157,10 @@ def qkv(p, x, pos, cfg: ModelConfig):
 
 
 def attention(q, kv, mask):
-  """q [B, T, H, Dh]; kv [2, B, K, R, Dh]; mask bool[B, T, R] (True = attend) -> [B, T, H, Dh].
+  """q [B, T, H, Dh]; kv [2, B, K, R, Dh] values (unpacked); mask bool[B, T, R] (True = attend) -> [B, T, H, Dh]
+  of q's dtype.
 
-  Softmax in f32. Every query row must have at least one True in its mask.
+  Softmax in f32; the weights and V products in kv's dtype. Every query row must have at least one True in its mask.
   """
   b, t, h, dh = q.shape
   k_heads = kv.shape[2]
@@ -166,7 +170,7 @@ def attention(q, kv, mask):
   s = jnp.where(mask[:, None, None, :, :], s, -jnp.inf)
   w = jax.nn.softmax(s, axis=-1).astype(kv.dtype)
   o = jnp.einsum("bkgtr,bkrd->btkgd", w, kv[1])
-  return o.reshape(b, t, h, dh)
+  return o.reshape(b, t, h, dh).astype(q.dtype)
 
 
 def attn_out_and_mlp(p, x, o, cfg: ModelConfig):
@@ -178,40 +182,45 @@ def attn_out_and_mlp(p, x, o, cfg: ModelConfig):
   return x + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, p["w_down"])
 
 
-def prefill_layer(p, x, window, start, *, cfg: ModelConfig):
+def prefill_layer(p, x, window, start, *, cfg: ModelConfig, kv_format: KVFormat | None = None):
   """One layer over a chunk of C prompt rows that starts at row W = window.shape[3].
 
-  x [B, C, D]; window [2, B, K, W, Dh] rows [0, W) or None (first chunk); start i32[B] first valid row.
-  Returns x [B, C, D] and the chunk's kv [2, B, K, C, Dh].
+  x [B, C, D]; window stored [2, B, K, W, E] rows [0, W) or None (first chunk); start i32[B] first valid row;
+  kv_format: how rows are stored (default: the model dtype).
+  Returns x [B, C, D] and the chunk's stored kv [2, B, K, C, E]. The chunk attends to its rows as stored
+  (packed, then unpacked): the values decode will see.
   Rows before `start` are left padding: their keys are masked for everyone, and a padding query attends to
   itself only (so it stays finite).
   """
+  fmt = kv_format or KVFormat.of(cfg)
   c = x.shape[1]
   w_rows = 0 if window is None else window.shape[3]
   rows = w_rows + jnp.arange(c, dtype=jnp.int32)  # [C]
   pos = jnp.maximum(rows[None, :] - start[:, None], 0)  # [B, C]
   q, k, v = qkv(p, x, pos, cfg)
-  chunk = jnp.stack([k, v]).transpose(0, 1, 3, 2, 4)  # [2, B, K, C, Dh]
-  kv = chunk if window is None else jnp.concatenate([window, chunk], axis=3)
+  chunk = fmt.pack(jnp.stack([k, v]).transpose(0, 1, 3, 2, 4))  # [2, B, K, C, E]
+  kv = fmt.unpack(chunk if window is None else jnp.concatenate([window, chunk], axis=3))
   key_rows = jnp.arange(w_rows + c, dtype=jnp.int32)
   causal = (key_rows[None, None, :] <= rows[None, :, None]) & (key_rows[None, None, :] >= start[:, None, None])
   mask = causal | (key_rows[None, None, :] == rows[None, :, None])
   return attn_out_and_mlp(p, x, attention(q, kv, mask), cfg), chunk
 
 
-def decode_layer(p, x, window, open_page, start, end, *, cfg: ModelConfig):
+def decode_layer(p, x, window, open_page, start, end, *, cfg: ModelConfig, kv_format: KVFormat | None = None):
   """One layer for one new token per sequence, written at row `end` of every sequence.
 
-  x [B, D]; window [2, B, K, W, Dh] rows [0, W), or None while W = 0; open_page [2, B, K, P, Dh] rows
-  [W, W + P), on device; start i32[B]; end i32[] with W <= end < W + P.
-  Returns x [B, D] and the open page with the new row written.
+  x [B, D]; window stored [2, B, K, W, E] rows [0, W), or None while W = 0; open_page stored [2, B, K, P, E]
+  rows [W, W + P), on device; start i32[B]; end i32[] with W <= end < W + P; kv_format: how rows are stored
+  (default: the model dtype).
+  Returns x [B, D] and the open page with the new row written (packed).
   """
+  fmt = kv_format or KVFormat.of(cfg)
   w_rows, page = (0 if window is None else window.shape[3]), open_page.shape[3]
   pos = (end - start)[:, None]  # [B, 1]
   q, k, v = qkv(p, x[:, None, :], pos, cfg)
-  new = jnp.stack([k, v]).transpose(0, 1, 3, 2, 4).astype(open_page.dtype)  # [2, B, K, 1, Dh]
+  new = fmt.pack(jnp.stack([k, v]).transpose(0, 1, 3, 2, 4))  # [2, B, K, 1, E]
   open_page = jax.lax.dynamic_update_slice(open_page, new, (0, 0, 0, end - w_rows, 0))
-  kv = open_page if window is None else jnp.concatenate([window, open_page], axis=3)
+  kv = fmt.unpack(open_page if window is None else jnp.concatenate([window, open_page], axis=3))
   key_rows = jnp.arange(w_rows + page, dtype=jnp.int32)
   mask = (key_rows[None, :] >= start[:, None]) & (key_rows[None, :] <= end)  # [B, R]
   o = attention(q, kv, mask[:, None, :])

@@ -46,8 +46,11 @@ def engine(
     sampling=None,
     budget_mib=0,
     debug=0,
+    kv_dtype="model",
     cfg: config_lib.Config | None = None,
 ) -> engine_lib.Engine:
+  """An engine on the tiny config (or `cfg`) with these kv/engine/sampling fields; weights cached per mesh and
+  model config. int8 needs a head_dim that is a multiple of 32: cfg=tiny_config(head_dim=32)."""
   cfg = cfg or tiny_config()
   kv = dataclasses.replace(
       cfg.kv,
@@ -56,6 +59,7 @@ def engine(
       block=block or cfg.kv.block,
       budget_mib=budget_mib,
       transport_debug=debug,
+      dtype=kv_dtype,
   )
   eng = dataclasses.replace(
       cfg.engine, capacity=capacity or cfg.engine.capacity, prefill_chunk=chunk or cfg.engine.prefill_chunk

@@ -11,7 +11,8 @@ from jaxkv import cache as cache_lib
 from jaxkv import peer_hf
 from jaxkv.config import from_config_dict
 
-ARMS = ("device", "host_d0", "host_d1", "host_d2", "host_d4")
+ARMS = ("device", "host_d0", "host_d1", "host_d2", "host_d4", "host_d2_int8")
+INT8_ROW, F32_ROW = 32 + 32 // 32 * 2, 32 * 4  # Bytes per head row at head_dim 32: int8 + f16 scales; f32.
 ROUNDS = 2
 TOP_FIELDS = {"command", "hardware", "config", "spec", "tensor", "h2d_peak", "peer", "cells", "plot"}
 CELL_FIELDS = {
@@ -19,7 +20,9 @@ CELL_FIELDS = {
     "batch",
     "capacity",
     "decode_window_rows",
+    "kv_dtype",
     "kv_bytes_per_step_per_device",
+    "ceilings_kv_dtype",
     "link_bound_tok_s",
     "ceilings",
     "order",
@@ -41,6 +44,8 @@ ARM_FIELDS = {
     "link_efficiency",
     "device_peak_bytes_in_use_process",
     "ring_bytes_per_device_configured",
+    "kv_dtype",
+    "kv_bytes_per_step_per_device",
 }
 SAMPLE_FIELDS = {
     "round",
@@ -59,6 +64,7 @@ def _config():
     pytest.skip("needs 2 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py)")
   cd = tiny.get_config()
   cd.mesh.tensor = 2
+  cd.model.head_dim = 32  # int8 KV needs a multiple of 32.
   return from_config_dict(cd)
 
 
@@ -114,10 +120,32 @@ def test_each_arm_has_numbers(bench):
       assert 0 < a["tok_s"]["min"] <= a["tok_s"]["median"] <= a["tok_s"]["max"]
       assert a["ms_per_step"]["median"] > 0 and a["gain_vs_ordered"] > 0 and a["overlap_ratio"] > 0
       assert (a["link_efficiency"] is None) == (name == "device")
+      assert a["kv_dtype"] == ("int8" if name.endswith("_int8") else "model")
       assert (a["ring_bytes_per_device_configured"] > 0) == (name != "device")
     assert cell["arms"]["host_d0"]["gain_vs_ordered"] == 1.0
     peer = cell["arms"][benchmark.PEER_ARM]
     assert peer["status"] == "skipped" and "cpu" in peer["reason"] and not peer["samples"]
+
+
+def test_int8_arm_moves_and_reports_the_packed_bytes(bench):
+  """host_d2_int8 streams 34 B per head row (32 int8 + one f16 scale) where host_d2 streams 128 (f32): its
+  telemetry, its bytes per step and its link efficiency all use the packed bytes."""
+  out, _ = bench
+  for cell in out["cells"]:
+    f32, int8 = cell["arms"]["host_d2"], cell["arms"]["host_d2_int8"]
+    assert int8["transport"]["h2d_bytes"] * F32_ROW == f32["transport"]["h2d_bytes"] * INT8_ROW
+    assert int8["transport"]["d2h_bytes"] * F32_ROW == f32["transport"]["d2h_bytes"] * INT8_ROW
+    assert int8["kv_bytes_per_step_per_device"] * F32_ROW == cell["kv_bytes_per_step_per_device"] * INT8_ROW
+    assert f32["kv_bytes_per_step_per_device"] == cell["kv_bytes_per_step_per_device"]
+    ceil = cell["ceilings_kv_dtype"]["int8"]
+    assert ceil["kv_bytes_per_step_per_device"] == int8["kv_bytes_per_step_per_device"]
+    assert ceil["transfer_only"]["ms_median"] > 0
+    assert (
+        ceil["h2d_layer"]["bytes_per_device"] * F32_ROW == cell["ceilings"]["h2d_layer"]["bytes_per_device"] * INT8_ROW
+    )
+    ms = int8["ms_per_step"]["median"]
+    want = int8["kv_bytes_per_step_per_device"] / (ms * 1e-3) / (cell["link_peak_gbps"] * 1e9)
+    assert int8["link_efficiency"] == pytest.approx(want)
 
 
 def test_markdown_and_plot(bench):
@@ -126,7 +154,8 @@ def test_markdown_and_plot(bench):
     md = f.read()
   for name in ARMS:
     assert f"| 40 | 2 | {name} |" in md
-  assert f"| 16 | 2 | {benchmark.PEER_ARM} | skipped" in md
+  assert f"| 16 | 2 | {benchmark.PEER_ARM} | 0.2 | skipped" in md  # KV MiB/step/device, then the reason.
+  assert "| 40 | 2 | int8 | 40 |" in md  # The int8 arm's transfer ceilings.
   if out["plot"]["status"] == "ok":
     with open(paths["png"], "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -155,11 +184,17 @@ def test_skip_reason():
 
 
 def test_arm_names():
-  assert benchmark.parse_arm("device") == ("device", None)
-  assert benchmark.parse_arm("host_d4") == ("host", 4)
-  for bad in ("host", "host_d", "device_d1", "hf_offloaded"):
+  assert benchmark.parse_arm("device") == ("device", None, None)
+  assert benchmark.parse_arm("host_d4") == ("host", 4, None)
+  assert benchmark.parse_arm("host_d2_int8") == ("host", 2, "int8")
+  assert benchmark.parse_arm("device_float8_e4m3fn") == ("device", None, "float8_e4m3fn")
+  assert benchmark.parse_arm("host_d0_bfloat16") == ("host", 0, "bfloat16")
+  for bad in ("host", "host_d", "device_d1", "hf_offloaded", "host_d2_int4", "host_d2_model", "host_d2int8"):
     with pytest.raises(ValueError):
       benchmark.parse_arm(bad)
+  cfg = from_config_dict(tiny.get_config())  # head_dim 16: int8 does not fit, before any work.
+  with pytest.raises(ValueError, match="head_dim"):
+    benchmark.run(cfg, _spec(arms=("host_d2_int8",)))
 
 
 def test_peer_starts_or_says_why():

@@ -22,12 +22,12 @@ SAMPLINGS = {
 }
 
 
-@pytest.mark.parametrize("tensor", helpers.MESH_SIZES)
-@pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
-def test_every_delivery_mode_is_bitwise_identical(tensor, sampling):
+def _check_every_mode_is_bitwise_identical(tensor, sampling, kv_dtype="model", cfg=None):
   results = {}
   for placement, depth in MODES:
-    eng = helpers.engine(tensor, placement=placement, depth=depth, sampling=SAMPLINGS[sampling])
+    eng = helpers.engine(
+        tensor, placement=placement, depth=depth, sampling=SAMPLINGS[sampling], kv_dtype=kv_dtype, cfg=cfg
+    )
     results[placement, depth] = eng.generate(helpers.prompts(LENGTHS), NEW, seed=7, keep_logits=True)
   ref = results["device", 1]
   assert ref.transport["h2d_bytes"] == 0
@@ -38,6 +38,24 @@ def test_every_delivery_mode_is_bitwise_identical(tensor, sampling):
     if mode[0] == "host":
       assert res.transport["depth"] == mode[1]
       assert res.transport["h2d_bytes"] > 0 and res.transport["d2h_bytes"] > 0
+
+
+@pytest.mark.parametrize("tensor", helpers.MESH_SIZES)
+@pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
+def test_every_delivery_mode_is_bitwise_identical(tensor, sampling):
+  _check_every_mode_is_bitwise_identical(tensor, sampling)
+
+
+# The gate for every other KV dtype ("float32" is the tiny model's own dtype, gated above at every mesh and
+# sampling). To keep the suite fast these run greedy on meshes 1 and 4 only, not the 8 x 2 x 5 matrix: packing
+# acts on one head row at a time, so the mesh only decides which device holds a row; 1 (unsharded) and 4
+# (two heads per device) cover both, and sampling reads only the logits. bfloat16 (a plain cast) runs on mesh 4
+# only. head_dim 32, as int8 needs.
+@pytest.mark.parametrize(
+    "kv_dtype,tensor", [("int8", 1), ("int8", 4), ("float8_e4m3fn", 1), ("float8_e4m3fn", 4), ("bfloat16", 4)]
+)
+def test_every_delivery_mode_is_bitwise_identical_for_each_kv_dtype(kv_dtype, tensor):
+  _check_every_mode_is_bitwise_identical(tensor, "greedy", kv_dtype, helpers.tiny_config(head_dim=32))
 
 
 def test_deliveries_carry_only_the_filled_window_and_each_device_its_heads():
