@@ -1,7 +1,9 @@
-"""Generate from random prompt token ids: `python -m jaxkv.generate` (tiny model, 4 CPU devices).
+"""Generate: `python -m jaxkv.generate` (tiny random model, random prompt ids, 4 CPU devices).
 
-Prints the tokens and the tokens/logits hashes; --json_out writes them with the resolved config and the
-transport telemetry.
+With --checkpoint_dir the model and weights come from a Hugging Face checkpoint folder (jaxkv.checkpoint), and
+--prompt (repeatable) gives text prompts that its tokenizer.json encodes; the new tokens are printed decoded.
+Without --prompt, prompts are random token ids of --prompt_len. Prints the tokens and the tokens/logits hashes;
+--json_out writes them with the resolved config and the transport telemetry.
 """
 
 from __future__ import annotations
@@ -22,6 +24,21 @@ PROMPT_LEN = flags.DEFINE_list(
 MAX_NEW = flags.DEFINE_integer("max_new_tokens", 16, "Tokens to generate per sequence.")
 SEED = flags.DEFINE_integer("seed", 0, "Seeds the weights, the prompt ids and sampling.")
 JSON_OUT = flags.DEFINE_string("json_out", None, "Write tokens, hashes, config and telemetry here.")
+CHECKPOINT_DIR = flags.DEFINE_string(
+    "checkpoint_dir",
+    None,
+    "Hugging Face checkpoint folder (config.json, safetensors weights, tokenizer.json for --prompt): its model "
+    "replaces --config's model section; --config still gives the kv, engine, sampling and mesh settings.",
+)
+PROMPT = flags.DEFINE_multi_string(
+    "prompt", None, "Text prompt, one sequence each time the flag is given; needs --checkpoint_dir's tokenizer.json."
+)
+CHECKPOINT_DTYPE = flags.DEFINE_enum(
+    "checkpoint_dtype",
+    None,
+    ["bfloat16", "float16", "float32"],
+    "With --checkpoint_dir: weights, activations and KV dtype (default: config.json's torch_dtype, else bfloat16).",
+)
 
 
 def prompt_lengths(values, batch):
@@ -47,12 +64,33 @@ def main(argv):
   from jaxkv import run  # pylint: disable=g-import-not-at-top  (after the platform is set)
 
   cd = cli.resolved_config_dict()
-  lens = prompt_lengths(PROMPT_LEN.value, BATCH.value)
+  texts = PROMPT.value or []
+  if texts and not CHECKPOINT_DIR.value:
+    raise app.UsageError("--prompt needs --checkpoint_dir (the model and its tokenizer.json)")
+  if texts and BATCH.value not in (None, len(texts)):
+    raise app.UsageError(f"--batch={BATCH.value} but {len(texts)} --prompt values")
+  if CHECKPOINT_DTYPE.value and not CHECKPOINT_DIR.value:
+    raise app.UsageError("--checkpoint_dtype needs --checkpoint_dir (else set --config.model.dtype)")
+  lens = [] if texts else prompt_lengths(PROMPT_LEN.value, BATCH.value)
   t0 = time.perf_counter()
-  out = run.generate_random(cd, lens, MAX_NEW.value, SEED.value)
+  if CHECKPOINT_DIR.value:
+    out = run.generate_checkpoint(
+        cd,
+        CHECKPOINT_DIR.value,
+        prompts=texts,
+        lengths=lens,
+        max_new_tokens=MAX_NEW.value,
+        seed=SEED.value,
+        dtype=CHECKPOINT_DTYPE.value,
+    )
+  else:
+    out = run.generate_random(cd, lens, MAX_NEW.value, SEED.value)
   out["wall_s"] = time.perf_counter() - t0
   for i, toks in enumerate(out["tokens"]):
-    print(f"sequence {i} (prompt {lens[i]} tokens): {toks}")
+    print(f"sequence {i} (prompt {out['prompt_lengths'][i]} tokens): {toks}")
+    if "text" in out:
+      print(f"  prompt: {out['prompts'][i]}")
+      print(f"  output: {out['text'][i]}")
   print(f"tokens_sha256 {out['tokens_sha256']}")
   print(f"logits_sha256 {out['logits_sha256']}")
   t = out["transport"]

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import jax
 import numpy as np
 
+from jaxkv import checkpoint
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
+from jaxkv import tokenizer as tokenizer_lib
 
 
 def build(config: config_lib.Config, seed: int):
@@ -18,9 +23,36 @@ def build(config: config_lib.Config, seed: int):
   return mesh, params, engine_lib.Engine(config, mesh, params)
 
 
+def build_from_checkpoint(config: config_lib.Config, checkpoint_dir: str, dtype: str | None = None):
+  """Returns (config, mesh, params, engine) with the model and weights of a Hugging Face checkpoint folder.
+
+  The returned config is `config` with its model replaced by the checkpoint's (jaxkv.checkpoint.load); the kv,
+  engine, sampling and mesh settings are kept.
+  """
+  mesh = mesh_lib.make_mesh(config.mesh)
+  model_config, params = checkpoint.load(checkpoint_dir, mesh, dtype)
+  config = dataclasses.replace(config, model=model_config)
+  return config, mesh, params, engine_lib.Engine(config, mesh, params)
+
+
 def random_prompts(vocab_size: int, lengths, seed: int) -> list[list[int]]:
   rng = np.random.default_rng(seed)
   return [rng.integers(0, vocab_size, size=n).tolist() for n in lengths]
+
+
+def _result(res: engine_lib.GenerateResult, config_dict, prompt_lengths, max_new_tokens: int, seed: int) -> dict:
+  return dict(
+      tokens=res.tokens,
+      tokens_sha256=res.tokens_sha256,
+      logits_sha256=res.logits_sha256,
+      transport=res.transport,
+      timing=res.timing,
+      prompt_lengths=list(prompt_lengths),
+      max_new_tokens=max_new_tokens,
+      seed=seed,
+      config=config_dict.to_dict(),
+      devices=[str(d) for d in jax.devices()],
+  )
 
 
 def generate_random(config_dict, lengths, max_new_tokens: int, seed: int) -> dict:
@@ -29,15 +61,37 @@ def generate_random(config_dict, lengths, max_new_tokens: int, seed: int) -> dic
   prompts = random_prompts(config.model.vocab_size, lengths, seed)
   _, _, engine = build(config, seed)
   res = engine.generate(prompts, max_new_tokens, seed=seed)
-  return dict(
-      tokens=res.tokens,
-      tokens_sha256=res.tokens_sha256,
-      logits_sha256=res.logits_sha256,
-      transport=res.transport,
-      timing=res.timing,
-      prompt_lengths=list(lengths),
-      max_new_tokens=max_new_tokens,
-      seed=seed,
-      config=config_dict.to_dict(),
-      devices=[str(d) for d in jax.devices()],
-  )
+  return _result(res, config_dict, lengths, max_new_tokens, seed)
+
+
+def generate_checkpoint(
+    config_dict,
+    checkpoint_dir: str,
+    *,
+    prompts: Sequence[str] | None = None,
+    lengths: Sequence[int] = (),
+    max_new_tokens: int,
+    seed: int,
+    dtype: str | None = None,
+) -> dict:
+  """Generates with a checkpoint folder's model and weights; returns a JSON-ready dict.
+
+  With `prompts` (text, one per sequence) the folder's tokenizer.json encodes them and decodes the output: the
+  dict gains `prompts`, `prompt_tokens` and `text` (the decoded new tokens per sequence). Without, the prompts are
+  random token ids of the given `lengths`, as in `generate_random`. The model section of `config_dict` is
+  replaced by the checkpoint's (`model` in the dict); its kv, engine, sampling and mesh settings apply.
+  """
+  if not prompts and not lengths:
+    raise ValueError("give text prompts or random prompt lengths")
+  tok = tokenizer_lib.Tokenizer.from_dir(checkpoint_dir) if prompts else None  # Before the weights: fails fast.
+  config, _, _, engine = build_from_checkpoint(config_lib.from_config_dict(config_dict), checkpoint_dir, dtype)
+  if tok is not None:
+    ids = [tok.encode(p) for p in prompts]
+  else:
+    ids = random_prompts(config.model.vocab_size, lengths, seed)
+  res = engine.generate(ids, max_new_tokens, seed=seed)
+  out = _result(res, config_dict, [len(p) for p in ids], max_new_tokens, seed)
+  out.update(checkpoint_dir=checkpoint_dir, model=dataclasses.asdict(config.model))
+  if tok is not None:
+    out.update(prompts=list(prompts), prompt_tokens=ids, text=[tok.decode(t) for t in res.tokens])
+  return out

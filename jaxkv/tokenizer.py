@@ -1,0 +1,47 @@
+"""The tokenizer of a checkpoint folder: its tokenizer.json, read with Hugging Face `tokenizers`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import tokenizers
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class Tokenizer:
+  """Text <-> token ids with a tokenizer.json.
+
+  `encode` applies the tokenizer's post-processor, so a prompt starts with BOS exactly when the checkpoint's
+  tokenizer adds one (Llama-3 adds <|begin_of_text|>, Qwen3 adds nothing).
+  """
+
+  def __init__(self, path: str):
+    if not os.path.isfile(path):
+      raise ValueError(f"no tokenizer file {path!r}")
+    try:
+      self._tok = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed file.
+      raise ValueError(f"cannot read {path!r} as a tokenizers tokenizer.json: {e}") from e
+    self.path = path
+
+  @classmethod
+  def from_dir(cls, checkpoint_dir: str) -> Tokenizer:
+    """The tokenizer.json of a checkpoint folder (ValueError when there is none)."""
+    path = os.path.join(checkpoint_dir, TOKENIZER_FILE)
+    if not os.path.isfile(path):
+      raise ValueError(f"checkpoint directory {checkpoint_dir!r} has no {TOKENIZER_FILE}: text prompts need one")
+    return cls(path)
+
+  @property
+  def vocab_size(self) -> int:
+    """Ids in the vocabulary, added tokens included."""
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str) -> list[int]:
+    """Token ids of `text`, with the special tokens (BOS) that the tokenizer's post-processor adds."""
+    return self._tok.encode(text, add_special_tokens=True).ids
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
