@@ -5,7 +5,8 @@ row `end` and one `dynamic_update_slice` serves the whole batch. Prefill runs in
 `engine.prefill_chunk` rows; decode produces one token per sequence per step. Each layer is ONE jitted
 function, shared by every delivery mode: only where its KV window comes from changes (jaxkv.transport).
 
-Per-step metadata, one explicit host->device transfer per pass: meta i32[B + 3] = start[B], end, step, seed.
+Per-pass metadata meta i32[B + 3] = start[B], end, step, seed: one explicit host->device transfer per prefill
+chunk; during decode the head computes the next step's meta on the device.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class Engine:
     mesh_lib.check_divisible(config.model, mesh)
     if config.engine.prefill_chunk % config.kv.block:
       raise ValueError(
-          f"engine.prefill_chunk ({config.engine.prefill_chunk}) must be a multiple of " f"kv.block ({config.kv.block})"
+          f"engine.prefill_chunk ({config.engine.prefill_chunk}) must be a multiple of kv.block ({config.kv.block})"
       )
     self.config, self.mesh, self.params = config, mesh, params
     self.top = {k: v for k, v in params.items() if k != "layers"}
@@ -128,7 +129,7 @@ class Engine:
       if len(p) == 0:
         raise ValueError(f"prompt {i} is empty")
       if len(p) > cap:
-        raise ValueError(f"prompt {i} has {len(p)} tokens, longer than the cache capacity {cap} " "(engine.capacity)")
+        raise ValueError(f"prompt {i} has {len(p)} tokens, longer than the cache capacity {cap} (engine.capacity)")
       bad = [t for t in p if not 0 <= t < vocab]
       if bad:
         raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
@@ -156,14 +157,23 @@ class Engine:
     step's tokens are back on the host (for monitoring)."""
     self.validate(prompts, max_new_tokens)
     cfg = self.config
+    batch = len(prompts)
+    cache = cache_lib.KVCache(cfg.model, cfg.kv, self.mesh, batch, cfg.engine.capacity)
+    transport = Transport(cache, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
+    rec = _Recorder(batch, cfg.sampling.eos_id, max_new_tokens, keep_logits, cfg.kv.transport_debug)
+    try:
+      return self._generate(prompts, max_new_tokens, seed, on_step, cache, transport, rec)
+    finally:
+      transport.close()
+
+  def _generate(self, prompts, max_new_tokens, seed, on_step, cache, transport, rec) -> GenerateResult:
+    """Prefill, then decode; the caller closes the transport."""
+    cfg = self.config
     block, chunk = cfg.kv.block, cfg.engine.prefill_chunk
     batch = len(prompts)
     lens = np.array([len(p) for p in prompts], np.int32)
     longest = int(lens.max())
     start = longest - lens
-    cache = cache_lib.KVCache(cfg.model, cfg.kv, self.mesh, batch, cfg.engine.capacity)
-    transport = Transport(cache, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
-    rec = _Recorder(batch, cfg.sampling.eos_id, max_new_tokens, keep_logits, cfg.kv.transport_debug)
     shapes: set[tuple] = set()
     layers = self.params["layers"]
     fns = self.fns
@@ -206,33 +216,31 @@ class Engine:
     # are discarded.
     meta = self._meta(start, longest, 1, seed)
     pending: collections.deque = collections.deque()
-    try:
-      for t in range(1, 1 if finished else max_new_tokens):
-        full = (longest + t - 1) - cache.rows == block - 1  # The open page fills: grow the window.
-        d2h = 0
+    for t in range(1, 1 if finished else max_new_tokens):
+      full = (longest + t - 1) - cache.rows == block - 1  # The open page fills: grow the window.
+      d2h = 0
 
-        def compute(l, window):
-          nonlocal x, d2h
-          shapes.add(("decode", 0 if window is None else window.shape[3]))
-          x, cache.opens[l] = fns.decode(layers[l], x, window, cache.opens[l], meta)
-          if full:
-            grown, cache.opens[l] = fns.flush(window, cache.opens[l])
-            d2h += cache.store(l, grown)
-
-        transport.run_pass(compute, next_pass=t < max_new_tokens - 1)
+      def compute(l, window):
+        nonlocal x, d2h
+        shapes.add(("decode", 0 if window is None else window.shape[3]))
+        x, cache.opens[l] = fns.decode(layers[l], x, window, cache.opens[l], meta)
         if full:
-          cache.rows += block
-        lg, tok, x, meta = fns.head(self.top, x, meta)
-        lg.copy_to_host_async()
-        tok.copy_to_host_async()
-        rec.counters("decode", transport, d2h, cache.rows)
-        pending.append((t, lg, tok))
-        if len(pending) > _LAG and self._take(rec, pending.popleft(), on_step, cache):
-          break
-      while pending and not self._take(rec, pending.popleft(), on_step, cache):
-        pass
-    finally:
-      transport.close()
+          grown, cache.opens[l] = fns.flush(window, cache.opens[l])
+          d2h += cache.store(l, grown)
+
+      transport.run_pass(compute, next_pass=t < max_new_tokens - 1)
+      if full:
+        cache.rows += block
+      lg, tok, x, meta = fns.head(self.top, x, meta)
+      lg.copy_to_host_async()
+      tok.copy_to_host_async()
+      rec.counters("decode", transport, d2h, cache.rows)
+      pending.append((t, lg, tok))
+      if len(pending) > _LAG and self._take(rec, pending.popleft(), on_step, cache):
+        finished = True
+        break
+    while pending and not finished:  # Steps still in flight; none after every sequence ended.
+      finished = self._take(rec, pending.popleft(), on_step, cache)
     t_end = time.perf_counter()
     telemetry = dict(transport.summary(), compiled_shapes=len(shapes), **rec.totals())
     if cfg.kv.transport_debug >= 1:

@@ -121,3 +121,15 @@ def test_eos_stops_each_sequence(one_device_run):
   for got, full in zip(res.tokens, one_device_run.tokens):
     want = full[: full.index(eos) + 1] if eos in full else full
     assert got == want
+
+
+def test_all_sequences_ending_early_stop_the_run_and_its_records(one_device_run):
+  """Once every sequence has hit EOS, later steps (already dispatched) are neither counted nor hashed."""
+  prompt = helpers.prompts(LENGTHS)[:1]
+  full = helpers.engine(1).generate(prompt, NEW, keep_logits=True)
+  eos = full.tokens[0][4]
+  stop = full.tokens[0].index(eos) + 1
+  res = helpers.engine(1, sampling=config_lib.SamplingConfig(eos_id=eos)).generate(prompt, NEW, keep_logits=True)
+  assert res.tokens[0] == full.tokens[0][:stop]
+  assert res.logits.shape[0] == stop and res.timing["decode_steps"] == stop - 1
+  np.testing.assert_array_equal(res.logits, full.logits[:stop])
