@@ -1,0 +1,61 @@
+"""The generate app end to end (a subprocess: --cpu_devices must act before JAX starts)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxkv import generate as generate_app
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(generate_app.__file__)))  # Holds the jaxkv package.
+
+
+def _generate(tmp_path, name, *flags):
+  out = tmp_path / f"{name}.json"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  proc = subprocess.run(
+      [sys.executable, "-m", generate_app.__name__, "--cpu_devices=2", f"--json_out={out}", *flags],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout, json.loads(out.read_text())
+
+
+def test_json_shows_equal_hashes_for_device_and_host_pipelined(tmp_path):
+  out_dev, dev = _generate(tmp_path, "device", "--kv_placement=device")
+  _, host = _generate(tmp_path, "host", "--kv_placement=host", "--kv_pipeline_depth=2", "--kv_transport_debug=1")
+  assert (dev["tokens_sha256"], dev["logits_sha256"]) == (host["tokens_sha256"], host["logits_sha256"])
+  assert dev["tokens"] == host["tokens"] and [len(t) for t in dev["tokens"]] == [16] * 4
+  assert len(dev["devices"]) == 2
+  assert dev["config"]["kv"]["placement"] == "device" and host["config"]["kv"]["placement"] == "host"
+  assert host["transport"]["depth"] == 2 and host["transport"]["h2d_bytes"] > 0 and host["transport"]["steps"]
+  assert f"logits_sha256 {dev['logits_sha256']}" in out_dev and "sequence 3 (prompt 9 tokens)" in out_dev
+
+
+def test_bad_flags_are_usage_errors(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  for flags, match in (
+      (["--prompt_len=3,x"], "comma-separated integers"),
+      (["--batch=3", "--prompt_len=1,2"], "--batch=3"),
+  ):
+    proc = subprocess.run(
+        [sys.executable, "-m", generate_app.__name__, "--cpu_devices=1", *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0 and match in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("override", ["--config.model.num_layers=2"])
+def test_config_fields_are_overridable(tmp_path, override):
+  _, out = _generate(tmp_path, "override", override, "--max_new_tokens=3")
+  assert out["config"]["model"]["num_layers"] == 2 and [len(t) for t in out["tokens"]] == [3] * 4
