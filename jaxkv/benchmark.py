@@ -142,7 +142,7 @@ def _stats(values: list[float]) -> dict | None:
   return dict(median=statistics.median(values), min=min(values), max=max(values)) if values else None
 
 
-def _device_peak(mesh: jax.sharding.Mesh) -> int | None:
+def device_peak(mesh: jax.sharding.Mesh) -> int | None:
   """Largest memory_stats()['peak_bytes_in_use'] of the mesh's devices, or None where there are no stats."""
   peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in mesh.devices.flat]
   return None if None in peaks else max(peaks)
@@ -188,7 +188,7 @@ class _Arm:
     s.update(
         ms_per_step=1e3 * s["decode_s"] / s["decode_steps"],
         tok_s=batch * s["decode_steps"] / s["decode_s"],
-        device_peak_bytes_in_use_process=_device_peak(mesh),
+        device_peak_bytes_in_use_process=device_peak(mesh),
     )
     return s
 

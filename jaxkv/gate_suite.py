@@ -42,11 +42,6 @@ def _task_hash(res) -> str:
   return hashlib.sha256(f"{res.tokens_sha256}:{res.logits_sha256}".encode()).hexdigest()
 
 
-def _device_peak(mesh) -> int | None:
-  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in mesh.devices.flat]
-  return None if None in peaks else max(peaks)
-
-
 def run(config: Config, mesh, params, arms=ARMS, new_tokens: int = 12, seed: int = 0) -> dict:
   """Runs the gates; returns a JSON-ready report with `passed` (exactness and memory gates both passed)."""
   config = dataclasses.replace(config, sampling=SamplingConfig(eos_id=config.sampling.eos_id))  # Greedy.
@@ -63,7 +58,7 @@ def run(config: Config, mesh, params, arms=ARMS, new_tokens: int = 12, seed: int
     memory[arm] = dict(
         ring_high_water_bytes_per_device=ring,
         ring_bytes_per_device_configured=configured,
-        device_peak_bytes_in_use_process=_device_peak(mesh),
+        device_peak_bytes_in_use_process=benchmark.device_peak(mesh),
         passed=ring <= configured,
     )
   tasks = [
