@@ -26,25 +26,23 @@ from jaxkv import mesh as mesh_lib
 from jaxkv.config import ModelConfig
 from jaxkv.kv_quant import KVFormat
 
-L_ = mesh_lib  # Short alias for logical axis names below.
-
 LAYER_AXES = {
-    "attn_norm": (L_.EMBED,),
-    "wq": (L_.EMBED, L_.HEADS, L_.HEAD_DIM),
-    "wk": (L_.EMBED, L_.KV_HEADS, L_.HEAD_DIM),
-    "wv": (L_.EMBED, L_.KV_HEADS, L_.HEAD_DIM),
-    "wo": (L_.HEADS, L_.HEAD_DIM, L_.EMBED),
-    "q_norm": (L_.HEAD_DIM,),
-    "k_norm": (L_.HEAD_DIM,),
-    "mlp_norm": (L_.EMBED,),
-    "w_gate": (L_.EMBED, L_.MLP),
-    "w_up": (L_.EMBED, L_.MLP),
-    "w_down": (L_.MLP, L_.EMBED),
+    "attn_norm": (mesh_lib.EMBED,),
+    "wq": (mesh_lib.EMBED, mesh_lib.HEADS, mesh_lib.HEAD_DIM),
+    "wk": (mesh_lib.EMBED, mesh_lib.KV_HEADS, mesh_lib.HEAD_DIM),
+    "wv": (mesh_lib.EMBED, mesh_lib.KV_HEADS, mesh_lib.HEAD_DIM),
+    "wo": (mesh_lib.HEADS, mesh_lib.HEAD_DIM, mesh_lib.EMBED),
+    "q_norm": (mesh_lib.HEAD_DIM,),
+    "k_norm": (mesh_lib.HEAD_DIM,),
+    "mlp_norm": (mesh_lib.EMBED,),
+    "w_gate": (mesh_lib.EMBED, mesh_lib.MLP),
+    "w_up": (mesh_lib.EMBED, mesh_lib.MLP),
+    "w_down": (mesh_lib.MLP, mesh_lib.EMBED),
 }
 TOP_AXES = {
-    "embed": (None, L_.EMBED),  # Replicated: a gather by token id.
-    "final_norm": (L_.EMBED,),
-    "lm_head": (L_.EMBED, L_.VOCAB),
+    "embed": (None, mesh_lib.EMBED),  # Replicated: a gather by token id.
+    "final_norm": (mesh_lib.EMBED,),
+    "lm_head": (mesh_lib.EMBED, mesh_lib.VOCAB),
 }
 
 

@@ -161,11 +161,10 @@ class Transport:
       return
     if not self._queued_next:
       self._queue_pass()
+    if next_pass:  # Issued as slots free: the next pass's layer j after this pass's layer j - D - 1.
+      self._queue_pass()
     self._queued_next = next_pass
     for l in range(n):
-      if next_pass and l == 0:
-        # Queued now, issued as slots free: the next pass's layer j after this pass's layer j - D - 1.
-        self._queue_pass()
       layer, window, nbytes, t_issue = self._ready.get()
       if self._error is not None:
         raise RuntimeError("KV delivery failed") from self._error
