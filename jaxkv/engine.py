@@ -166,26 +166,21 @@ class Engine:
     finally:
       transport.close()
 
-  def _generate(self, prompts, max_new_tokens, seed, on_step, cache, transport, rec) -> GenerateResult:
-    """Prefill, then decode; the caller closes the transport."""
-    cfg = self.config
-    block, chunk = cfg.kv.block, cfg.engine.prefill_chunk
-    batch = len(prompts)
-    lens = np.array([len(p) for p in prompts], np.int32)
-    longest = int(lens.max())
-    start = longest - lens
-    shapes: set[tuple] = set()
-    layers = self.params["layers"]
-    fns = self.fns
+  def prefill(self, cache, transport, tokens, start, longest, seed, finish, *, next_pass, shapes, counters, first=0):
+    """Prefills right-aligned prompts in chunks of engine.prefill_chunk rows; returns the last prompt row's
+    hidden state x [B, D].
 
-    # Prefill: chunks of `chunk` rows over the right-aligned prompts.
+    tokens i32[B, n * chunk] (prompt b at rows [start[b], longest)); chunks before `first` are skipped: their
+    rows must already be in the cache (zeros are fine when they are left padding). The last chunk calls
+    finish(l, window_rows_device, open_page) -> D2H bytes instead of storing its grown window: rows
+    [0, longest // block * block) and the open page. counters(transport, d2h, rows) runs after each chunk.
+    """
+    block, chunk = self.config.kv.block, self.config.engine.prefill_chunk
+    fns, layers = self.fns, self.params["layers"]
     n_chunks = -(-longest // chunk)
-    tokens = np.zeros((batch, n_chunks * chunk), np.int32)
-    for b, p in enumerate(prompts):
-      tokens[b, start[b] : longest] = p
     w_final = longest // block * block
     x = None
-    for c in range(n_chunks):
+    for c in range(first, n_chunks):
       last = c == n_chunks - 1
       x = fns.embed(self.top, jax.device_put(tokens[:, c * chunk : (c + 1) * chunk], self._rep))
       meta = self._meta(start, c * chunk, 0, seed)
@@ -196,15 +191,66 @@ class Engine:
         shapes.add(("prefill", 0 if window is None else window.shape[3]))
         x, rows = fns.prefill(layers[l], x, window, meta)
         if last:
-          head, cache.opens[l] = fns.split(window, rows, w_rows=w_final, block=block)
-          d2h += cache.store(l, head)
+          d2h += finish(l, *fns.split(window, rows, w_rows=w_final, block=block))
         else:
           d2h += cache.store(l, fns.grow(window, rows))
 
-      transport.run_pass(compute, next_pass=not last or max_new_tokens > 1)
-      rec.counters("prefill", transport, d2h, (c + 1) * chunk)
-    cache.rows = w_final
-    x_last = fns.last_row(x, jax.device_put(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
+      transport.run_pass(compute, next_pass=not last or next_pass)
+      counters(transport, d2h, (c + 1) * chunk)
+    return fns.last_row(x, jax.device_put(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
+
+  def decode_pass(self, cache, transport, x, meta, end: int, next_pass: bool, shapes) -> tuple[jax.Array, int]:
+    """One decode pass over every layer writing row `end` (== meta's end); returns x [B, D] before the head and
+    the D2H bytes. When the open page fills, each layer's window grows by it and cache.rows by a block."""
+    block, fns, layers = self.config.kv.block, self.fns, self.params["layers"]
+    full = end - cache.rows == block - 1
+    d2h = 0
+
+    def compute(l, window):
+      nonlocal x, d2h
+      shapes.add(("decode", 0 if window is None else window.shape[3]))
+      x, cache.opens[l] = fns.decode(layers[l], x, window, cache.opens[l], meta)
+      if full:
+        grown, cache.opens[l] = fns.flush(window, cache.opens[l])
+        d2h += cache.store(l, grown)
+
+    transport.run_pass(compute, next_pass=next_pass)
+    if full:
+      cache.rows += block
+    return x, d2h
+
+  def _generate(self, prompts, max_new_tokens, seed, on_step, cache, transport, rec) -> GenerateResult:
+    """Prefill, then decode; the caller closes the transport."""
+    cfg = self.config
+    chunk = cfg.engine.prefill_chunk
+    batch = len(prompts)
+    lens = np.array([len(p) for p in prompts], np.int32)
+    longest = int(lens.max())
+    start = longest - lens
+    shapes: set[tuple] = set()
+    fns = self.fns
+
+    tokens = np.zeros((batch, -(-longest // chunk) * chunk), np.int32)
+    for b, p in enumerate(prompts):
+      tokens[b, start[b] : longest] = p
+
+    def finish(l, head, open_page):
+      cache.opens[l] = open_page
+      return cache.store(l, head)
+
+    x_last = self.prefill(
+        cache,
+        transport,
+        tokens,
+        start,
+        longest,
+        seed,
+        finish,
+        next_pass=max_new_tokens > 1,
+        shapes=shapes,
+        counters=lambda tr, d2h, rows: rec.counters("prefill", tr, d2h, rows),
+    )
+    cache.rows = longest // cfg.kv.block * cfg.kv.block
     lg, tok, x, _ = fns.head(self.top, x_last, self._meta(start, longest, 0, seed))
     t_start = rec.t_start
     finished = rec.take(lg, tok)  # Waits for the prefill: decode timing starts here.
@@ -217,20 +263,7 @@ class Engine:
     meta = self._meta(start, longest, 1, seed)
     pending: collections.deque = collections.deque()
     for t in range(1, 1 if finished else max_new_tokens):
-      full = (longest + t - 1) - cache.rows == block - 1  # The open page fills: grow the window.
-      d2h = 0
-
-      def compute(l, window):
-        nonlocal x, d2h
-        shapes.add(("decode", 0 if window is None else window.shape[3]))
-        x, cache.opens[l] = fns.decode(layers[l], x, window, cache.opens[l], meta)
-        if full:
-          grown, cache.opens[l] = fns.flush(window, cache.opens[l])
-          d2h += cache.store(l, grown)
-
-      transport.run_pass(compute, next_pass=t < max_new_tokens - 1)
-      if full:
-        cache.rows += block
+      x, d2h = self.decode_pass(cache, transport, x, meta, longest + t - 1, t < max_new_tokens - 1, shapes)
       lg, tok, x, meta = fns.head(self.top, x, meta)
       lg.copy_to_host_async()
       tok.copy_to_host_async()
@@ -246,8 +279,7 @@ class Engine:
     if cfg.kv.transport_debug >= 1:
       telemetry["steps"] = rec.steps
     if cfg.kv.transport_debug >= 2:
-      t0 = transport.layer_times[0][1] if transport.layer_times else 0.0
-      telemetry["layer_times_ms"] = [(l, 1e3 * (a - t0), 1e3 * (b - t0)) for l, a, b in transport.layer_times]
+      telemetry["layer_times_ms"] = transport.layer_times_ms()
     timing = dict(
         prefill_s=t_prefilled - t_start, decode_s=t_end - t_prefilled, decode_steps=rec.total["steps_read"] - 1
     )

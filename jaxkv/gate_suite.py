@@ -5,8 +5,8 @@ sha256 of the tokens hash and the logits hash of its generate; the exactness gat
 every task the same hash. The memory gate records, per arm, the ring high-water bytes per device against the
 configured ring, and the process's device memory peak where the backend reports one (GPU).
 
-The parallel gate of concurrent sequences with slot reuse needs the slot engine, which is not built yet:
-`run` reports it as not run, never as passed.
+The parallel gate serves `sequences` requests (prompt lengths and max_new_tokens drawn from the seed) on
+`parallel` slots with slot reuse (jaxkv.serving) and passes when every arm gives the same transcript hash.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import dataclasses
 import hashlib
 
 import jax
+import numpy as np
 
 from jaxkv import benchmark
 from jaxkv import run as run_lib
+from jaxkv import serving
 from jaxkv.config import Config, SamplingConfig
 from jaxkv.engine import Engine
 
@@ -38,21 +40,44 @@ def task_lengths(config: Config, new_tokens: int) -> list[int]:
   return lengths
 
 
+def parallel_requests(config: Config, sequences: int, new_tokens: int, seed: int) -> list[serving.Request]:
+  """Requests of the parallel gate: prompt lengths in [1, capacity / 4], max_new_tokens in [2, new_tokens]."""
+  rng = np.random.default_rng(seed + 1)
+  top = max(config.engine.capacity // 4, 1)
+  lengths = rng.integers(1, top + 1, size=sequences).tolist()
+  news = rng.integers(2, max(new_tokens, 2) + 1, size=sequences).tolist()
+  prompts = run_lib.random_prompts(config.model.vocab_size, lengths, seed)
+  return [serving.Request(tuple(p), n, seed=i) for i, (p, n) in enumerate(zip(prompts, news))]
+
+
 def _task_hash(res) -> str:
   return hashlib.sha256(f"{res.tokens_sha256}:{res.logits_sha256}".encode()).hexdigest()
 
 
-def run(config: Config, mesh, params, arms=ARMS, new_tokens: int = 12, seed: int = 0) -> dict:
-  """Runs the gates; returns a JSON-ready report with `passed` (exactness and memory gates both passed)."""
+def run(
+    config: Config,
+    mesh,
+    params,
+    arms=ARMS,
+    new_tokens: int = 12,
+    seed: int = 0,
+    parallel: int = 8,
+    sequences: int = 16,
+) -> dict:
+  """Runs the gates; returns a JSON-ready report with `passed` (exactness, parallel and memory gates passed)."""
   config = dataclasses.replace(config, sampling=SamplingConfig(eos_id=config.sampling.eos_id))  # Greedy.
   lengths = task_lengths(config, new_tokens)
   prompts = run_lib.random_prompts(config.model.vocab_size, lengths, seed)
   hashes: dict[str, list[str]] = {}
   memory: dict[str, dict] = {}
+  requests = parallel_requests(config, sequences, new_tokens, seed)
+  transcripts: dict[str, str] = {}
   for arm in arms:
     engine = Engine(benchmark.arm_config(config, arm), mesh, params)
     results = [engine.generate([p], new_tokens, seed=seed) for p in prompts]
     hashes[arm] = [_task_hash(r) for r in results]
+    served = serving.Server(engine, parallel).serve(requests)
+    transcripts[arm] = served.transcript_sha256
     ring = max(r.transport["ring_high_water_bytes_per_device"] for r in results)
     configured = results[0].transport["ring_bytes_per_device_configured"]
     memory[arm] = dict(
@@ -67,12 +92,22 @@ def run(config: Config, mesh, params, arms=ARMS, new_tokens: int = 12, seed: int
   ]
   exact = all(t["passed"] for t in tasks)
   mem = all(m["passed"] for m in memory.values())
+  par = len(set(transcripts.values())) == 1
   return dict(
       arms=list(arms),
       new_tokens=new_tokens,
       devices=[str(d) for d in jax.devices()][: mesh.devices.size],
       exactness=dict(passed=exact, tasks=tasks),
       memory=dict(passed=mem, arms=memory),
-      parallel=dict(passed=None, status="not run: concurrent sequences with slot reuse are not built yet"),
-      passed=exact and mem,
+      parallel=dict(
+          passed=par,
+          parallel=parallel,
+          sequences=sequences,
+          prompt_lengths=[len(r.prompt) for r in requests],
+          max_new_tokens=[r.max_new_tokens for r in requests],
+          insertions=served.transport["insertions"],
+          epochs=served.transport["epochs"],
+          transcripts=transcripts,
+      ),
+      passed=exact and mem and par,
   )

@@ -18,6 +18,8 @@ from jaxkv import cli
 
 ARMS = flags.DEFINE_list("arms", ["device", "host_d0", "host_d1", "host_d4"], "Arms that must agree bit for bit.")
 NEW_TOKENS = flags.DEFINE_integer("new_tokens", 12, "Greedy tokens per task.")
+PARALLEL = flags.DEFINE_integer("parallel", 8, "Parallel gate: slots.")
+SEQUENCES = flags.DEFINE_integer("sequences", 16, "Parallel gate: requests served on the slots.")
 SEED = flags.DEFINE_integer("seed", 0, "Seeds the weights and the prompt ids.")
 JSON_OUT = flags.DEFINE_string("json_out", None, "Write the gate report here.")
 
@@ -31,7 +33,9 @@ def main(argv):
 
   config = cli.resolved_config()
   mesh, params, _ = run.build(config, SEED.value)
-  report = gate_suite.run(config, mesh, params, tuple(ARMS.value), NEW_TOKENS.value, SEED.value)
+  report = gate_suite.run(
+      config, mesh, params, tuple(ARMS.value), NEW_TOKENS.value, SEED.value, PARALLEL.value, SEQUENCES.value
+  )
   for t in report["exactness"]["tasks"]:
     first = next(iter(t["hashes"].values()))
     print(f"task prompt {t['prompt_length']:>6}: {'ok  ' if t['passed'] else 'DIFF'} {first[:16]}")
@@ -42,7 +46,13 @@ def main(argv):
     )
   print(f"exactness gate: {'PASS' if report['exactness']['passed'] else 'FAIL'}")
   print(f"memory gate: {'PASS' if report['memory']['passed'] else 'FAIL'}")
-  print(f"parallel gate: {report['parallel']['status']}")
+  p = report["parallel"]
+  for arm, h in p["transcripts"].items():
+    print(f"parallel {arm:>8}: transcript {h[:16]}")
+  print(
+      f"parallel gate ({p['sequences']} requests on {p['parallel']} slots, {p['insertions']} slot reuses, "
+      f"{p['epochs']} epochs): {'PASS' if p['passed'] else 'FAIL'}"
+  )
   if JSON_OUT.value:
     with open(JSON_OUT.value, "w") as f:
       json.dump(report, f, indent=1)

@@ -4,6 +4,10 @@ With --checkpoint_dir the model and weights come from a Hugging Face checkpoint 
 --prompt (repeatable) gives text prompts that its tokenizer.json encodes; the new tokens are printed decoded.
 Without --prompt, prompts are random token ids of --prompt_len. Prints the tokens and the tokens/logits hashes;
 --json_out writes them with the resolved config and the transport telemetry.
+
+With --sequences=N, N random requests (prompt lengths up to the largest --prompt_len, max_new_tokens between
+half and all of --max_new_tokens) are served on --parallel slots, a slot taking the next request when its
+sequence ends (jaxkv.serving); results are printed in request order with the transcript hash.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ PROMPT_LEN = flags.DEFINE_list(
     "prompt_len", ["5", "12", "1", "9"], "Prompt lengths, one per sequence (or one for all of --batch)."
 )
 MAX_NEW = flags.DEFINE_integer("max_new_tokens", 16, "Tokens to generate per sequence.")
+SEQUENCES = flags.DEFINE_integer("sequences", 0, "Serve this many random requests on --parallel slots (0 = off).")
+PARALLEL = flags.DEFINE_integer("parallel", 8, "Slots for --sequences.")
 SEED = flags.DEFINE_integer("seed", 0, "Seeds the weights, the prompt ids and sampling.")
 JSON_OUT = flags.DEFINE_string("json_out", None, "Write tokens, hashes, config and telemetry here.")
 CHECKPOINT_DIR = flags.DEFINE_string(
@@ -73,6 +79,23 @@ def main(argv):
     raise app.UsageError("--checkpoint_dtype needs --checkpoint_dir (else set --config.model.dtype)")
   lens = [] if texts else prompt_lengths(PROMPT_LEN.value, BATCH.value)
   t0 = time.perf_counter()
+  if SEQUENCES.value:
+    if CHECKPOINT_DIR.value or BATCH.value is not None:
+      raise app.UsageError("--sequences serves random requests: it does not take --checkpoint_dir or --batch")
+    if SEQUENCES.value < 0 or PARALLEL.value < 1:
+      raise app.UsageError(f"--sequences must be >= 0 and --parallel >= 1, got {SEQUENCES.value}, {PARALLEL.value}")
+    out = run.serve_random(cd, SEQUENCES.value, PARALLEL.value, max(lens), MAX_NEW.value, SEED.value)
+    out["wall_s"] = time.perf_counter() - t0
+    for i, r in enumerate(out["requests"]):
+      print(f"request {i} (prompt {r['prompt_length']}, slot {r['slot']}, epoch {r['epoch']}): {r['tokens']}")
+    t = out["transport"]
+    print(f"transcript_sha256 {out['transcript_sha256']}")
+    print(
+        f"kv placement {t['placement']}, depth {t['depth']}, {out['timing']['decode_steps']} decode steps, "
+        f"{t['insertions']} slot reuses, {t['epochs']} epochs"
+    )
+    _write(out)
+    return
   if CHECKPOINT_DIR.value:
     out = run.generate_checkpoint(
         cd,
@@ -98,6 +121,10 @@ def main(argv):
       f"kv placement {t['placement']}, depth {t['depth']}, h2d {t['h2d_bytes']} B, d2h {t['d2h_bytes']} B, "
       f"compiled shapes {t['compiled_shapes']}"
   )
+  _write(out)
+
+
+def _write(out):
   if JSON_OUT.value:
     with open(JSON_OUT.value, "w") as f:
       json.dump(out, f, indent=1)

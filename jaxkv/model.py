@@ -39,6 +39,7 @@ LAYER_AXES = {
     "w_up": (mesh_lib.EMBED, mesh_lib.MLP),
     "w_down": (mesh_lib.MLP, mesh_lib.EMBED),
 }
+SCORE_BUDGET_BYTES = 2**30  # Largest f32 score block of a prefill chunk (jaxkv.model.blocked_attention).
 TOP_AXES = {
     "embed": (None, mesh_lib.EMBED),  # Replicated: a gather by token id.
     "final_norm": (mesh_lib.EMBED,),
@@ -201,7 +202,32 @@ def prefill_layer(p, x, window, start, *, cfg: ModelConfig, kv_format: KVFormat 
   key_rows = jnp.arange(w_rows + c, dtype=jnp.int32)
   causal = (key_rows[None, None, :] <= rows[None, :, None]) & (key_rows[None, None, :] >= start[:, None, None])
   mask = causal | (key_rows[None, None, :] == rows[None, :, None])
-  return attn_out_and_mlp(p, x, attention(q, kv, mask), cfg), chunk
+  return attn_out_and_mlp(p, x, blocked_attention(q, kv, mask), cfg), chunk
+
+
+def query_block(b: int, h: int, t: int, r: int, budget_bytes: int) -> int:
+  """Queries per attention block: t halved while the f32 scores [B, H, block, R] exceed the budget."""
+  qb = t
+  while qb % 2 == 0 and b * h * qb * r * 4 > budget_bytes:
+    qb //= 2
+  return qb
+
+
+def blocked_attention(q, kv, mask):
+  """`attention` over blocks of queries in sequence (lax.map), so that a long prefill chunk against a long window
+  never materialises all of its scores. Query rows are independent: only the peak memory changes.
+
+  q [B, T, H, Dh]; kv [2, B, K, R, Dh]; mask bool[B, T, R] -> [B, T, H, Dh].
+  """
+  b, t, h, dh = q.shape
+  qb = query_block(b, h, t, kv.shape[3], SCORE_BUDGET_BYTES)
+  if qb == t:
+    return attention(q, kv, mask)
+  n = t // qb
+  qs = q.reshape(b, n, qb, h, dh).swapaxes(0, 1)
+  ms = mask.reshape(b, n, qb, -1).swapaxes(0, 1)
+  o = jax.lax.map(lambda a: attention(a[0], kv, a[1]), (qs, ms))  # [n, B, qb, H, Dh]
+  return o.swapaxes(0, 1).reshape(b, t, h, dh)
 
 
 def decode_layer(p, x, window, open_page, start, end, *, cfg: ModelConfig, kv_format: KVFormat | None = None):

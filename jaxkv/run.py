@@ -13,6 +13,7 @@ from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
+from jaxkv import serving
 from jaxkv import tokenizer as tokenizer_lib
 
 
@@ -62,6 +63,32 @@ def generate_random(config_dict, lengths, max_new_tokens: int, seed: int) -> dic
   _, _, engine = build(config, seed)
   res = engine.generate(prompts, max_new_tokens, seed=seed)
   return _result(res, config_dict, lengths, max_new_tokens, seed)
+
+
+def serve_random(config_dict, sequences: int, parallel: int, max_length: int, max_new_tokens: int, seed: int) -> dict:
+  """Serves `sequences` random requests on `parallel` slots (jaxkv.serving); prompt lengths are drawn from
+  [1, max_length] and max_new_tokens from [max(1, max_new_tokens // 2), max_new_tokens]. Returns a JSON-ready dict."""
+  config = config_lib.from_config_dict(config_dict)
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(1, max_length + 1, size=sequences).tolist()
+  news = rng.integers(max(1, max_new_tokens // 2), max_new_tokens + 1, size=sequences).tolist()
+  prompts = random_prompts(config.model.vocab_size, lengths, seed)
+  requests = [serving.Request(tuple(p), n, seed=seed + i) for i, (p, n) in enumerate(zip(prompts, news))]
+  _, _, engine = build(config, seed)
+  res = serving.Server(engine, parallel).serve(requests)
+  return dict(
+      requests=[
+          dict(prompt_length=len(r.prompt), max_new_tokens=r.max_new_tokens, **dataclasses.asdict(o))
+          for r, o in zip(requests, res.results)
+      ],
+      transcript_sha256=res.transcript_sha256,
+      transport=res.transport,
+      timing=res.timing,
+      parallel=parallel,
+      seed=seed,
+      config=config_dict.to_dict(),
+      devices=[str(d) for d in jax.devices()],
+  )
 
 
 def generate_checkpoint(

@@ -223,6 +223,11 @@ class Transport:
       self._high_water = self._held + self._previous
     return out
 
+  def layer_times_ms(self) -> list[tuple[int, float, float]]:
+    """(layer, issued, ready) in ms since the first issue (transport_debug >= 2)."""
+    t0 = self.layer_times[0][1] if self.layer_times else 0.0
+    return [(l, 1e3 * (a - t0), 1e3 * (b - t0)) for l, a, b in self.layer_times]
+
   def summary(self) -> dict:
     c = self.choice
     ring = c.ring_slots * c.slot_bytes_per_device if self.streamed else 0

@@ -23,7 +23,10 @@ def test_gates_pass_with_one_hash_per_task(report):
   for arm, m in report["memory"]["arms"].items():
     assert m["ring_high_water_bytes_per_device"] <= m["ring_bytes_per_device_configured"]
     assert (m["ring_high_water_bytes_per_device"] > 0) == (arm != "device")
-  assert report["parallel"]["passed"] is None  # Not built: reported as not run, never as passed.
+  par = report["parallel"]
+  assert par["passed"] and set(par["transcripts"]) == set(gate_suite.ARMS)
+  assert len(set(par["transcripts"].values())) == 1
+  assert par["sequences"] == 16 and par["parallel"] == 8 and par["insertions"] >= 1  # Slots were reused.
 
 
 def test_an_arm_that_differs_fails_the_exactness_gate():
@@ -31,6 +34,7 @@ def test_an_arm_that_differs_fails_the_exactness_gate():
   out = gate_suite.run(helpers.tiny_config(), helpers.mesh(1), helpers.params(1), ("device", "host_d1_bfloat16"), 4)
   assert not out["passed"] and not out["exactness"]["passed"]
   assert not any(t["passed"] for t in out["exactness"]["tasks"])
+  assert not out["parallel"]["passed"]
 
 
 def test_capacity_too_small_for_the_tasks_is_a_clear_error():

@@ -43,6 +43,7 @@ def test_bad_flags_are_usage_errors(tmp_path):
   for flags, match in (
       (["--prompt_len=3,x"], "comma-separated integers"),
       (["--batch=3", "--prompt_len=1,2"], "--batch=3"),
+      (["--sequences=4", "--parallel=0"], "--parallel >= 1"),
   ):
     proc = subprocess.run(
         [sys.executable, "-m", generate_app.__name__, "--cpu_devices=1", *flags],
@@ -59,3 +60,14 @@ def test_bad_flags_are_usage_errors(tmp_path):
 def test_config_fields_are_overridable(tmp_path, override):
   _, out = _generate(tmp_path, "override", override, "--max_new_tokens=3")
   assert out["config"]["model"]["num_layers"] == 2 and [len(t) for t in out["tokens"]] == [3] * 4
+
+
+def test_sequences_are_served_on_parallel_slots(tmp_path):
+  flags = ("--sequences=6", "--parallel=2", "--prompt_len=20", "--max_new_tokens=6")
+  stdout, dev = _generate(tmp_path, "serve_device", *flags, "--kv_placement=device")
+  _, host = _generate(tmp_path, "serve_host", *flags, "--kv_placement=host", "--kv_pipeline_depth=1")
+  assert dev["transcript_sha256"] == host["transcript_sha256"]
+  assert len(dev["requests"]) == 6 and dev["transport"]["insertions"] + 2 * (dev["transport"]["epochs"] - 1) >= 4
+  for r in dev["requests"]:
+    assert 1 <= r["prompt_length"] <= 20 and 3 <= len(r["tokens"]) == r["max_new_tokens"] <= 6
+  assert f"transcript_sha256 {dev['transcript_sha256']}" in stdout and "request 5 (prompt" in stdout

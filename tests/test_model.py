@@ -1,9 +1,11 @@
 """The decoder against its plain reference, across meshes, batches and prefill chunking."""
 
 import dataclasses
+from unittest import mock
 
 import helpers
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -133,3 +135,15 @@ def test_all_sequences_ending_early_stop_the_run_and_its_records(one_device_run)
   assert res.tokens[0] == full.tokens[0][:stop]
   assert res.logits.shape[0] == stop and res.timing["decode_steps"] == stop - 1
   np.testing.assert_array_equal(res.logits, full.logits[:stop])
+
+
+def test_blocked_prefill_attention_matches_one_block():
+  rng = np.random.default_rng(0)
+  b, t, h, k, r, dh = 2, 16, 4, 2, 40, 8
+  q = jnp.asarray(rng.standard_normal((b, t, h, dh)), jnp.float32)
+  kv = jnp.asarray(rng.standard_normal((2, b, k, r, dh)), jnp.float32)
+  mask = jnp.asarray(rng.random((b, t, r)) < 0.7).at[:, :, 0].set(True)
+  assert model.query_block(b, h, t, r, budget_bytes=b * h * 4 * r * 4) == 4
+  with mock.patch.object(model, "SCORE_BUDGET_BYTES", b * h * 4 * r * 4):
+    blocked = jax.jit(model.blocked_attention)(q, kv, mask)
+  np.testing.assert_allclose(blocked, model.attention(q, kv, mask), rtol=1e-6, atol=1e-6)

@@ -1,0 +1,370 @@
+"""Concurrent sequences with slot reuse: `parallel` slots serve a queue of requests.
+
+The batch of an `Engine` becomes `parallel` slots. Prompts are right-aligned and every slot writes its next row
+at the same row `end` (jaxkv.cache), so a request enters a free slot b at the current end E: its prompt takes
+rows [E - L, E) of slot b (start[b] = E - L), which needs L <= E and E + max_new_tokens - 1 <= capacity.
+
+Entering (`_insert`): the request alone (batch 1) is prefilled as if its prompt ended at row E, in a cache of
+its own with the engine's placement and transport; chunks wholly before E - L are skipped (their rows start as
+zeros: left padding). Its last chunk yields rows [0, W) and the open page [W, W + P) with the same W as the
+shared cache, which replace slot b of every layer: one donated `dynamic_update_slice` per layer into the
+window where it lives (in place in pinned host memory for the host placement) and one into the open page.
+Other slots are not touched; slot b's older rows are below start[b], masked. Positions are r - start[b], so a
+request sees the same positions, keys and values as when decoded alone.
+
+Scheduling, deterministic from tokens alone: requests enter in order (first in, first out). A request that
+does not fit yet (L > E) waits while the end moves on; one that cannot fit before the capacity runs out waits
+until every slot is free, and the next epoch starts a fresh cache with a batched prefill of the next requests.
+Tokens are read `engine._LAG` steps late, so a slot frees that many steps after its last token.
+
+Sampling: request r's token i uses key fold_in(fold_in(key(seed_r), 0), i), whatever its slot or step, so
+sampled output does not depend on the neighbours either.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from jaxkv import cache as cache_lib
+from jaxkv import engine as engine_lib
+from jaxkv import mesh as mesh_lib
+from jaxkv import model
+from jaxkv import sampling as sampling_lib
+from jaxkv.config import SamplingConfig
+from jaxkv.transport import Transport
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """prompt: token ids; max_new_tokens: tokens to generate (EOS ends it earlier); seed: its sampling seed."""
+
+  prompt: tuple[int, ...]
+  max_new_tokens: int
+  seed: int = 0
+
+
+@dataclasses.dataclass
+class RequestResult:
+  """tokens: generated ids (up to and including EOS); logits_sha256: over its f32 logits rows, in order;
+  slot, epoch: where it ran; first_row: start of its prompt in the slot (E - L)."""
+
+  tokens: list[int]
+  logits_sha256: str
+  slot: int
+  epoch: int
+  first_row: int
+
+
+@dataclasses.dataclass
+class ServeResult:
+  """results: one per request, in request order; transcript_sha256: sha256 of the JSON list of every
+  request's [tokens, logits_sha256]; transport: telemetry summed over the epochs; timing: wall_s,
+  decode_steps, tokens."""
+
+  results: list[RequestResult]
+  transcript_sha256: str
+  transport: dict
+  timing: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlotFns:
+  head: object
+  enter: object
+  insert_window: object
+  insert_open: object
+  zeros: object
+
+
+@functools.lru_cache(maxsize=None)
+def _slot_functions(cfg, mesh: jax.sharding.Mesh, sampling: SamplingConfig, memory_kind: str) -> _SlotFns:
+  rep = mesh_lib.replicated(mesh)
+  kv_device = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
+  kv_store = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, memory_kind)
+
+  def head(top, x, meta, keys):
+    """x [B, D]; meta i32[B + 3]; keys i32[B, 2] (request seed, step of its token 0) -> logits, tokens, their
+    embeddings, next meta. Row b samples with its request's key for token index meta step - keys[b, 1]."""
+    lg = model.logits(top, x, cfg)
+
+    def one(row, seed, index):
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0), index)
+      return sampling_lib.sample(row[None], key, sampling)[0]
+
+    tok = jax.vmap(one)(lg, keys[:, 0], meta[-2] - keys[:, 1])
+    step = jnp.zeros_like(meta).at[-3:-1].set(1)
+    return lg, tok, model.embed(top, tok), meta + step
+
+  def enter(x, meta, keys, x_new, b, start_b, key_b):
+    """Slot b takes a new request: its hidden state, start row and sampling key."""
+    x = jax.lax.dynamic_update_slice(x, x_new, (b, 0))
+    meta = jax.lax.dynamic_update_slice(meta, start_b[None], (b,))
+    return x, meta, jax.lax.dynamic_update_slice(keys, key_b[None], (b, 0))
+
+  def insert(rows, new, b):
+    """rows [2, B, K, R, E] (donated); new [2, 1, K, R, E] on the devices -> rows with slot b = new."""
+    if memory_kind != "device":
+      new = jax.device_put(new, jax.memory.Space.Host)
+    return jax.lax.dynamic_update_slice(rows, new, (0, b, 0, 0, 0))
+
+  def insert_open(rows, new, b):
+    return jax.lax.dynamic_update_slice(rows, new, (0, b, 0, 0, 0))
+
+  return _SlotFns(
+      head=jax.jit(head, out_shardings=rep),
+      enter=jax.jit(enter, out_shardings=rep, donate_argnums=(0, 1, 2)),
+      insert_window=jax.jit(insert, out_shardings=kv_store, donate_argnums=(0,)),
+      insert_open=jax.jit(insert_open, out_shardings=kv_device, donate_argnums=(0,)),
+      zeros=functools.lru_cache(maxsize=None)(
+          lambda shape, dtype: jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_device)
+      ),
+  )
+
+
+class _Slot:
+  """What a slot holds now (host side): its request and how far it got."""
+
+  def __init__(self, request: int, epoch: int, first_row: int, last_row: int):
+    self.request, self.epoch, self.first_row = request, epoch, first_row
+    self.last_row = last_row  # The last row its decode writes: first token row + max_new_tokens - 2.
+
+
+class Server:
+  """Serves requests on `parallel` slots of an engine (its config gives placement, depth, capacity...)."""
+
+  def __init__(self, engine: engine_lib.Engine, parallel: int):
+    if parallel < 1:
+      raise ValueError(f"parallel must be >= 1, got {parallel}")
+    self.engine, self.parallel = engine, parallel
+    cfg = engine.config
+    self.fns = _slot_functions(cfg.model, engine.mesh, cfg.sampling, cache_lib.MEMORY_KIND[cfg.kv.placement])
+
+  def validate(self, requests: Sequence[Request]) -> None:
+    if not requests:
+      raise ValueError("no requests given")
+    for i, r in enumerate(requests):
+      try:
+        self.engine.validate([r.prompt], r.max_new_tokens)
+      except ValueError as e:
+        raise ValueError(f"request {i}: {e}") from e
+
+  def serve(self, requests: Sequence[Request], on_step=None) -> ServeResult:
+    """Runs every request to its end; on_step(step, slots) after each decode step is read (for monitoring)."""
+    self.validate(requests)
+    t0 = time.perf_counter()
+    run = _Run(self, requests, on_step)
+    epoch = 0
+    while run.queue:
+      run.epoch(epoch)
+      epoch += 1
+    return run.result(time.perf_counter() - t0, epochs=epoch)
+
+
+class _Run:
+  """The state of one serve(): the queue, the per-request records, telemetry."""
+
+  def __init__(self, server: Server, requests: Sequence[Request], on_step):
+    self.server, self.engine = server, server.engine
+    self.requests, self.on_step = requests, on_step
+    self.queue = collections.deque(range(len(requests)))
+    self.tokens: list[list[int]] = [[] for _ in requests]
+    self.hashes = [hashlib.sha256() for _ in requests]
+    self.done = [False] * len(requests)
+    self.where: list[tuple[int, int, int] | None] = [None] * len(requests)  # (slot, epoch, first row).
+    self.shapes: set[tuple] = set()
+    self.totals = collections.Counter()
+    self.summary: dict = {}
+    self.steps = 0
+    self.t_progress = time.perf_counter()
+
+  # Recording.
+  def counters(self, transport, d2h, rows):
+    del rows
+    c = transport.take_counters()
+    self.totals["h2d_bytes"] += c["h2d_bytes"]
+    self.totals["d2h_bytes"] += d2h
+    hw = "ring_high_water_bytes_per_device"
+    self.totals[hw] = max(self.totals[hw], c[hw])
+
+  def record(self, owners: list[int | None], lg, tok) -> list[int]:
+    """Records one read step for the slots' owners; returns the slots whose request ended with it."""
+    lg, tok = jax.device_get((lg, tok))
+    lg = np.asarray(lg, np.float32)
+    ended = []
+    eos = self.engine.config.sampling.eos_id
+    for b, r in enumerate(owners):
+      if r is None or self.done[r]:
+        continue
+      t = int(tok[b])
+      self.tokens[r].append(t)
+      self.hashes[r].update(np.ascontiguousarray(lg[b]).astype("<f4").tobytes())
+      if t == eos or len(self.tokens[r]) >= self.requests[r].max_new_tokens:
+        self.done[r] = True
+        ended.append(b)
+    return ended
+
+  # One epoch: a fresh cache, a batched prefill of the first requests, then decode with slot reuse.
+  def epoch(self, epoch: int) -> None:
+    eng, cfg = self.engine, self.engine.config
+    cap, parallel = cfg.engine.capacity, self.server.parallel
+    first = [self.queue.popleft()]  # Fits alone (validated).
+    while self.queue and len(first) < parallel:
+      longest = max(len(self.requests[r].prompt) for r in first + [self.queue[0]])
+      if any(longest + self.requests[r].max_new_tokens - 1 > cap for r in first + [self.queue[0]]):
+        break
+      first.append(self.queue.popleft())
+    batch = min(parallel, len(self.requests))
+    owners: list[int | None] = first + [None] * (batch - len(first))
+    prompts = [self.requests[r].prompt if r is not None else (0,) for r in owners]
+    cache = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, batch, cap)
+    transport = Transport(cache, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
+    try:
+      self._epoch(epoch, owners, prompts, cache, transport)
+    finally:
+      transport.close()
+      self.summary = transport.summary()
+
+  def _epoch(self, epoch, owners, prompts, cache, transport) -> None:
+    eng, fns = self.engine, self.server.fns
+    cfg = eng.config
+    lens = np.array([len(p) for p in prompts], np.int32)
+    longest = int(lens.max())
+    start = longest - lens
+    chunk = cfg.engine.prefill_chunk
+    tokens = np.zeros((len(prompts), -(-longest // chunk) * chunk), np.int32)
+    for b, p in enumerate(prompts):
+      tokens[b, start[b] : longest] = p
+
+    def finish(l, head, open_page):
+      cache.opens[l] = open_page
+      return cache.store(l, head)
+
+    x_last = eng.prefill(
+        cache, transport, tokens, start, longest, 0, finish, next_pass=True, shapes=self.shapes, counters=self.counters
+    )
+    cache.rows = longest // cfg.kv.block * cfg.kv.block
+    keys = np.array([[self.requests[r].seed if r is not None else 0, 0] for r in owners], np.int32)
+    keys = jax.device_put(keys, eng._rep)  # pylint: disable=protected-access
+    lg, tok, x, _ = fns.head(eng.top, x_last, eng._meta(start, longest, 0, 0), keys)  # pylint: disable=protected-access
+    meta = eng._meta(start, longest, 1, 0)  # pylint: disable=protected-access
+    slots: list[_Slot | None] = [
+        None if r is None else _Slot(r, epoch, int(start[b]), longest + self.requests[r].max_new_tokens - 2)
+        for b, r in enumerate(owners)
+    ]
+    for b, s in enumerate(slots):
+      if s is not None:
+        self.where[s.request] = (b, epoch, s.first_row)
+    pending = collections.deque([(0, [None if s is None else s.request for s in slots], lg, tok)])
+    end = longest  # The row the next decode step writes.
+    step = 1
+    while True:
+      # Free slots take the next requests that fit.
+      for b, s in enumerate(slots):
+        if s is None or self.done[s.request]:
+          slots[b] = None
+      while self.queue and None in slots:
+        r = self.queue[0]
+        req = self.requests[r]
+        if len(req.prompt) > end or end + req.max_new_tokens - 1 > cfg.engine.capacity:
+          break
+        self.queue.popleft()
+        b = slots.index(None)
+        transport.drop()  # Deliveries issued for the next step hold slot b's old rows.
+        x, meta, keys, entry = self._insert(cache, x, meta, keys, b, r, end, step, epoch)
+        slots[b] = _Slot(r, epoch, end - len(req.prompt), end + req.max_new_tokens - 2)
+        self.where[r] = (b, epoch, end - len(req.prompt))
+        pending.append(entry)
+      need = max((s.last_row for s in slots if s is not None and not self.done[s.request]), default=-1)
+      if end <= need:
+        x, d2h = eng.decode_pass(cache, transport, x, meta, end, end + 1 <= need, self.shapes)
+        lg, tok, x, meta = fns.head(eng.top, x, meta, keys)
+        lg.copy_to_host_async()
+        tok.copy_to_host_async()
+        self.counters(transport, d2h, cache.rows)
+        pending.append((step, [None if s is None else s.request for s in slots], lg, tok))
+        end += 1
+        step += 1
+        self.steps += 1
+        if len(pending) <= engine_lib._LAG:  # pylint: disable=protected-access
+          continue
+      elif not pending:
+        return
+      self._read(pending.popleft(), slots)
+
+  def _read(self, entry, slots) -> None:
+    step, owners, lg, tok = entry
+    self.record(owners, lg, tok)
+    if self.on_step is not None:
+      self.on_step(step, list(slots))
+    if time.perf_counter() - self.t_progress > 10.0:
+      self.t_progress = time.perf_counter()
+      logging.info("serve: %d of %d requests done", sum(self.done), len(self.requests))
+
+  def _insert(self, cache, x, meta, keys, b, r, end, step, epoch):
+    """Prefills request r alone as if its prompt ended at row `end` and puts it in slot b."""
+    eng, fns, cfg = self.engine, self.server.fns, self.engine.config
+    req = self.requests[r]
+    chunk, length = cfg.engine.prefill_chunk, len(req.prompt)
+    first = (end - length) // chunk
+    tokens = np.zeros((1, -(-end // chunk) * chunk), np.int32)
+    tokens[0, end - length : end] = req.prompt
+    start = np.array([end - length], np.int32)
+    own = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, 1, cfg.engine.capacity)
+    if first:  # Skipped chunks: zero rows below the prompt (left padding).
+      shape = (2, 1, cfg.model.num_kv_heads, first * chunk, own.row_width)
+      zeros = fns.zeros(shape, own.dtype)()
+      for l in range(cfg.model.num_layers):
+        own.store(l, zeros)
+
+    def finish(l, head, open_page):
+      if head is not None:
+        cache.windows[l] = fns.insert_window(cache.windows[l], head, b)
+      cache.opens[l] = fns.insert_open(cache.opens[l], open_page, b)
+      return 0
+
+    transport = Transport(own, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
+    try:
+      x_new = eng.prefill(
+          own,
+          transport,
+          tokens,
+          start,
+          end,
+          0,
+          finish,
+          first=first,
+          next_pass=False,
+          shapes=self.shapes,
+          counters=self.counters,
+      )
+    finally:
+      transport.close()
+    key = np.array([[req.seed, 0]], np.int32)
+    lg, tok, x_new, _ = fns.head(eng.top, x_new, eng._meta(start, end, 0, 0), jax.device_put(key, eng._rep))  # pylint: disable=protected-access
+    lg.copy_to_host_async()
+    tok.copy_to_host_async()
+    put = lambda v: jax.device_put(np.asarray(v, np.int32), eng._rep)  # pylint: disable=protected-access
+    x, meta, keys = fns.enter(x, meta, keys, x_new, put(b), put(end - length), put([req.seed, step - 1]))
+    self.totals["insertions"] += 1
+    return x, meta, keys, (step - 1, [r], lg, tok)
+
+  def result(self, wall_s: float, epochs: int) -> ServeResult:
+    results = [
+        RequestResult(tokens=t, logits_sha256=h.hexdigest(), slot=w[0], epoch=w[1], first_row=w[2])
+        for t, h, w in zip(self.tokens, self.hashes, self.where)
+    ]
+    transcript = json.dumps([[r.tokens, r.logits_sha256] for r in results])
+    telemetry = dict(self.summary, compiled_shapes=len(self.shapes), epochs=epochs, **self.totals)
+    timing = dict(wall_s=wall_s, decode_steps=self.steps, tokens=sum(len(t) for t in self.tokens))
+    return ServeResult(results, hashlib.sha256(transcript.encode()).hexdigest(), telemetry, timing)
