@@ -56,6 +56,26 @@ def markdown(out: dict) -> str:
           f"{_num(a['link_efficiency'], '.2f')} | {_mib(a['ring_bytes_per_device_configured'])} | "
           f"{_mib(a['device_peak_bytes_in_use_process'])} |"
       )
+  auto = [(c, n, a) for c in out["cells"] for n, a in c["arms"].items() if a.get("predicted_ms_per_step")]
+  if auto:
+    lines += [
+        "",
+        "## Residency planner (auto arms)",
+        "",
+        "predicted = max(streamed KV bytes / link peak, compute-only); the overlap ratio of an auto arm is "
+        "measured / predicted, its link efficiency counts the streamed bytes only.",
+        "",
+        "| context | batch | arm | resident / streamed layers | device budget MiB | streamed MiB/step/device "
+        "| predicted ms | measured ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for cell, name, a in auto:
+      plan = a["transport"]["residency"]
+      lines.append(
+          f"| {cell['context']} | {cell['batch']} | {name} | {plan['resident_layers']} / {plan['streamed_layers']} "
+          f"| {_mib(plan['device_budget_bytes'])} | {_mib(a['streamed_bytes_per_step_per_device'])} "
+          f"| {a['predicted_ms_per_step']:.2f} | {_num((a['ms_per_step'] or {}).get('median'), '.2f')} |"
+      )
   lines += [
       "",
       "## Ceilings per cell",

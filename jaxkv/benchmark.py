@@ -36,6 +36,7 @@ from jaxkv import bench_report
 from jaxkv import ceilings
 from jaxkv import mesh as mesh_lib
 from jaxkv import peer_hf
+from jaxkv import residency
 from jaxkv import run as run_lib
 from jaxkv.cache import KVCache
 from jaxkv.config import KV_DTYPES, Config
@@ -45,7 +46,7 @@ PEER_ARM = "hf_offloaded"
 ORDERED_ARM = "host_d0"
 DEVICE_ARM = "device"
 ARM_KV_DTYPES = tuple(d for d in KV_DTYPES if d != "model")  # Arm name suffixes.
-_ARM_RE = re.compile(rf"^(device|host_d(\d+))(?:_({'|'.join(ARM_KV_DTYPES)}))?$")
+_ARM_RE = re.compile(rf"^(device|(host|auto)_d(\d+))(?:_({'|'.join(ARM_KV_DTYPES)}))?$")
 _TRANSFER_ONLY_PASSES = 8
 
 
@@ -82,14 +83,16 @@ class BenchSpec:
 
 def parse_arm(name: str) -> tuple[str, int | None, str | None]:
   """Arm name -> (placement, depth, kv dtype): "device" -> ("device", None, None); "host_d<N>" -> ("host", N,
-  None); "host_d<N>_int8" -> ("host", N, "int8"). A None kv dtype means the config's kv.dtype."""
+  None); "auto_d<N>" -> ("auto", N, None); "host_d<N>_int8" -> ("host", N, "int8"). A None kv dtype means the
+  config's kv.dtype."""
   m = _ARM_RE.match(name)
   if not m:
     raise ValueError(
-        f"unknown arm {name!r}: use 'device' or 'host_d<depth>' (host_d0 = ordered), optionally followed by "
-        f"'_<kv dtype>' with a kv dtype of {', '.join(ARM_KV_DTYPES)} (e.g. host_d2_int8)"
+        f"unknown arm {name!r}: use 'device', 'host_d<depth>' (host_d0 = ordered) or 'auto_d<depth>' (residency "
+        f"planner), optionally followed by '_<kv dtype>' with a kv dtype of {', '.join(ARM_KV_DTYPES)} "
+        "(e.g. host_d2_int8)"
     )
-  return ("device", None, m.group(3)) if m.group(2) is None else ("host", int(m.group(2)), m.group(3))
+  return ("device", None, m.group(4)) if m.group(2) is None else (m.group(2), int(m.group(3)), m.group(4))
 
 
 def arm_config(config: Config, arm: str) -> Config:
@@ -219,7 +222,9 @@ def _run_cell(
   )
   # Ceilings for the config's KV dtype, then for every other KV dtype that a host arm streams.
   other = [
-      d for d in dict.fromkeys(arm_kv_dtype(cfg, a) for a in spec.arms if a.startswith("host")) if d != cfg.kv.dtype
+      d
+      for d in dict.fromkeys(arm_kv_dtype(cfg, a) for a in spec.arms if not a.startswith(DEVICE_ARM))
+      if d != cfg.kv.dtype
   ]
   cell["ceilings"] = _ceilings(cfg, mesh, batch, rows[0], spec)
   cell["ceilings_kv_dtype"] = {}
@@ -335,6 +340,16 @@ def _summarize(cell: dict, peak_gbps: float, tensor: int) -> None:
     rec["overlap_ratio"] = ms / bound_ms if ms and bound_ms else None
     rec["link_efficiency"] = moved / (ms * 1e-3) / (peak_gbps * 1e9) if ms and not is_device else None
     rec["ring_bytes_per_device_configured"] = rec.get("transport", {}).get("ring_bytes_per_device_configured")
+    plan = rec.get("transport", {}).get("residency")
+    if plan and compute_ms:  # Residency planner: the streamed share of the KV against the model.
+      share = plan["streamed_layers"] / (plan["streamed_layers"] + plan["resident_layers"])
+      rec["streamed_bytes_per_step_per_device"] = share * rec["kv_bytes_per_step_per_device"]
+      rec["predicted_ms_per_step"] = residency.predict_step_ms(
+          rec["streamed_bytes_per_step_per_device"], peak_gbps, compute_ms
+      )
+      if ms:
+        rec["overlap_ratio"] = ms / rec["predicted_ms_per_step"]
+        rec["link_efficiency"] = rec["streamed_bytes_per_step_per_device"] / (ms * 1e-3) / (peak_gbps * 1e9)
   # Arms of one KV dtype must agree bit for bit; arms of different KV dtypes may differ.
   hashes: dict[str, set] = {}
   for n, r in arms.items():

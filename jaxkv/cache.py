@@ -3,7 +3,8 @@
 Layout, per layer l (B = batch, K = kv heads, P = kv block rows, E = stored values per head row):
 
   window[l]: [2, B, K, W, E]  rows [0, W) of K (index 0) and V (index 1), W = n * P (None while W = 0).
-             Lives in the placement's memory: "device" or "pinned_host". Sharded on K over the `tensor`
+             Lives in the placement's memory: "device" or "pinned_host" (with "auto", per layer:
+             jaxkv.residency). Sharded on K over the `tensor`
              mesh axis, so each device's shard (host or device) holds only that device's heads.
   open[l]:   [2, B, K, P, E]  rows [W, W + P), the block being written; always in device memory.
   start:     i32[B]  first valid row of each sequence (prompts are right-aligned: left padding).
@@ -28,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import mesh as mesh_lib
+from jaxkv import residency
 from jaxkv.config import KVConfig, ModelConfig
 from jaxkv.kv_quant import KVFormat
 
-MEMORY_KIND = {"device": "device", "host": "pinned_host"}
 DEFAULT_GPU_PINNED_POOL_GB = 64
 POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 
@@ -64,8 +65,18 @@ class KVCache:
     self.dtype = self.format.storage_dtype
     self.row_width = self.format.width  # E.
     self.device_sharding = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
-    self.store_sharding = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, MEMORY_KIND[kv.placement])
-    if kv.placement == "host":
+    self.host_sharding = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "pinned_host")
+    self.plan: residency.Plan | None = None
+    if kv.placement == "auto":
+      layer = self.row_bytes(mesh_lib.tensor_size(mesh)) * self.rows_bound()
+      free = residency.free_device_bytes(mesh.devices.flat)
+      ring = (kv.pipeline_depth + 2) * layer
+      budget, source = residency.device_budget(free, kv.device_budget_gib, ring, layer, kv.headroom_mib)
+      self.plan = residency.plan(model.num_layers, layer, budget, source)
+      self.streamed = self.plan.streamed
+    else:
+      self.streamed = (kv.placement == "host",) * model.num_layers  # streamed[l]: window l in pinned host memory.
+    if any(self.streamed):
       check_pinned_pool(self.host_bytes_per_process(), model, self.format, batch, self.rows_bound())
     self.windows: list[jax.Array | None] = [None] * model.num_layers
     self.opens: list[jax.Array | None] = [None] * model.num_layers
@@ -82,17 +93,21 @@ class KVCache:
 
   def host_bytes_per_process(self) -> int:
     """Pinned host bytes this process needs at full capacity: its devices' head shares of every layer,
-    plus one layer's window in flight while a grown window replaces the old one."""
+    plus one layer's window in flight while a grown window replaces the old one (streamed layers only)."""
     local = sum(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
     share = self.row_bytes(mesh_lib.tensor_size(self.mesh)) * local
-    return share * self.rows_bound() * (self.model.num_layers + 1)
+    return share * self.rows_bound() * (sum(self.streamed) + 1)
+
+  def store_sharding(self, layer: int) -> jax.sharding.NamedSharding:
+    """Where layer `layer`'s window lives."""
+    return self.host_sharding if self.streamed[layer] else self.device_sharding
 
   def store(self, layer: int, window_device: jax.Array | None) -> int:
     """Places layer `layer`'s window (a device array) in the cache's memory. Returns bytes moved D2H."""
-    if window_device is None or self.kv.placement == "device":
+    if window_device is None or not self.streamed[layer]:
       self.windows[layer] = window_device
       return 0
-    self.windows[layer] = jax.device_put(window_device, self.store_sharding)
+    self.windows[layer] = jax.device_put(window_device, self.host_sharding)
     return window_device.nbytes
 
 

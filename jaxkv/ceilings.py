@@ -67,7 +67,7 @@ def host_cache_filled(config: Config, mesh: jax.sharding.Mesh, batch: int, rows:
   m = config.model
   src = _ones((2, batch, m.num_kv_heads, rows, cache.row_width), cache.dtype, cache.device_sharding)
   for l in range(m.num_layers):
-    cache.windows[l] = jax.device_put(src, cache.store_sharding)
+    cache.windows[l] = jax.device_put(src, cache.host_sharding)
   cache.rows = rows
   jax.block_until_ready(cache.windows)
   src.delete()

@@ -42,6 +42,11 @@ KV_DTYPE = flags.DEFINE_enum(
     "KV cache storage (default: config kv.dtype, 'model' = the model dtype). int8: blocks of 32 values along "
     "head_dim with a float16 scale each (head_dim % 32 == 0); float8_e4m3fn: a float16 scale per head row.",
 )
+KV_DEVICE_BUDGET = flags.DEFINE_float(
+    "kv_device_budget_gib",
+    None,
+    "With --kv_placement=auto: device memory per device for the KV, GiB (default: the free device memory).",
+)
 KV_DEBUG = flags.DEFINE_integer(
     "kv_transport_debug", None, "Transport telemetry: 0 totals, 1 per step, 2 per layer, 3 log per step."
 )
@@ -54,6 +59,7 @@ _KV_FLAGS = {
     "headroom_mib": KV_HEADROOM,
     "transport_debug": KV_DEBUG,
     "dtype": KV_DTYPE,
+    "device_budget_gib": KV_DEVICE_BUDGET,
 }
 
 

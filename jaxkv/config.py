@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-PLACEMENTS = ("device", "host")
+PLACEMENTS = ("device", "host", "auto")
 # KV cache storage: "model" = the model dtype; two float dtypes; two quantized ones (see jaxkv.kv_quant).
 KV_DTYPES = ("model", "bfloat16", "float32", "int8", "float8_e4m3fn")
 INT8_BLOCK = 32  # int8 KV: values per scale along head_dim (llama.cpp q8_0).
@@ -68,7 +68,8 @@ class KVConfig:
   """Where the KV cache lives and how it reaches the devices.
 
   placement: "device" keeps every row in device memory (the reference); "host" keeps the full pages in
-    pinned host memory and delivers each layer's window before its compute.
+    pinned host memory and delivers each layer's window before its compute; "auto" keeps the layers that fit
+    in device memory there and streams the others (jaxkv.residency).
   pipeline_depth: 0 = ordered (deliver layer l, then compute it); D >= 1 = issue the delivery of layer
     l + D before dispatching layer l.
   block: rows per page. The window a layer receives is a whole number of blocks; the partly filled block
@@ -80,6 +81,8 @@ class KVConfig:
   dtype: how cache rows are stored and delivered, one of KV_DTYPES: "model" (the model dtype), "bfloat16",
     "float32", or quantized "int8" (blocks of INT8_BLOCK values along head_dim, one scale each) and
     "float8_e4m3fn" (one scale per head row); jaxkv.kv_quant has the packed layout.
+  device_budget_gib: with placement "auto", the device memory per device the KV may take (None = from the free
+    device memory; jaxkv.residency).
   """
 
   placement: str = "device"
@@ -89,6 +92,7 @@ class KVConfig:
   headroom_mib: int = 512
   transport_debug: int = 0
   dtype: str = "model"
+  device_budget_gib: float | None = None
 
   def __post_init__(self):
     if self.placement not in PLACEMENTS:
@@ -102,6 +106,8 @@ class KVConfig:
     if self.transport_debug not in (0, 1, 2, 3):
       raise ValueError(f"kv.transport_debug must be 0..3, got {self.transport_debug}")
     check_kv_dtype(self.dtype)
+    if self.device_budget_gib is not None and self.device_budget_gib < 0:
+      raise ValueError(f"kv.device_budget_gib must be >= 0 (or unset for automatic), got {self.device_budget_gib}")
 
 
 def check_kv_dtype(kv_dtype: str, head_dim: int | None = None) -> None:

@@ -8,7 +8,7 @@ Entering (`_insert`): the request alone (batch 1) is prefilled as if its prompt 
 its own with the engine's placement and transport; chunks wholly before E - L are skipped (their rows start as
 zeros: left padding). Its last chunk yields rows [0, W) and the open page [W, W + P) with the same W as the
 shared cache, which replace slot b of every layer: one donated `dynamic_update_slice` per layer into the
-window where it lives (in place in pinned host memory for the host placement) and one into the open page.
+window where it lives (in place in pinned host memory for a streamed layer) and one into the open page.
 Other slots are not touched; slot b's older rows are below start[b], masked. Positions are r - start[b], so a
 request sees the same positions, keys and values as when decoded alone.
 
@@ -82,16 +82,16 @@ class ServeResult:
 class _SlotFns:
   head: object
   enter: object
-  insert_window: object
-  insert_open: object
+  insert_device: object  # Into a window or open page in device memory.
+  insert_host: object  # Into a window in pinned host memory, in place.
   zeros: object
 
 
 @functools.lru_cache(maxsize=None)
-def _slot_functions(cfg, mesh: jax.sharding.Mesh, sampling: SamplingConfig, memory_kind: str) -> _SlotFns:
+def _slot_functions(cfg, mesh: jax.sharding.Mesh, sampling: SamplingConfig) -> _SlotFns:
   rep = mesh_lib.replicated(mesh)
   kv_device = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
-  kv_store = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, memory_kind)
+  kv_host = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "pinned_host")
 
   def head(top, x, meta, keys):
     """x [B, D]; meta i32[B + 3]; keys i32[B, 2] (request seed, step of its token 0) -> logits, tokens, their
@@ -114,18 +114,16 @@ def _slot_functions(cfg, mesh: jax.sharding.Mesh, sampling: SamplingConfig, memo
 
   def insert(rows, new, b):
     """rows [2, B, K, R, E] (donated); new [2, 1, K, R, E] on the devices -> rows with slot b = new."""
-    if memory_kind != "device":
-      new = jax.device_put(new, jax.memory.Space.Host)
     return jax.lax.dynamic_update_slice(rows, new, (0, b, 0, 0, 0))
 
-  def insert_open(rows, new, b):
-    return jax.lax.dynamic_update_slice(rows, new, (0, b, 0, 0, 0))
+  def insert_host(rows, new, b):
+    return insert(rows, jax.device_put(new, jax.memory.Space.Host), b)
 
   return _SlotFns(
       head=jax.jit(head, out_shardings=rep),
       enter=jax.jit(enter, out_shardings=rep, donate_argnums=(0, 1, 2)),
-      insert_window=jax.jit(insert, out_shardings=kv_store, donate_argnums=(0,)),
-      insert_open=jax.jit(insert_open, out_shardings=kv_device, donate_argnums=(0,)),
+      insert_device=jax.jit(insert, out_shardings=kv_device, donate_argnums=(0,)),
+      insert_host=jax.jit(insert_host, out_shardings=kv_host, donate_argnums=(0,)),
       zeros=functools.lru_cache(maxsize=None)(
           lambda shape, dtype: jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_device)
       ),
@@ -148,7 +146,7 @@ class Server:
       raise ValueError(f"parallel must be >= 1, got {parallel}")
     self.engine, self.parallel = engine, parallel
     cfg = engine.config
-    self.fns = _slot_functions(cfg.model, engine.mesh, cfg.sampling, cache_lib.MEMORY_KIND[cfg.kv.placement])
+    self.fns = _slot_functions(cfg.model, engine.mesh, cfg.sampling)
 
   def validate(self, requests: Sequence[Request]) -> None:
     if not requests:
@@ -329,8 +327,9 @@ class _Run:
 
     def finish(l, head, open_page):
       if head is not None:
-        cache.windows[l] = fns.insert_window(cache.windows[l], head, b)
-      cache.opens[l] = fns.insert_open(cache.opens[l], open_page, b)
+        insert = fns.insert_host if cache.streamed[l] else fns.insert_device
+        cache.windows[l] = insert(cache.windows[l], head, b)
+      cache.opens[l] = fns.insert_device(cache.opens[l], open_page, b)
       return 0
 
     transport = Transport(own, cfg.kv.pipeline_depth, cfg.kv.transport_debug)

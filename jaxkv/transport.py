@@ -11,14 +11,15 @@ host, so issuing from the dispatching thread would cost it that wait).
 
 Deliveries past the last layer belong to the next pass; they are queued only when the caller says one
 follows. Their rows are final by then: layer j of the next pass is issued only after layer j of this pass
-has been computed and stored (the depth is capped at num_layers - 1).
+has been computed and stored (the depth is capped at the number of streamed layers - 1).
 
 The ring: the D + 1 deliveries held by the feeder's slots plus the previous one, whose compute may still
 run: at most D + 2 windows alive per device. A consumed delivery is dropped right after its compute is
 dispatched; the runtime frees it when that compute ends. Depth 0 is ordered: layer l's copy is issued only
 after layer l - 1 was dispatched, so the copy stream waits for that compute.
 
-With placement "device" the windows are resident: run_pass hands each layer its window, nothing moves.
+Resident layers (placement "device", or those the residency planner keeps on the devices with "auto") are
+handed their windows as they are: nothing moves for them, and the feeder delivers only the streamed layers.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import jax
 from absl import logging
 
 from jaxkv import mesh as mesh_lib
+from jaxkv import residency
 from jaxkv.cache import KVCache
 
 
@@ -45,27 +47,16 @@ class DepthChoice:
   fallback_reason: str | None
 
 
-def free_device_bytes(devices) -> int | None:
-  """Free memory of the fullest device (bytes_limit - bytes_in_use), or None where stats are missing."""
-  free = []
-  for d in devices:
-    stats = d.memory_stats() if hasattr(d, "memory_stats") else None
-    if not stats or "bytes_limit" not in stats:
-      return None
-    free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-  return min(free) if free else None
-
-
 def choose_depth(
-    requested: int, num_layers: int, slot_bytes: int, budget_mib: int, headroom_mib: int, free_bytes: int | None
+    requested: int, streamed_layers: int, slot_bytes: int, budget_mib: int, headroom_mib: int, free_bytes: int | None
 ) -> DepthChoice:
   """Largest depth <= requested whose ring (depth + 2 slots of `slot_bytes` per device) fits both the budget
   (budget_mib, 0 = none) and the free memory of the fullest device minus the headroom."""
   reasons = []
   depth = requested
-  if depth > num_layers - 1:
-    depth = max(num_layers - 1, 0)
-    reasons.append(f"depth {requested} capped at num_layers - 1 = {depth}")
+  if depth > streamed_layers - 1:
+    depth = max(streamed_layers - 1, 0)
+    reasons.append(f"depth {requested} capped at streamed layers - 1 = {depth}")
   limits = []
   if budget_mib and slot_bytes:
     limits.append((budget_mib * 2**20, f"--kv_pipeline_budget_mib={budget_mib}"))
@@ -102,11 +93,12 @@ class Transport:
   def __init__(self, cache: KVCache, depth: int, debug: int = 0):
     self.cache, self.debug = cache, debug
     self.num_layers = cache.model.num_layers
-    self.streamed = cache.kv.placement == "host"
+    self.order = [l for l in range(self.num_layers) if cache.streamed[l]]  # The layers delivered, in order.
+    self.streamed = bool(self.order)
     t = mesh_lib.tensor_size(cache.mesh)
     slot = cache.row_bytes(t) * cache.rows_bound() if self.streamed else 0  # Resident: no ring.
-    free = free_device_bytes(cache.mesh.devices.flat) if self.streamed else None
-    self.choice = choose_depth(depth, self.num_layers, slot, cache.kv.budget_mib, cache.kv.headroom_mib, free)
+    free = residency.free_device_bytes(cache.mesh.devices.flat) if self.streamed else None
+    self.choice = choose_depth(depth, len(self.order), slot, cache.kv.budget_mib, cache.kv.headroom_mib, free)
     self.depth = self.choice.depth
     self._tensor = t
     self._queued_next = False  # The next pass's jobs are already queued.
@@ -154,17 +146,15 @@ class Transport:
     compute(l, ...) must store any change to layer l's window in the cache before it returns.
     next_pass: a pass follows, so deliveries may run into its first layers.
     """
-    n = self.num_layers
-    if not self.streamed:
-      for l in range(n):
-        compute(l, self.cache.windows[l])
-      return
     if not self._queued_next:
       self._queue_pass()
     if next_pass:  # Issued as slots free: the next pass's layer j after this pass's layer j - D - 1.
       self._queue_pass()
     self._queued_next = next_pass
-    for l in range(n):
+    for l in range(self.num_layers):
+      if not self.cache.streamed[l]:  # Resident: its window is already on the devices.
+        compute(l, self.cache.windows[l])
+        continue
       layer, window, nbytes, t_issue = self._ready.get()
       if self._error is not None:
         raise RuntimeError("KV delivery failed") from self._error
@@ -180,8 +170,9 @@ class Transport:
       self._slots.release()
 
   def _queue_pass(self) -> None:
-    for l in range(self.num_layers):
-      self._jobs.put(l)
+    if self.streamed:
+      for l in self.order:
+        self._jobs.put(l)
 
   def in_flight(self) -> int:
     """Deliveries issued and not yet handed to their compute."""
@@ -238,4 +229,5 @@ class Transport:
         ring_slots=c.ring_slots if self.streamed else 0,
         ring_bytes_per_device_configured=ring,
         fallback_reason=c.fallback_reason,
+        **({"residency": self.cache.plan.summary()} if self.cache.plan else {}),
     )

@@ -1,0 +1,118 @@
+"""The residency planner behind `kv.placement = "auto"`: keep in device memory the layers whose KV fits, stream
+the rest from pinned host memory.
+
+Granularity: whole layers. A layer's window stays ONE array in one memory, so a streamed layer is still one
+delivery (each delivered array costs ~40-60 us of host time on the H200) and a resident layer none, and every
+layer runs the same compiled function whichever memory its window comes from: outputs stay bit-identical to
+the device and host placements. A row-range split of every layer would need two arrays per layer (two
+deliveries, or a device-side concatenation that copies the resident rows through HBM each step). With 32-80
+layers a layer is 1-3% of the KV, fine enough.
+
+Budget (per device, at the cache's full capacity): free memory of the fullest device when the cache is
+allocated (after the weights), minus the delivery ring (depth + 2 windows), minus a workspace for a layer's
+temporaries (the unpacked and grown window, two windows; the prefill scores, WORKSPACE_SCORE_BLOCKS x
+jaxkv.model.SCORE_BUDGET_BYTES), minus kv.headroom_mib. kv.device_budget_gib replaces the automatic figure
+(and lets tests and benchmarks emulate a smaller device); it may not exceed the free memory where that is
+known. Where the backend reports no memory (CPU) and no budget is given, every layer is resident.
+
+Order: the resident layers are spread evenly among the streamed ones (`spread`), so that the link keeps
+delivering streamed layers while resident layers compute: with a contiguous resident block, the ring
+(depth + 1 deliveries ahead) fills and the link idles for the rest of the block.
+
+Step-time model (`predict_step_ms`): transfers overlap compute, so a decode step takes
+max(streamed bytes / link bandwidth, compute time of all layers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from absl import logging
+
+from jaxkv import model
+
+WORKSPACE_SCORE_BLOCKS = 3  # f32 scores, their softmax weights and one spare, of the prefill's query blocks.
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """streamed[l]: layer l's window lives in pinned host memory (else device memory).
+  layer_bytes: one layer's KV per device at full capacity; budget_bytes: device bytes the KV may take;
+  budget_source: "kv.device_budget_gib", "free device memory" or "no device memory limit"."""
+
+  streamed: tuple[bool, ...]
+  layer_bytes: int
+  budget_bytes: int | None
+  budget_source: str
+
+  @property
+  def resident_layers(self) -> int:
+    return self.streamed.count(False)
+
+  def summary(self) -> dict:
+    return dict(
+        resident_layers=self.resident_layers,
+        streamed_layers=len(self.streamed) - self.resident_layers,
+        layer_bytes_per_device=self.layer_bytes,
+        device_budget_bytes=self.budget_bytes,
+        budget_source=self.budget_source,
+        streamed=[l for l, s in enumerate(self.streamed) if s],
+    )
+
+
+def free_device_bytes(devices) -> int | None:
+  """Free memory of the fullest device (bytes_limit - bytes_in_use), or None where stats are missing."""
+  free = []
+  for d in devices:
+    stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+      return None
+    free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+  return min(free) if free else None
+
+
+def spread(num_layers: int, resident: int) -> tuple[bool, ...]:
+  """streamed[l] with `resident` layers (False) spread evenly: layer floor((i + 1/2) * L / n) for i < n."""
+  keep = {int((i + 0.5) * num_layers / resident) for i in range(resident)} if resident else set()
+  return tuple(l not in keep for l in range(num_layers))
+
+
+def device_budget(
+    free_bytes: int | None, override_gib: float | None, ring_bytes: int, layer_bytes: int, headroom_mib: int
+) -> tuple[int | None, str]:
+  """(bytes the KV may take per device, where the figure comes from); see the module docstring."""
+  if override_gib is not None:
+    if override_gib < 0:
+      raise ValueError(f"kv.device_budget_gib must be >= 0 (or unset for automatic), got {override_gib}")
+    budget = int(override_gib * 2**30)
+    if free_bytes is not None and budget > free_bytes:
+      raise ValueError(
+          f"kv.device_budget_gib={override_gib} is more than the free memory of the fullest device "
+          f"({free_bytes / 2**30:.2f} GiB); lower it or leave it unset for the automatic figure"
+      )
+    return budget, "kv.device_budget_gib"
+  if free_bytes is None:
+    return None, "no device memory limit"
+  workspace = 2 * layer_bytes + WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
+  return max(free_bytes - ring_bytes - workspace - headroom_mib * 2**20, 0), "free device memory"
+
+
+def plan(num_layers: int, layer_bytes: int, budget_bytes: int | None, source: str) -> Plan:
+  """As many whole layers resident as the budget holds, spread among the streamed ones."""
+  resident = num_layers if budget_bytes is None else min(num_layers, budget_bytes // max(layer_bytes, 1))
+  p = Plan(spread(num_layers, resident), layer_bytes, budget_bytes, source)
+  logging.info(
+      "kv placement auto: %d of %d layers resident (%.1f MiB per layer per device, budget %s from %s), %d streamed",
+      resident,
+      num_layers,
+      layer_bytes / 2**20,
+      "none" if budget_bytes is None else f"{budget_bytes / 2**20:.0f} MiB",
+      source,
+      num_layers - resident,
+  )
+  return p
+
+
+def predict_step_ms(streamed_bytes_per_step: float, link_gbps: float, compute_ms: float) -> float:
+  """Decode step time when transfers overlap compute: max(streamed bytes / link, compute)."""
+  return max(1e3 * streamed_bytes_per_step / (link_gbps * 1e9), compute_ms)

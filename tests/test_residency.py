@@ -1,0 +1,93 @@
+"""The residency planner (kv.placement "auto"): resident and streamed layers, bit-identical output."""
+
+import dataclasses
+
+import helpers
+import jax
+import numpy as np
+import pytest
+
+from jaxkv import residency
+from jaxkv import serving
+
+LENGTHS = (9, 17, 1, 30)
+NEW = 14  # Crosses block boundaries (block 8): windows grow and are stored back in their memory.
+
+
+def test_spread_keeps_the_resident_layers_apart():
+  assert residency.spread(6, 0) == (True,) * 6
+  assert residency.spread(6, 6) == (False,) * 6
+  assert residency.spread(6, 3) == (True, False, True, False, True, False)
+  s = residency.spread(32, 19)
+  runs = "".join("rs"[x] for x in s).split("r")  # Runs of streamed layers between resident ones.
+  assert s.count(False) == 19 and max(len(r) for r in runs) == 1
+
+
+def test_free_device_bytes_takes_the_fullest_device():
+  class Dev:
+
+    def __init__(self, limit, used):
+      self.stats = dict(bytes_limit=limit, bytes_in_use=used)
+
+    def memory_stats(self):
+      return self.stats
+
+  assert residency.free_device_bytes([Dev(100, 10), Dev(100, 60)]) == 40
+  assert residency.free_device_bytes(jax.devices()[:1]) is None  # CPU: no stats.
+
+
+def test_device_budget_from_free_memory_or_the_override():
+  gib, mib = 2**30, 2**20
+  budget, source = residency.device_budget(10 * gib, None, ring_bytes=gib, layer_bytes=100 * mib, headroom_mib=512)
+  assert source == "free device memory"
+  assert budget == 10 * gib - gib - 200 * mib - residency.WORKSPACE_SCORE_BLOCKS * 2**30 - 512 * mib
+  assert residency.device_budget(10 * gib, 2.0, gib, mib, 0) == (2 * gib, "kv.device_budget_gib")
+  assert residency.device_budget(None, None, gib, mib, 0) == (None, "no device memory limit")
+  with pytest.raises(ValueError, match="more than the free memory"):
+    residency.device_budget(gib, 2.0, 0, mib, 0)
+  with pytest.raises(ValueError, match="must be >= 0"):
+    residency.device_budget(None, -1.0, 0, mib, 0)
+
+
+def _auto(tensor, depth, layers):
+  """An auto engine whose budget holds `layers` whole layers of the tiny model."""
+  eng = helpers.engine(tensor, placement="auto", depth=depth)
+  from jaxkv import cache as cache_lib  # pylint: disable=g-import-not-at-top
+
+  kv = dataclasses.replace(eng.config.kv, placement="device")
+  probe = cache_lib.KVCache(eng.config.model, kv, eng.mesh, len(LENGTHS), eng.config.engine.capacity)
+  layer = probe.row_bytes(tensor) * probe.rows_bound()
+  kv = dataclasses.replace(eng.config.kv, device_budget_gib=(layers * layer + layer // 2) / 2**30)
+  return type(eng)(dataclasses.replace(eng.config, kv=kv), eng.mesh, eng.params), layer
+
+
+@pytest.mark.parametrize("tensor", [1, 2, 4])
+def test_auto_split_is_bit_identical_to_device_and_host(tensor):
+  prompts = helpers.prompts(LENGTHS)
+  ref = helpers.engine(tensor, placement="device").generate(prompts, NEW, keep_logits=True)
+  host = helpers.engine(tensor, placement="host", depth=2).generate(prompts, NEW)
+  assert (host.tokens_sha256, host.logits_sha256) == (ref.tokens_sha256, ref.logits_sha256)
+  for depth, layers in ((0, 3), (1, 2), (2, 4), (2, 0)):
+    eng, layer = _auto(tensor, depth, layers)
+    res = eng.generate(prompts, NEW, keep_logits=True)
+    np.testing.assert_array_equal(res.logits, ref.logits)
+    assert res.tokens == ref.tokens
+    plan = res.transport["residency"]
+    assert plan["resident_layers"] == layers and plan["streamed_layers"] == 6 - layers
+    assert plan["layer_bytes_per_device"] == layer and plan["budget_source"] == "kv.device_budget_gib"
+    assert res.transport["depth"] == min(depth, 6 - layers - 1)
+    # Only the streamed layers move: their share of the host placement's bytes.
+    assert res.transport["h2d_bytes"] * 6 == host.transport["h2d_bytes"] * (6 - layers)
+
+
+def test_auto_where_device_memory_is_unknown_keeps_every_layer_resident():
+  res = helpers.engine(2, placement="auto").generate(helpers.prompts(LENGTHS), 4)
+  assert res.transport["residency"]["resident_layers"] == 6 and res.transport["h2d_bytes"] == 0
+  assert res.transport["residency"]["budget_source"] == "no device memory limit"
+
+
+def test_auto_serves_slots_with_the_same_transcript():
+  reqs = [serving.Request(tuple(p), n) for p, n in zip(helpers.prompts((5, 12, 20, 3, 9, 30)), (6, 3, 9, 4, 7, 5))]
+  ref = serving.Server(helpers.engine(2, placement="device"), 2).serve(reqs)
+  out = serving.Server(_auto(2, 1, 3)[0], 2).serve(reqs)
+  assert out.transcript_sha256 == ref.transcript_sha256 and out.transport["insertions"] >= 1
