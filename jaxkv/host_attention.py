@@ -18,8 +18,8 @@ weighted by exp(score - max), all in f32. A second loop merges each (sequence, h
 never share an accumulator and the block size does not depend on the thread count, so the result is bitwise the same
 for every run and every thread count (on one machine: the vector width of the compiled code may differ elsewhere).
 Rows are widened to f32 in chunks of _CHUNK rows (an L1-resident scratch), exactly: bf16 by a 16-bit shift, float16
-and the f16 scales by moving the bits into f32 position and rescaling, fp8 by a 256-entry table, int8 times its
-block's scale. The rows two chunks ahead are prefetched, so memory loads overlap the arithmetic.
+and the f16 scales by re-biasing the exponent, fp8 by a 256-entry table, int8 times its block's scale. The rows two
+chunks ahead are prefetched, so memory loads overlap the arithmetic.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from jaxkv.kv_quant import INT8_BLOCK, SCALE_BYTES, KVFormat
+from jaxkv.kv_quant import INT8_BLOCK, KVFormat
 
 ROW_BLOCK = 256  # Rows per task; fixed, so that the reduction order never depends on the threads.
 _CHUNK = 8  # Rows widened to f32 at a time; the V update below is written out for 8.
@@ -43,7 +43,6 @@ _PREFETCH = 2 * _CHUNK  # Rows ahead to prefetch (measured: 16 beat 8, 32 and 64
 _F32, _BF16, _F16, _INT8, _FP8 = range(5)
 _CODES = {"float32": _F32, "bfloat16": _BF16, "float16": _F16, "int8": _INT8, "float8_e4m3fn": _FP8}
 _FP8_VALUES = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)  # e4m3fn bits -> f32.
-_F16_RESCALE = np.float32(2.0**112)  # 2^(f32 exponent bias - f16 exponent bias).
 
 
 class _Buffer:
@@ -179,12 +178,17 @@ def _exp_nonpositive(x, n, bits):
 
 
 @numba.njit(inline="always")
-def _scales(row, dh, n, out, out_bits):
-  """The n float16 scales stored after a row's Dh values (little-endian) -> out f32[n], exactly."""
-  for j in range(n):
-    bits = np.uint32(row[dh + SCALE_BYTES * j]) | np.uint32(row[dh + SCALE_BYTES * j + 1]) << np.uint32(8)
-    out_bits[j] = (bits & 0x7FFF) << np.uint32(13) | (bits & 0x8000) << np.uint32(16)
-    out[j] *= _F16_RESCALE
+def _f16_to_f32(half, out, out_bits):
+  """Finite float16 values (their bits, u16[n]) -> out f32[>= n] (out_bits: its uint32 view), exactly and without
+  f32 subnormal arithmetic, which a denormals-are-zero CPU mode would flush: normal values by re-biasing the
+  exponent (+112), subnormal ones as mantissa x 2^-24."""
+  for d in range(half.shape[0]):
+    h = np.uint32(half[d])
+    out_bits[d] = ((h & 0x7FFF) << np.uint32(13)) + np.uint32(112 << 23) | (h & 0x8000) << np.uint32(16)
+  for d in range(half.shape[0]):
+    if half[d] & 0x7C00 == 0:
+      x = np.float32(half[d] & 0x3FF) * np.float32(2.0**-24)
+      out[d] = -x if half[d] & 0x8000 else x
 
 
 @numba.njit(inline="always")
@@ -206,24 +210,19 @@ def _widen(rows, first, n, code, out, out_bits, scale, scale_bits, fp8):
         out_bits[c, d] = np.uint32(half[d]) << np.uint32(16)
   elif code == _F16:
     for c in range(n):
-      half = rows[first + c].view(np.uint16)
-      for d in range(dh):
-        h = np.uint32(half[d])
-        out_bits[c, d] = (h & 0x7FFF) << np.uint32(13) | (h & 0x8000) << np.uint32(16)
-      for d in range(dh):
-        out[c, d] *= _F16_RESCALE
+      _f16_to_f32(rows[first + c].view(np.uint16), out[c], out_bits[c])
   elif code == _INT8:
     for c in range(n):
       row = rows[first + c]
       values = row.view(np.int8)
-      _scales(row, dh, dh // INT8_BLOCK, scale, scale_bits)
+      _f16_to_f32(row[dh:].view(np.uint16), scale, scale_bits)
       for j in range(dh // INT8_BLOCK):
         for d in range(j * INT8_BLOCK, (j + 1) * INT8_BLOCK):
           out[c, d] = np.float32(values[d]) * scale[j]
   else:
     for c in range(n):
       row = rows[first + c]
-      _scales(row, dh, 1, scale, scale_bits)
+      _f16_to_f32(row[dh:].view(np.uint16), scale, scale_bits)
       for d in range(dh):
         out[c, d] = fp8[row[d]] * scale[0]
   for c in range(n, _CHUNK):
