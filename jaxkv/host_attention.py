@@ -178,17 +178,24 @@ def _exp_nonpositive(x, n, bits):
 
 
 @numba.njit(inline="always")
-def _f16_to_f32(half, out, out_bits):
-  """Finite float16 values (their bits, u16[n]) -> out f32[>= n] (out_bits: its uint32 view), exactly and without
-  f32 subnormal arithmetic, which a denormals-are-zero CPU mode would flush: normal values by re-biasing the
-  exponent (+112), subnormal ones as mantissa x 2^-24."""
-  for d in range(half.shape[0]):
-    h = np.uint32(half[d])
+def _u16(rows, r, i):
+  """The little-endian uint16 at byte i of row r of u8 rows (bytes, not a view: a per-row view stops vectorization)."""
+  return np.uint32(rows[r, i]) | np.uint32(rows[r, i + 1]) << np.uint32(8)
+
+
+@numba.njit(inline="always")
+def _f16_to_f32(rows, r, first, n, out, out_bits):
+  """n finite float16 values stored at bytes [first, first + 2n) of row r -> out f32[>= n] (out_bits: its uint32
+  view), exactly and without f32 subnormal arithmetic, which a denormals-are-zero CPU mode would flush: normal
+  values by re-biasing the exponent (+112), subnormal ones as mantissa x 2^-24."""
+  for d in range(n):
+    h = _u16(rows, r, first + 2 * d)
     out_bits[d] = ((h & 0x7FFF) << np.uint32(13)) + np.uint32(112 << 23) | (h & 0x8000) << np.uint32(16)
-  for d in range(half.shape[0]):
-    if half[d] & 0x7C00 == 0:
-      x = np.float32(half[d] & 0x3FF) * np.float32(2.0**-24)
-      out[d] = -x if half[d] & 0x8000 else x
+  for d in range(n):
+    h = _u16(rows, r, first + 2 * d)
+    if h & 0x7C00 == 0:
+      x = np.float32(h & 0x3FF) * np.float32(2.0**-24)
+      out[d] = -x if h & 0x8000 else x
 
 
 @numba.njit(inline="always")
@@ -202,29 +209,29 @@ def _widen(rows, first, n, code, out, out_bits, scale, scale_bits, fp8):
       _prefetch(ahead, e)
   if code == _F32:
     for c in range(n):
-      out[c] = rows[first + c].view(np.float32)
+      for d in range(dh):
+        out_bits[c, d] = _u16(rows, first + c, 4 * d) | _u16(rows, first + c, 4 * d + 2) << np.uint32(16)
   elif code == _BF16:
     for c in range(n):
-      half = rows[first + c].view(np.uint16)
       for d in range(dh):
-        out_bits[c, d] = np.uint32(half[d]) << np.uint32(16)
+        out_bits[c, d] = _u16(rows, first + c, 2 * d) << np.uint32(16)
   elif code == _F16:
     for c in range(n):
-      _f16_to_f32(rows[first + c].view(np.uint16), out[c], out_bits[c])
+      _f16_to_f32(rows, first + c, 0, dh, out[c], out_bits[c])
   elif code == _INT8:
     for c in range(n):
-      row = rows[first + c]
-      values = row.view(np.int8)
-      _f16_to_f32(row[dh:].view(np.uint16), scale, scale_bits)
+      for d in range(dh):  # Converted whole, then scaled per block: measured 2.5x faster than both in one loop.
+        out[c, d] = np.float32(np.int8(rows[first + c, d]))
+      _f16_to_f32(rows, first + c, dh, dh // INT8_BLOCK, scale, scale_bits)
       for j in range(dh // INT8_BLOCK):
-        for d in range(j * INT8_BLOCK, (j + 1) * INT8_BLOCK):
-          out[c, d] = np.float32(values[d]) * scale[j]
+        sj = scale[j]
+        for d in range(INT8_BLOCK):
+          out[c, j * INT8_BLOCK + d] *= sj
   else:
     for c in range(n):
-      row = rows[first + c]
-      _f16_to_f32(row[dh:].view(np.uint16), scale, scale_bits)
+      _f16_to_f32(rows, first + c, dh, 1, scale, scale_bits)
       for d in range(dh):
-        out[c, d] = fp8[row[d]] * scale[0]
+        out[c, d] = fp8[rows[first + c, d]] * scale[0]
   for c in range(n, _CHUNK):
     out[c] = 0.0
 
