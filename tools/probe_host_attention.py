@@ -9,8 +9,11 @@ device; the link's GB/s is measured alone and during the kernel. split = C / (C 
 both sides finish together (C = kernel GB/s while streaming, L = link GB/s during), and bound_x = (C + L) / L the
 resulting speedup over the link-bound step, ignoring per-layer latencies.
 
-  python3 tools/probe_host_attention.py --out=/tmp/host_attention.json  # H200 host: 16k, 32k; batch 1, 4.
-  python3 tools/probe_host_attention.py --contexts=512 --stream_mib=8 --min_gib=0.01  # CPU: a smoke run.
+  PYTHONPATH=. python3 tools/probe_host_attention.py --threads=0,14,8 --out=host_attention.json  # 16k, 32k; B 1, 4
+  PYTHONPATH=. python3 tools/probe_host_attention.py --contexts=512 --stream_mib=8 --min_gib=0.01  # CPU: a smoke run
+
+With GNU OpenMP (numba's "omp" layer) a thread that loses its core makes the others spin at the barrier; on a busy
+2-core machine "workqueue" kept 2-thread scaling where "omp" lost it, so compare --threading_layer=workqueue.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ THREADS = flags.DEFINE_list("threads", ["0"], "numba thread counts; 0 = all core
 STREAM_MIB = flags.DEFINE_integer("stream_mib", 512, "Size of each streamed device_put.")
 MIN_GIB = flags.DEFINE_float("min_gib", 2.0, "Host bytes of windows per measurement, at least (layers cycle).")
 REPEATS = flags.DEFINE_integer("repeats", 5, "Passes over the layers per measurement.")
+LAYER = flags.DEFINE_enum(
+    "threading_layer", "default", ["default", "omp", "tbb", "workqueue"], "numba's threading layer (see its docs)."
+)
 OUT = flags.DEFINE_string("out", None, "Write the rows as JSON here.")
 
 
@@ -125,6 +131,7 @@ def run(batches, contexts, dtypes, threads, stream_mib, repeats, min_gib=0.0) ->
                   context=rows,
                   kv_dtype=name,
                   threads=t,
+                  threading_layer=numba.threading_layer(),
                   layers=len(layers),
                   layer_mib=layers[0].nbytes / 2**20,
                   alone_ms_per_layer=1e3 * alone / len(layers),
@@ -149,6 +156,7 @@ def write(rows: list[dict], path: str) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  numba.config.THREADING_LAYER = LAYER.value  # Before the first parallel call.
   print("jax", jax.__version__, jax.devices(), "numba", numba.__version__, "cores", os.cpu_count(), flush=True)
   rows = run(
       [int(b) for b in BATCHES.value],
@@ -161,7 +169,8 @@ def main(argv):
   )
   if OUT.value:
     write(rows, OUT.value)
-  cols = "batch context kv_dtype threads layer_mib alone_gbps streaming_gbps link_alone_gbps link_during_gbps split"
+  cols = "batch context kv_dtype threads threading_layer layer_mib alone_gbps streaming_gbps link_alone_gbps"
+  cols += " link_during_gbps split"
   print("\n" + cols + " bound_x")
   for r in rows:
     print(
