@@ -240,15 +240,89 @@ def decode_layer(p, x, window, open_page, start, end, *, cfg: ModelConfig, kv_fo
   """
   fmt = kv_format or KVFormat.of(cfg)
   w_rows, page = (0 if window is None else window.shape[3]), open_page.shape[3]
-  pos = (end - start)[:, None]  # [B, 1]
-  q, k, v = qkv(p, x[:, None, :], pos, cfg)
-  new = fmt.pack(jnp.stack([k, v]).transpose(0, 1, 3, 2, 4))  # [2, B, K, 1, E]
-  open_page = jax.lax.dynamic_update_slice(open_page, new, (0, 0, 0, end - w_rows, 0))
+  q, open_page = _query_and_write(p, x, open_page, start, end, end - w_rows, cfg, fmt)
   kv = fmt.unpack(open_page if window is None else jnp.concatenate([window, open_page], axis=3))
   key_rows = jnp.arange(w_rows + page, dtype=jnp.int32)
   mask = (key_rows[None, :] >= start[:, None]) & (key_rows[None, :] <= end)  # [B, R]
   o = attention(q, kv, mask[:, None, :])
   return attn_out_and_mlp(p, x[:, None, :], o, cfg)[:, 0, :], open_page
+
+
+def _query_and_write(p, x, open_page, start, end, page_row, cfg: ModelConfig, fmt: KVFormat):
+  """x [B, D] -> q [B, 1, H, Dh] and the open page with the new row (packed) written at page_row."""
+  pos = (end - start)[:, None]  # [B, 1]
+  q, k, v = qkv(p, x[:, None, :], pos, cfg)
+  new = fmt.pack(jnp.stack([k, v]).transpose(0, 1, 3, 2, 4))  # [2, B, K, 1, E]
+  return q, jax.lax.dynamic_update_slice(open_page, new, (0, 0, 0, page_row, 0))
+
+
+# Split attention: rows [0, r1) of a layer's window are attended on the host (jaxkv.host_attention), rows [r1, W)
+# (the tail, delivered) and the open page on the device, and the two softmax partials are merged. A layer is then two
+# functions: decode_query (the query, handed to the host, and the new row) and decode_attend_split (the device's
+# partial, the merge, the rest of the layer). Not bit-identical to decode_layer: the rows are summed in another order.
+
+
+def decode_query(p, x, open_page, start, end, *, cfg: ModelConfig, kv_format: KVFormat | None = None):
+  """The first half of a split layer: its query and the new row.
+
+  x [B, D]; open_page stored [2, B, K, P, E] rows [W, W + P); start i32[B]; end i32[] with W <= end < W + P and W a
+  multiple of P, so the new row goes to page row end % P (no window argument: this function compiles once).
+  Returns q f32[B, K, G, Dh] (query head k * G + g; the model dtype's values, widened) and the open page with the
+  new row written (packed).
+  """
+  fmt = kv_format or KVFormat.of(cfg)
+  q, open_page = _query_and_write(p, x, open_page, start, end, end % open_page.shape[3], cfg, fmt)
+  b, _, h, dh = q.shape
+  k = open_page.shape[2]
+  return q[:, 0].reshape(b, k, h // k, dh).astype(jnp.float32), open_page
+
+
+def partial_attention(q, kv, mask):
+  """q [B, K, G, Dh]; kv [2, B, K, R, Dh] values (unpacked); mask bool[B, R] (True = attend), at least one True per
+  sequence -> o f32[B, K, G, Dh], the attention output normalized over these rows, and lse f32[B, K, G], the
+  log-sum-exp of their scaled scores. Scores and softmax in f32, the weights and V products in kv's dtype with f32
+  accumulation."""
+  s = jnp.einsum("bkgd,bkrd->bkgr", q, kv[0], preferred_element_type=jnp.float32)
+  s = s * (1.0 / math.sqrt(q.shape[-1]))
+  s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+  m = jnp.max(s, axis=-1)
+  e = jnp.exp(s - m[..., None])
+  total = jnp.sum(e, axis=-1)
+  o = jnp.einsum("bkgr,bkrd->bkgd", e.astype(kv.dtype), kv[1], preferred_element_type=jnp.float32)
+  return o / total[..., None], m + jnp.log(total)
+
+
+def merge_partials(o1, lse1, o2, lse2):
+  """The split-K merge of two attention partials over disjoint rows: exact up to f32 rounding.
+
+  o1, o2 f32[..., Dh], each normalized over its rows; lse1, lse2 f32[...], their log-sum-exps (-inf: no rows, and
+  then that o must be finite, e.g. 0; not both). Returns o f32[..., Dh] and lse f32[...] over the union of the rows.
+  """
+  m = jnp.maximum(lse1, lse2)
+  w1, w2 = jnp.exp(lse1 - m), jnp.exp(lse2 - m)
+  total = w1 + w2
+  return (w1[..., None] * o1 + w2[..., None] * o2) / total[..., None], m + jnp.log(total)
+
+
+def decode_attend_split(
+    p, x, q, tail, open_page, host_o, host_lse, start, end, *, cfg: ModelConfig, kv_format: KVFormat | None = None
+):
+  """The second half of a split layer: attention over the device's rows, merged with the host's, then the MLP.
+
+  x [B, D]; q f32[B, K, G, Dh] from decode_query; tail stored [2, B, K, T, E] rows [W - T, W), or None while T = 0;
+  open_page stored [2, B, K, P, E] rows [W, W + P), the new row written; host_o f32[B, K, G, Dh] and host_lse
+  f32[B, K, G]: the host's partial over rows [0, W - T) (jaxkv.host_attention; o = 0, lse = -inf where no row was
+  valid); start i32[B]; end i32[], W = end - end % P. Returns x [B, D].
+  """
+  fmt = kv_format or KVFormat.of(cfg)
+  t_rows, page = (0 if tail is None else tail.shape[3]), open_page.shape[3]
+  kv = fmt.unpack(open_page if tail is None else jnp.concatenate([tail, open_page], axis=3))
+  key_rows = end - end % page - t_rows + jnp.arange(t_rows + page, dtype=jnp.int32)
+  mask = (key_rows[None, :] >= start[:, None]) & (key_rows[None, :] <= end)  # [B, T + P]; row `end` is valid.
+  o, lse = partial_attention(q.astype(x.dtype), kv, mask)
+  o, _ = merge_partials(host_o, host_lse, o, lse)
+  b, k, g, dh = o.shape
+  return attn_out_and_mlp(p, x[:, None, :], o.reshape(b, 1, k * g, dh).astype(x.dtype), cfg)[:, 0, :]
 
 
 def embed(params, tokens):
