@@ -219,18 +219,14 @@ class Engine:
       cache.rows += block
     return x, d2h
 
-  def _generate(self, prompts, max_new_tokens, seed, on_step, cache, transport, rec) -> GenerateResult:
-    """Prefill, then decode; the caller closes the transport."""
-    cfg = self.config
-    chunk = cfg.engine.prefill_chunk
-    batch = len(prompts)
+  def prefill_prompts(self, cache, transport, prompts, seed, *, next_pass, shapes, counters):
+    """Prefills a batch of prompts right-aligned into a fresh cache (window, open page and cache.rows);
+    returns (x [B, D] of each prompt's last row, start i32[B], longest)."""
+    chunk, block = self.config.engine.prefill_chunk, self.config.kv.block
     lens = np.array([len(p) for p in prompts], np.int32)
     longest = int(lens.max())
     start = longest - lens
-    shapes: set[tuple] = set()
-    fns = self.fns
-
-    tokens = np.zeros((batch, -(-longest // chunk) * chunk), np.int32)
+    tokens = np.zeros((len(prompts), -(-longest // chunk) * chunk), np.int32)
     for b, p in enumerate(prompts):
       tokens[b, start[b] : longest] = p
 
@@ -239,18 +235,25 @@ class Engine:
       return cache.store(l, head)
 
     x_last = self.prefill(
+        cache, transport, tokens, start, longest, seed, finish, next_pass=next_pass, shapes=shapes, counters=counters
+    )
+    cache.rows = longest // block * block
+    return x_last, start, longest
+
+  def _generate(self, prompts, max_new_tokens, seed, on_step, cache, transport, rec) -> GenerateResult:
+    """Prefill, then decode; the caller closes the transport."""
+    cfg = self.config
+    shapes: set[tuple] = set()
+    fns = self.fns
+    x_last, start, longest = self.prefill_prompts(
         cache,
         transport,
-        tokens,
-        start,
-        longest,
+        prompts,
         seed,
-        finish,
         next_pass=max_new_tokens > 1,
         shapes=shapes,
         counters=lambda tr, d2h, rows: rec.counters("prefill", tr, d2h, rows),
     )
-    cache.rows = longest // cfg.kv.block * cfg.kv.block
     lg, tok, x, _ = fns.head(self.top, x_last, self._meta(start, longest, 0, seed))
     t_start = rec.t_start
     finished = rec.take(lg, tok)  # Waits for the prefill: decode timing starts here.

@@ -236,22 +236,9 @@ class _Run:
   def _epoch(self, epoch, owners, prompts, cache, transport) -> None:
     eng, fns = self.engine, self.server.fns
     cfg = eng.config
-    lens = np.array([len(p) for p in prompts], np.int32)
-    longest = int(lens.max())
-    start = longest - lens
-    chunk = cfg.engine.prefill_chunk
-    tokens = np.zeros((len(prompts), -(-longest // chunk) * chunk), np.int32)
-    for b, p in enumerate(prompts):
-      tokens[b, start[b] : longest] = p
-
-    def finish(l, head, open_page):
-      cache.opens[l] = open_page
-      return cache.store(l, head)
-
-    x_last = eng.prefill(
-        cache, transport, tokens, start, longest, 0, finish, next_pass=True, shapes=self.shapes, counters=self.counters
+    x_last, start, longest = eng.prefill_prompts(
+        cache, transport, prompts, 0, next_pass=True, shapes=self.shapes, counters=self.counters
     )
-    cache.rows = longest // cfg.kv.block * cfg.kv.block
     keys = np.array([[self.requests[r].seed if r is not None else 0, 0] for r in owners], np.int32)
     keys = jax.device_put(keys, eng._rep)  # pylint: disable=protected-access
     lg, tok, x, _ = fns.head(eng.top, x_last, eng._meta(start, longest, 0, 0), keys)  # pylint: disable=protected-access

@@ -179,7 +179,8 @@ class Transport:
     return self._ready.qsize() if self.streamed else 0
 
   def drop(self) -> None:
-    """Forgets deliveries queued or issued for a pass that will not run."""
+    """Forgets deliveries queued or issued for a pass that will not run. Waits for the copies already issued, so
+    that their source windows may be donated (overwritten in place) afterwards."""
     if not self.streamed:
       return
     while True:  # Unqueue jobs not yet started.
@@ -192,6 +193,8 @@ class Transport:
       layer, window, nbytes, _ = self._ready.get()
       if layer == _BARRIER:
         break
+      if window is not None:
+        window.block_until_ready()
       del window
       with self._lock:
         self._held -= nbytes
