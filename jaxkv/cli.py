@@ -85,6 +85,11 @@ def setup_platform() -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     xla = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(xla + [f"--xla_force_host_platform_device_count={n}"])
+    # XLA:CPU launches and runs every device's part of a program on one thread pool, one thread per core but at
+    # least one per device. A program with collectives holds a thread per device until all its devices run it,
+    # and the launch of the next program can hold one more per device: with fewer than two threads per device
+    # the two can deadlock (seen on 2 cores).
+    os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 2 * n)))
     import jax  # pylint: disable=g-import-not-at-top
 
     jax.config.update("jax_platforms", "cpu")
