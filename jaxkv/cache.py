@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
 from jaxkv.config import KVConfig, ModelConfig
 from jaxkv.kv_quant import KVFormat
@@ -92,7 +93,7 @@ class KVCache:
     if window_device is None or self.kv.placement == "device":
       self.windows[layer] = window_device
       return 0
-    self.windows[layer] = jax.device_put(window_device, self.store_sharding)
+    self.windows[layer] = distributed.move(window_device, self.store_sharding)
     return window_device.nbytes
 
 

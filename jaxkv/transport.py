@@ -32,6 +32,7 @@ from collections.abc import Callable
 import jax
 from absl import logging
 
+from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
 from jaxkv.cache import KVCache
 
@@ -46,7 +47,8 @@ class DepthChoice:
 
 
 def free_device_bytes(devices) -> int | None:
-  """Free memory of the fullest device (bytes_limit - bytes_in_use), or None where stats are missing."""
+  """Free memory of the fullest device (bytes_limit - bytes_in_use), or None where stats are missing. The devices
+  must be this process's."""
   free = []
   for d in devices:
     stats = d.memory_stats() if hasattr(d, "memory_stats") else None
@@ -105,7 +107,7 @@ class Transport:
     self.streamed = cache.kv.placement == "host"
     t = mesh_lib.tensor_size(cache.mesh)
     slot = cache.row_bytes(t) * cache.rows_bound() if self.streamed else 0  # Resident: no ring.
-    free = free_device_bytes(cache.mesh.devices.flat) if self.streamed else None
+    free = free_device_bytes(cache.mesh.local_devices) if self.streamed else None
     self.choice = choose_depth(depth, self.num_layers, slot, cache.kv.budget_mib, cache.kv.headroom_mib, free)
     self.depth = self.choice.depth
     self._tensor = t
@@ -138,7 +140,7 @@ class Transport:
         window = self.cache.windows[layer]
         nbytes = 0
         if window is not None:
-          window = jax.device_put(window, self.cache.device_sharding)
+          window = distributed.move(window, self.cache.device_sharding)
           nbytes = window.nbytes
       except BaseException as e:  # Handed to the main thread, which raises it.
         self._error, window = e, None
