@@ -3,7 +3,8 @@
 With --checkpoint_dir the model and weights come from a Hugging Face checkpoint folder (jaxkv.checkpoint), and
 --prompt (repeatable) gives text prompts that its tokenizer.json encodes; the new tokens are printed decoded.
 Without --prompt, prompts are random token ids of --prompt_len. Prints the tokens and the tokens/logits hashes;
---json_out writes them with the resolved config and the transport telemetry.
+--json_out writes them with the resolved config and the transport telemetry. In a multi-process run
+(--coordinator_address, --num_processes, --process_id) every process decodes; process 0 prints and writes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from absl import flags
 from absl import logging
 
 from jaxkv import cli
+from jaxkv import distributed
 
 BATCH = flags.DEFINE_integer("batch", None, "Sequences; default = number of --prompt_len values.")
 PROMPT_LEN = flags.DEFINE_list(
@@ -86,6 +88,11 @@ def main(argv):
   else:
     out = run.generate_random(cd, lens, MAX_NEW.value, SEED.value)
   out["wall_s"] = time.perf_counter() - t0
+  if distributed.is_main():
+    _report(out, JSON_OUT.value)
+
+
+def _report(out: dict, json_out: str | None) -> None:
   for i, toks in enumerate(out["tokens"]):
     print(f"sequence {i} (prompt {out['prompt_lengths'][i]} tokens): {toks}")
     if "text" in out:
@@ -98,10 +105,10 @@ def main(argv):
       f"kv placement {t['placement']}, depth {t['depth']}, h2d {t['h2d_bytes']} B, d2h {t['d2h_bytes']} B, "
       f"compiled shapes {t['compiled_shapes']}"
   )
-  if JSON_OUT.value:
-    with open(JSON_OUT.value, "w") as f:
+  if json_out:
+    with open(json_out, "w") as f:
       json.dump(out, f, indent=1)
-    logging.info("wrote %s", JSON_OUT.value)
+    logging.info("wrote %s", json_out)
 
 
 if __name__ == "__main__":
