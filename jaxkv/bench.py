@@ -3,7 +3,8 @@
 Times tokens/s and ms/step per arm ("device", "host_d<depth>", either with an optional KV dtype suffix such as
 "host_d2_int8", and the Hugging Face offloaded-cache peer)
 over contexts and batches in alternating rounds, with the link and transfer ceilings measured in the same run;
-see jaxkv/benchmark.py. On the GPU, e.g.:
+see jaxkv/benchmark.py. Over several processes (--coordinator_address, --num_processes, --process_id) every
+process runs the same arms and process 0 writes the outputs. On the GPU, e.g.:
 
   python -m jaxkv.bench --cpu_devices=0 --config=experiments/llama3_8b.py --batches=1,4 \
       --json_out=bench.json --md_out=bench.md --plot_out=bench.png
@@ -18,6 +19,7 @@ from absl import app
 from absl import flags
 
 from jaxkv import cli
+from jaxkv import distributed
 
 CONTEXTS = flags.DEFINE_list(
     "contexts", ["4096", "16384", "32768"], "Prompt tokens per sequence (the decode starts at this context)."
@@ -72,15 +74,17 @@ def main(argv):
     )
   except ValueError as e:
     raise app.UsageError(str(e)) from e
+  main_process = distributed.is_main()  # Every process runs the arms; process 0 writes and prints.
   out = benchmark.run(
       cli.resolved_config(),
       spec,
       command=shlex.join(sys.argv),
-      json_out=JSON_OUT.value,
-      md_out=MD_OUT.value,
-      plot_out=PLOT_OUT.value,
+      json_out=JSON_OUT.value if main_process else None,
+      md_out=MD_OUT.value if main_process else None,
+      plot_out=PLOT_OUT.value if main_process else None,
   )
-  print(bench_report.markdown(out))
+  if main_process:
+    print(bench_report.markdown(out))
 
 
 if __name__ == "__main__":

@@ -146,8 +146,9 @@ def _stats(values: list[float]) -> dict | None:
 
 
 def device_peak(mesh: jax.sharding.Mesh) -> int | None:
-  """Largest memory_stats()['peak_bytes_in_use'] of the mesh's devices, or None where there are no stats."""
-  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in mesh.devices.flat]
+  """Largest memory_stats()['peak_bytes_in_use'] of this process's devices of the mesh, or None where there are no
+  stats."""
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in mesh.local_devices]
   return None if None in peaks else max(peaks)
 
 
@@ -156,6 +157,7 @@ def hardware() -> dict:
       devices=[str(d) for d in jax.devices()],
       device_kind=jax.devices()[0].device_kind,
       backend=jax.default_backend(),
+      processes=jax.process_count(),
       jax=jax.__version__,
       jaxlib=jaxlib.__version__,
       python=platform.python_version(),
@@ -366,6 +368,8 @@ def _start_peer(config: Config, spec: BenchSpec):
   if jax.default_backend() != "gpu":
     reason = f"jax runs on {jax.default_backend()}: the peer is compared on GPU only"
     return None, dict(status="skipped", reason=reason)
+  if jax.process_count() > 1:
+    return None, dict(status="skipped", reason=f"{jax.process_count()} processes: the peer runs on one host only")
   try:
     peer = peer_hf.HFPeer.start(config.model, max(spec.contexts) + spec.new_tokens + config.kv.block)
   except peer_hf.PeerError as e:

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv.config import KVConfig, ModelConfig
@@ -69,7 +70,7 @@ class KVCache:
     self.plan: residency.Plan | None = None
     if kv.placement == "auto":
       layer = self.row_bytes(mesh_lib.tensor_size(mesh)) * self.rows_bound()
-      free = residency.free_device_bytes(mesh.devices.flat)
+      free = residency.free_device_bytes(mesh.local_devices)
       ring = (kv.pipeline_depth + 2) * layer
       budget, source = residency.device_budget(free, kv.device_budget_gib, ring, layer, kv.headroom_mib)
       self.plan = residency.plan(model.num_layers, layer, budget, source)
@@ -107,7 +108,7 @@ class KVCache:
     if window_device is None or not self.streamed[layer]:
       self.windows[layer] = window_device
       return 0
-    self.windows[layer] = jax.device_put(window_device, self.host_sharding)
+    self.windows[layer] = distributed.move(window_device, self.host_sharding)
     return window_device.nbytes
 
 

@@ -14,6 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
 from jaxkv.cache import KVCache
 from jaxkv.config import Config
@@ -29,7 +30,7 @@ def _ones(shape, dtype, out_sharding) -> jax.Array:
 
 def _put_seconds(src: jax.Array, dst: jax.sharding.Sharding) -> float:
   t0 = time.perf_counter()
-  jax.device_put(src, dst).block_until_ready()
+  distributed.move(src, dst).block_until_ready()
   return time.perf_counter() - t0
 
 
@@ -47,7 +48,7 @@ def h2d_peak(mesh: jax.sharding.Mesh, bytes_per_device: int, reps: int) -> dict:
   t = mesh_lib.tensor_size(mesh)
   spec = mesh_lib.P(mesh_lib.TENSOR)
   dev = mesh_lib.NamedSharding(mesh, spec, memory_kind="device")
-  host = jax.device_put(
+  host = distributed.move(
       _ones((t * bytes_per_device,), jnp.uint8, dev), mesh_lib.NamedSharding(mesh, spec, memory_kind="pinned_host")
   )
   host.block_until_ready()
@@ -67,7 +68,7 @@ def host_cache_filled(config: Config, mesh: jax.sharding.Mesh, batch: int, rows:
   m = config.model
   src = _ones((2, batch, m.num_kv_heads, rows, cache.row_width), cache.dtype, cache.device_sharding)
   for l in range(m.num_layers):
-    cache.windows[l] = jax.device_put(src, cache.host_sharding)
+    cache.windows[l] = distributed.move(src, cache.host_sharding)
   cache.rows = rows
   jax.block_until_ready(cache.windows)
   src.delete()

@@ -1,7 +1,7 @@
-"""Flags shared by the absl apps (generate, bench), and their resolution.
+"""Flags shared by the absl apps (generate, bench, gates), and their resolution.
 
-`--cpu_devices=N` must act before JAX creates its backends: apps call `setup_platform()` first thing in
-main(), before any JAX call.
+`--cpu_devices=N` and the jax.distributed settings must act before JAX creates its backends: apps call
+`setup_platform()` first thing in main(), before any JAX call.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from jaxkv import config as config_lib
+from jaxkv import distributed
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny.py")
 
@@ -23,6 +24,19 @@ CONFIG = config_flags.DEFINE_config_file(
 )
 CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", 4, "Simulate N CPU devices (forces the CPU backend). 0 = use the real accelerators."
+)
+COORDINATOR_ADDRESS = flags.DEFINE_string(
+    "coordinator_address",
+    None,
+    "Multi-process: host:port of process 0's coordinator, the same in every process (default: "
+    "$JAX_COORDINATOR_ADDRESS). Setting any of the three distributed flags or their variables starts "
+    "jax.distributed.",
+)
+NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Multi-process: number of processes, one per host (default: $JAX_NUM_PROCESSES)."
+)
+PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "Multi-process: this process's id in [0, num_processes) (default: $JAX_PROCESS_ID)."
 )
 KV_PLACEMENT = flags.DEFINE_enum(
     "kv_placement", None, list(config_lib.PLACEMENTS), "KV cache placement (default: config kv.placement)."
@@ -64,17 +78,29 @@ _KV_FLAGS = {
 
 
 def setup_platform() -> None:
-  """Applies --cpu_devices. Must run before the first JAX call."""
+  """Applies --cpu_devices (per process) and joins jax.distributed when it is set up. Must run before the first
+  JAX call."""
   n = CPU_DEVICES.value
   if n < 0:
     raise flags.ValidationError(f"--cpu_devices must be >= 0, got {n}")
+  try:
+    args = distributed.settings(COORDINATOR_ADDRESS.value, NUM_PROCESSES.value, PROCESS_ID.value)
+  except ValueError as e:
+    raise flags.ValidationError(str(e)) from e
   if n:
     os.environ["JAX_PLATFORMS"] = "cpu"
     xla = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(xla + [f"--xla_force_host_platform_device_count={n}"])
+    # XLA:CPU launches and runs every device's part of a program on one thread pool, one thread per core but at
+    # least one per device. A program with collectives holds a thread per device until all its devices run it,
+    # and the launch of the next program can hold one more per device: with fewer than two threads per device
+    # the two can deadlock (seen on 2 cores).
+    os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 2 * n)))
     import jax  # pylint: disable=g-import-not-at-top
 
     jax.config.update("jax_platforms", "cpu")
+  if args is not None:
+    distributed.initialize(args, cpu=bool(n))
 
 
 def resolved_config_dict():

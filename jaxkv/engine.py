@@ -25,6 +25,7 @@ import numpy as np
 from absl import logging
 
 from jaxkv import cache as cache_lib
+from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv import sampling as sampling_lib
@@ -143,7 +144,7 @@ class Engine:
 
   def _meta(self, start: np.ndarray, end: int, step: int, seed: int) -> jax.Array:
     m = np.concatenate([start, [end, step, seed]]).astype(np.int32)
-    return jax.device_put(m, self._rep)
+    return distributed.put_host(m, self._rep)
 
   def generate(
       self,
@@ -182,7 +183,7 @@ class Engine:
     x = None
     for c in range(first, n_chunks):
       last = c == n_chunks - 1
-      x = fns.embed(self.top, jax.device_put(tokens[:, c * chunk : (c + 1) * chunk], self._rep))
+      x = fns.embed(self.top, distributed.put_host(tokens[:, c * chunk : (c + 1) * chunk], self._rep))
       meta = self._meta(start, c * chunk, 0, seed)
       d2h = 0
 
@@ -197,7 +198,7 @@ class Engine:
 
       transport.run_pass(compute, next_pass=not last or next_pass)
       counters(transport, d2h, (c + 1) * chunk)
-    return fns.last_row(x, jax.device_put(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
+    return fns.last_row(x, distributed.put_host(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
 
   def decode_pass(self, cache, transport, x, meta, end: int, next_pass: bool, shapes) -> tuple[jax.Array, int]:
     """One decode pass over every layer writing row `end` (== meta's end); returns x [B, D] before the head and

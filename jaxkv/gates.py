@@ -1,6 +1,7 @@
 """Run the gates: `python -m jaxkv.gates` (tiny model, 4 simulated CPU devices by default).
 
-Exits non-zero when a gate fails. On the GPU, e.g.:
+Exits non-zero when a gate fails. Over several processes (--coordinator_address, --num_processes, --process_id)
+every process runs the gates and process 0 prints and writes the report. On the GPU, e.g.:
 
   python -m jaxkv.gates --cpu_devices=0 --config=experiments/llama3_8b.py --config.engine.capacity=4096 \
       --config.engine.prefill_chunk=1024 --json_out=gates.json
@@ -15,6 +16,7 @@ from absl import flags
 from absl import logging
 
 from jaxkv import cli
+from jaxkv import distributed
 
 ARMS = flags.DEFINE_list("arms", ["device", "host_d0", "host_d1", "host_d4"], "Arms that must agree bit for bit.")
 NEW_TOKENS = flags.DEFINE_integer("new_tokens", 12, "Greedy tokens per task.")
@@ -36,6 +38,13 @@ def main(argv):
   report = gate_suite.run(
       config, mesh, params, tuple(ARMS.value), NEW_TOKENS.value, SEED.value, PARALLEL.value, SEQUENCES.value
   )
+  if distributed.is_main():
+    _report(report, JSON_OUT.value)
+  if not report["passed"]:
+    raise SystemExit(1)
+
+
+def _report(report: dict, json_out: str | None) -> None:
   for t in report["exactness"]["tasks"]:
     first = next(iter(t["hashes"].values()))
     print(f"task prompt {t['prompt_length']:>6}: {'ok  ' if t['passed'] else 'DIFF'} {first[:16]}")
@@ -53,12 +62,10 @@ def main(argv):
       f"parallel gate ({p['sequences']} requests on {p['parallel']} slots, {p['insertions']} slot reuses, "
       f"{p['epochs']} epochs): {'PASS' if p['passed'] else 'FAIL'}"
   )
-  if JSON_OUT.value:
-    with open(JSON_OUT.value, "w") as f:
+  if json_out:
+    with open(json_out, "w") as f:
       json.dump(report, f, indent=1)
-    logging.info("wrote %s", JSON_OUT.value)
-  if not report["passed"]:
-    raise SystemExit(1)
+    logging.info("wrote %s", json_out)
 
 
 if __name__ == "__main__":

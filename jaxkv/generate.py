@@ -8,6 +8,9 @@ Without --prompt, prompts are random token ids of --prompt_len. Prints the token
 With --sequences=N, N random requests (prompt lengths up to the largest --prompt_len, max_new_tokens between
 half and all of --max_new_tokens) are served on --parallel slots, a slot taking the next request when its
 sequence ends (jaxkv.serving); results are printed in request order with the transcript hash.
+
+In a multi-process run (--coordinator_address, --num_processes, --process_id) every process decodes; process 0
+prints and writes.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from absl import flags
 from absl import logging
 
 from jaxkv import cli
+from jaxkv import distributed
 
 BATCH = flags.DEFINE_integer("batch", None, "Sequences; default = number of --prompt_len values.")
 PROMPT_LEN = flags.DEFINE_list(
@@ -86,15 +90,8 @@ def main(argv):
       raise app.UsageError(f"--sequences must be >= 0 and --parallel >= 1, got {SEQUENCES.value}, {PARALLEL.value}")
     out = run.serve_random(cd, SEQUENCES.value, PARALLEL.value, max(lens), MAX_NEW.value, SEED.value)
     out["wall_s"] = time.perf_counter() - t0
-    for i, r in enumerate(out["requests"]):
-      print(f"request {i} (prompt {r['prompt_length']}, slot {r['slot']}, epoch {r['epoch']}): {r['tokens']}")
-    t = out["transport"]
-    print(f"transcript_sha256 {out['transcript_sha256']}")
-    print(
-        f"kv placement {t['placement']}, depth {t['depth']}, {out['timing']['decode_steps']} decode steps, "
-        f"{t['insertions']} slot reuses, {t['epochs']} epochs"
-    )
-    _write(out)
+    if distributed.is_main():
+      _report_served(out, JSON_OUT.value)
     return
   if CHECKPOINT_DIR.value:
     out = run.generate_checkpoint(
@@ -109,6 +106,23 @@ def main(argv):
   else:
     out = run.generate_random(cd, lens, MAX_NEW.value, SEED.value)
   out["wall_s"] = time.perf_counter() - t0
+  if distributed.is_main():
+    _report(out, JSON_OUT.value)
+
+
+def _report_served(out: dict, json_out: str | None) -> None:
+  for i, r in enumerate(out["requests"]):
+    print(f"request {i} (prompt {r['prompt_length']}, slot {r['slot']}, epoch {r['epoch']}): {r['tokens']}")
+  t = out["transport"]
+  print(f"transcript_sha256 {out['transcript_sha256']}")
+  print(
+      f"kv placement {t['placement']}, depth {t['depth']}, {out['timing']['decode_steps']} decode steps, "
+      f"{t['insertions']} slot reuses, {t['epochs']} epochs"
+  )
+  _write(out, json_out)
+
+
+def _report(out: dict, json_out: str | None) -> None:
   for i, toks in enumerate(out["tokens"]):
     print(f"sequence {i} (prompt {out['prompt_lengths'][i]} tokens): {toks}")
     if "text" in out:
@@ -121,14 +135,14 @@ def main(argv):
       f"kv placement {t['placement']}, depth {t['depth']}, h2d {t['h2d_bytes']} B, d2h {t['d2h_bytes']} B, "
       f"compiled shapes {t['compiled_shapes']}"
   )
-  _write(out)
+  _write(out, json_out)
 
 
-def _write(out):
-  if JSON_OUT.value:
-    with open(JSON_OUT.value, "w") as f:
+def _write(out: dict, json_out: str | None) -> None:
+  if json_out:
+    with open(json_out, "w") as f:
       json.dump(out, f, indent=1)
-    logging.info("wrote %s", JSON_OUT.value)
+    logging.info("wrote %s", json_out)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,8 @@ class Plan:
 
 
 def free_device_bytes(devices) -> int | None:
-  """Free memory of the fullest device (bytes_limit - bytes_in_use), or None where stats are missing."""
+  """Free memory of the fullest device (bytes_limit - bytes_in_use), or None where stats are missing. The devices
+  must be this process's."""
   free = []
   for d in devices:
     stats = d.memory_stats() if hasattr(d, "memory_stats") else None

@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxkv import checkpoint
 from jaxkv import config as config_lib
+from jaxkv import distributed
 from jaxkv import engine as engine_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
@@ -41,18 +42,29 @@ def random_prompts(vocab_size: int, lengths, seed: int) -> list[list[int]]:
   return [rng.integers(0, vocab_size, size=n).tolist() for n in lengths]
 
 
-def _result(res: engine_lib.GenerateResult, config_dict, prompt_lengths, max_new_tokens: int, seed: int) -> dict:
+def _generate(engine: engine_lib.Engine, prompts, max_new_tokens: int, seed: int):
+  """engine.generate, and the bytes of KV windows that this process holds in the cache's memory at the end (0 when
+  no decode step ran)."""
+  last = {}
+  res = engine.generate(prompts, max_new_tokens, seed=seed, on_step=lambda _, cache: last.update(cache=cache))
+  return res, distributed.process_bytes(last["cache"].windows) if last else 0
+
+
+def _result(
+    res: engine_lib.GenerateResult, kv_bytes: int, config_dict, prompt_lengths, max_new_tokens: int, seed: int
+) -> dict:
   return dict(
       tokens=res.tokens,
       tokens_sha256=res.tokens_sha256,
       logits_sha256=res.logits_sha256,
-      transport=res.transport,
+      transport=dict(res.transport, kv_window_bytes_process=kv_bytes),
       timing=res.timing,
       prompt_lengths=list(prompt_lengths),
       max_new_tokens=max_new_tokens,
       seed=seed,
       config=config_dict.to_dict(),
       devices=[str(d) for d in jax.devices()],
+      processes=jax.process_count(),
   )
 
 
@@ -61,8 +73,8 @@ def generate_random(config_dict, lengths, max_new_tokens: int, seed: int) -> dic
   config = config_lib.from_config_dict(config_dict)
   prompts = random_prompts(config.model.vocab_size, lengths, seed)
   _, _, engine = build(config, seed)
-  res = engine.generate(prompts, max_new_tokens, seed=seed)
-  return _result(res, config_dict, lengths, max_new_tokens, seed)
+  res, kv_bytes = _generate(engine, prompts, max_new_tokens, seed)
+  return _result(res, kv_bytes, config_dict, lengths, max_new_tokens, seed)
 
 
 def serve_random(config_dict, sequences: int, parallel: int, max_length: int, max_new_tokens: int, seed: int) -> dict:
@@ -116,8 +128,8 @@ def generate_checkpoint(
     ids = [tok.encode(p) for p in prompts]
   else:
     ids = random_prompts(config.model.vocab_size, lengths, seed)
-  res = engine.generate(ids, max_new_tokens, seed=seed)
-  out = _result(res, config_dict, [len(p) for p in ids], max_new_tokens, seed)
+  res, kv_bytes = _generate(engine, ids, max_new_tokens, seed)
+  out = _result(res, kv_bytes, config_dict, [len(p) for p in ids], max_new_tokens, seed)
   out.update(checkpoint_dir=checkpoint_dir, model=dataclasses.asdict(config.model))
   if tok is not None:
     out.update(prompts=list(prompts), prompt_tokens=ids, text=[tok.decode(t) for t in res.tokens])

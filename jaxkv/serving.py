@@ -37,6 +37,7 @@ import numpy as np
 from absl import logging
 
 from jaxkv import cache as cache_lib
+from jaxkv import distributed
 from jaxkv import engine as engine_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
@@ -240,7 +241,7 @@ class _Run:
         cache, transport, prompts, 0, next_pass=True, shapes=self.shapes, counters=self.counters
     )
     keys = np.array([[self.requests[r].seed if r is not None else 0, 0] for r in owners], np.int32)
-    keys = jax.device_put(keys, eng._rep)  # pylint: disable=protected-access
+    keys = distributed.put_host(keys, eng._rep)  # pylint: disable=protected-access
     lg, tok, x, _ = fns.head(eng.top, x_last, eng._meta(start, longest, 0, 0), keys)  # pylint: disable=protected-access
     meta = eng._meta(start, longest, 1, 0)  # pylint: disable=protected-access
     slots: list[_Slot | None] = [
@@ -337,10 +338,10 @@ class _Run:
     finally:
       transport.close()
     key = np.array([[req.seed, 0]], np.int32)
-    lg, tok, x_new, _ = fns.head(eng.top, x_new, eng._meta(start, end, 0, 0), jax.device_put(key, eng._rep))  # pylint: disable=protected-access
+    lg, tok, x_new, _ = fns.head(eng.top, x_new, eng._meta(start, end, 0, 0), distributed.put_host(key, eng._rep))  # pylint: disable=protected-access
     lg.copy_to_host_async()
     tok.copy_to_host_async()
-    put = lambda v: jax.device_put(np.asarray(v, np.int32), eng._rep)  # pylint: disable=protected-access
+    put = lambda v: distributed.put_host(np.asarray(v, np.int32), eng._rep)  # pylint: disable=protected-access
     x, meta, keys = fns.enter(x, meta, keys, x_new, put(b), put(end - length), put([req.seed, step - 1]))
     self.totals["insertions"] += 1
     return x, meta, keys, (step - 1, [r], lg, tok)

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import jax
 from absl import logging
 
+from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv.cache import KVCache
@@ -97,7 +98,7 @@ class Transport:
     self.streamed = bool(self.order)
     t = mesh_lib.tensor_size(cache.mesh)
     slot = cache.row_bytes(t) * cache.rows_bound() if self.streamed else 0  # Resident: no ring.
-    free = residency.free_device_bytes(cache.mesh.devices.flat) if self.streamed else None
+    free = residency.free_device_bytes(cache.mesh.local_devices) if self.streamed else None
     self.choice = choose_depth(depth, len(self.order), slot, cache.kv.budget_mib, cache.kv.headroom_mib, free)
     self.depth = self.choice.depth
     self._tensor = t
@@ -130,7 +131,7 @@ class Transport:
         window = self.cache.windows[layer]
         nbytes = 0
         if window is not None:
-          window = jax.device_put(window, self.cache.device_sharding)
+          window = distributed.move(window, self.cache.device_sharding)
           nbytes = window.nbytes
       except BaseException as e:  # Handed to the main thread, which raises it.
         self._error, window = e, None

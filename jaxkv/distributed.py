@@ -1,0 +1,86 @@
+"""Multi-process runs through JAX's own distributed runtime (`jax.distributed`): one process per host, SPMD.
+
+Every process runs the same program; the mesh spans the devices of all processes. The cache is sharded by KV head
+and moved between memory kinds with the same sharding, so each process keeps in its pinned host memory, and
+delivers to its devices, only its own devices' heads: no KV crosses processes, only the layers' all-reduces do.
+Tokens and logits come out replicated, and a process reads its local copy of them.
+
+`move` and `put_host` are `jax.device_put` within one process. Over processes, device_put would compile a copy
+program for a move between memory kinds, and would check with a collective that every process passes the same
+host value; they do the same transfers process by process instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import numpy as np
+
+ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def settings(coordinator_address: str | None, num_processes: int | None, process_id: int | None, environ=None):
+  """The `jax.distributed.initialize` arguments: each given value, else its ENV variable.
+
+  Returns None when none is set (a single-process run). A value left None is for JAX to detect (Slurm, Open MPI).
+  """
+  environ = os.environ if environ is None else environ
+  values = [coordinator_address, num_processes, process_id]
+  for i, name in enumerate(ENV):
+    if values[i] is None and environ.get(name):
+      values[i] = environ[name] if i == 0 else _int(name, environ[name])
+  if all(v is None for v in values):
+    return None
+  return dict(coordinator_address=values[0], num_processes=values[1], process_id=values[2])
+
+
+def _int(name: str, value: str) -> int:
+  try:
+    return int(value)
+  except ValueError as e:
+    raise ValueError(f"{name} must be an integer, got {value!r}") from e
+
+
+def initialize(args: dict, cpu: bool) -> None:
+  """Joins the processes given by `settings(...)`; must run before any other JAX call.
+
+  cpu: the CPU backend is forced; its cross-process collectives then run over gloo (TCP).
+  """
+  if cpu:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(**args)
+
+
+def move(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+  """x copied into `sharding`, which differs from x's sharding only in its memory kind: each process copies the
+  shards on its own devices, eagerly."""
+  if x.is_fully_addressable:
+    return jax.device_put(x, sharding)
+  shards = x.addressable_shards
+  moved = jax.device_put([s.data for s in shards], [_single(s.device, sharding.memory_kind) for s in shards])
+  return jax.make_array_from_single_device_arrays(x.shape, sharding, moved)
+
+
+@functools.lru_cache(maxsize=None)
+def _single(device: jax.Device, memory_kind: str | None) -> jax.sharding.SingleDeviceSharding:
+  return jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+
+
+def put_host(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  """Host data that every process holds whole (the same value), placed in `sharding`: each process places the
+  parts its devices hold."""
+  if sharding.is_fully_addressable:
+    return jax.device_put(x, sharding)
+  return jax.make_array_from_callback(np.shape(x), sharding, lambda index: x[index])
+
+
+def is_main() -> bool:
+  """True in the process that prints and writes the outputs (process 0)."""
+  return jax.process_index() == 0
+
+
+def process_bytes(arrays) -> int:
+  """Bytes of the shards of `arrays` (jax.Arrays or None) that this process holds."""
+  return sum(s.data.nbytes for a in arrays if a is not None for s in a.addressable_shards)
