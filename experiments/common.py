@@ -41,4 +41,5 @@ def base_config() -> ml_collections.ConfigDict:
   c.engine = ml_collections.ConfigDict(dict(capacity=4096, prefill_chunk=1024))
   c.sampling = ml_collections.ConfigDict(dict(temperature=0.0, top_k=0, top_p=1.0, eos_id=-1))
   c.mesh = ml_collections.ConfigDict(dict(tensor=-1))
+  c.split = ml_collections.ConfigDict(dict(mode="tensor", layer_split=""))  # jaxkv.layout.
   return c

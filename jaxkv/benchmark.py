@@ -228,18 +228,19 @@ def _run_cell(
       for d in dict.fromkeys(arm_kv_dtype(cfg, a) for a in spec.arms if not a.startswith(DEVICE_ARM))
       if d != cfg.kv.dtype
   ]
-  cell["ceilings"] = _ceilings(cfg, mesh, batch, rows[0], spec)
+  layout = run_lib.make_layout(cfg, mesh)
+  cell["ceilings"] = _ceilings(cfg, mesh, batch, rows[0], spec, layout)
   cell["ceilings_kv_dtype"] = {}
   for kv_dtype in other:
     dcfg = dataclasses.replace(cfg, kv=dataclasses.replace(cfg.kv, dtype=kv_dtype))
     cell["ceilings_kv_dtype"][kv_dtype] = dict(
-        _ceilings(dcfg, mesh, batch, rows[0], spec),
+        _ceilings(dcfg, mesh, batch, rows[0], spec, layout),
         kv_bytes_per_step_per_device=kv_bytes_per_step_per_device(dcfg, mesh, batch, rows),
     )
 
   prompts = run_lib.random_prompts(cfg.model.vocab_size, [context] * batch, spec.seed + context + batch)
   arms = [
-      _Arm(name, _jax_runner(Engine(arm_config(cfg, name), mesh, params), prompts, spec.new_tokens, spec.seed))
+      _Arm(name, _jax_runner(Engine(arm_config(cfg, name), mesh, params, layout), prompts, spec.new_tokens, spec.seed))
       for name in spec.arms
   ]
   if spec.peer:
@@ -278,12 +279,12 @@ def _run_cell(
   return cell
 
 
-def _ceilings(cfg: Config, mesh, batch: int, rows: int, spec: BenchSpec) -> dict:
+def _ceilings(cfg: Config, mesh, batch: int, rows: int, spec: BenchSpec, layout) -> dict:
   """jaxkv.ceilings.cell_ceilings at the first decode step's window (new_tokens < kv.block keeps it for every
   step), in cfg.kv.dtype; a ceiling that does not fit is reported skipped."""
   logging.info("ceilings, kv dtype %s", cfg.kv.dtype)
   try:
-    out = ceilings.cell_ceilings(cfg, mesh, batch, rows, spec.ceiling_reps, _TRANSFER_ONLY_PASSES)
+    out = ceilings.cell_ceilings(cfg, mesh, batch, rows, spec.ceiling_reps, _TRANSFER_ONLY_PASSES, layout)
   except Exception as e:  # pylint: disable=broad-except  (re-raised unless it means "does not fit")
     reason = skip_reason(e)
     if reason is None:

@@ -59,15 +59,20 @@ def split_prefilled(window, chunk, *, w_rows: int, block: int):
 class KVCache:
   """Holds the per-layer windows and open pages; see the module docstring for the layout."""
 
-  def __init__(self, model: ModelConfig, kv: KVConfig, mesh: jax.sharding.Mesh, batch: int, capacity: int):
-    self.model, self.kv, self.mesh = model, kv, mesh
+  def __init__(self, model: ModelConfig, kv: KVConfig, mesh: jax.sharding.Mesh, batch: int, capacity: int, layout=None):
+    """layout (jaxkv.layout.Layout): the mesh of each layer (split mode layer); default `mesh` for every layer."""
+    meshes = [mesh if layout is None else layout.mesh(l) for l in range(model.num_layers)]
+    self.model, self.kv, self.mesh, self.layout = model, kv, meshes[0], layout
     self.batch, self.capacity, self.block = batch, capacity, kv.block
     self.format = KVFormat.of(model, kv.dtype)
     self.dtype = self.format.storage_dtype
     self.row_width = self.format.width  # E.
-    self.device_sharding = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
-    self.host_sharding = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "pinned_host")
+    self.device_shardings = [mesh_lib.sharding(m, mesh_lib.CACHE_AXES, "device") for m in meshes]
+    self.host_shardings = [mesh_lib.sharding(m, mesh_lib.CACHE_AXES, "pinned_host") for m in meshes]
+    self.device_sharding, self.host_sharding = self.device_shardings[0], self.host_shardings[0]  # Layer 0's.
     self.plan: residency.Plan | None = None
+    if kv.placement == "auto" and len({id(m) for m in meshes}) > 1:
+      raise ValueError("kv.placement auto plans one mesh for every layer; use split mode tensor or none with it")
     if kv.placement == "auto":
       layer = self.row_bytes(mesh_lib.tensor_size(mesh)) * self.rows_bound()
       free = residency.free_device_bytes(mesh.local_devices)
@@ -99,16 +104,12 @@ class KVCache:
     share = self.row_bytes(mesh_lib.tensor_size(self.mesh)) * local
     return share * self.rows_bound() * (sum(self.streamed) + 1)
 
-  def store_sharding(self, layer: int) -> jax.sharding.NamedSharding:
-    """Where layer `layer`'s window lives."""
-    return self.host_sharding if self.streamed[layer] else self.device_sharding
-
   def store(self, layer: int, window_device: jax.Array | None) -> int:
     """Places layer `layer`'s window (a device array) in the cache's memory. Returns bytes moved D2H."""
     if window_device is None or not self.streamed[layer]:
       self.windows[layer] = window_device
       return 0
-    self.windows[layer] = distributed.move(window_device, self.host_sharding)
+    self.windows[layer] = distributed.move(window_device, self.host_shardings[layer])
     return window_device.nbytes
 
 

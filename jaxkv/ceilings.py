@@ -58,20 +58,22 @@ def h2d_peak(mesh: jax.sharding.Mesh, bytes_per_device: int, reps: int) -> dict:
   return _gbps_summary(bytes_per_device, seconds)
 
 
-def host_cache_filled(config: Config, mesh: jax.sharding.Mesh, batch: int, rows: int) -> KVCache:
+def host_cache_filled(config: Config, mesh: jax.sharding.Mesh, batch: int, rows: int, layout=None) -> KVCache:
   """A host-placement KVCache whose every layer window is ones[2, B, K, rows, E] in pinned_host (E and the dtype
   of config.kv.dtype: the packed rows of a quantized cache, so the bytes moved are the real ones).
 
   Each layer gets its own host buffer, as in a real cache. Raises ValueError when the pinned pool is too small.
   """
-  cache = KVCache(config.model, dataclasses.replace(config.kv, placement="host"), mesh, batch, config.engine.capacity)
+  kv = dataclasses.replace(config.kv, placement="host")
+  cache = KVCache(config.model, kv, mesh, batch, config.engine.capacity, layout)
   m = config.model
-  src = _ones((2, batch, m.num_kv_heads, rows, cache.row_width), cache.dtype, cache.device_sharding)
-  for l in range(m.num_layers):
-    cache.windows[l] = distributed.move(src, cache.host_sharding)
+  shape = (2, batch, m.num_kv_heads, rows, cache.row_width)
+  for l in range(m.num_layers):  # Each layer in its own stage's memory (split mode layer).
+    src = _ones(shape, cache.dtype, cache.device_shardings[l])
+    cache.windows[l] = distributed.move(src, cache.host_shardings[l])
+    jax.block_until_ready(cache.windows[l])
+    src.delete()
   cache.rows = rows
-  jax.block_until_ready(cache.windows)
-  src.delete()
   return cache
 
 
@@ -95,7 +97,9 @@ def transfer_only_ms(transport: Transport, passes: int) -> float:
   return 1e3 * (time.perf_counter() - t0) / passes
 
 
-def cell_ceilings(config: Config, mesh: jax.sharding.Mesh, batch: int, rows: int, reps: int, passes: int) -> dict:
+def cell_ceilings(
+    config: Config, mesh: jax.sharding.Mesh, batch: int, rows: int, reps: int, passes: int, layout=None
+) -> dict:
   """Ceilings for one (context, batch) cell whose decode delivers windows of `rows` rows per layer.
 
   h2d_layer: GB/s of single per-layer deliveries (`reps` puts of windows[l], layers in turn).
@@ -104,7 +108,7 @@ def cell_ceilings(config: Config, mesh: jax.sharding.Mesh, batch: int, rows: int
   """
   if rows == 0:
     return dict(window_rows=0, skipped="the decode window is empty (context < kv.block): nothing is delivered")
-  cache = host_cache_filled(config, mesh, batch, rows)
+  cache = host_cache_filled(config, mesh, batch, rows, layout)
   n = config.model.num_layers
   _put_seconds(cache.windows[0], cache.device_sharding)
   seconds = [_put_seconds(cache.windows[i % n], cache.device_sharding) for i in range(reps)]

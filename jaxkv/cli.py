@@ -61,6 +61,16 @@ KV_DEVICE_BUDGET = flags.DEFINE_float(
     None,
     "With --kv_placement=auto: device memory per device for the KV, GiB (default: the free device memory).",
 )
+SPLIT_MODE = flags.DEFINE_enum(
+    "split_mode",
+    None,
+    list(config_lib.SPLIT_MODES),
+    "How layers map to the devices (default: config split.mode, 'tensor'): tensor = heads split over the tensor "
+    "axis; layer = contiguous layer ranges per device; none = one device.",
+)
+LAYER_SPLIT = flags.DEFINE_string(
+    "layer_split", None, "With --split_mode=layer: proportions per device, e.g. 55,45 (default even)."
+)
 KV_DEBUG = flags.DEFINE_integer(
     "kv_transport_debug", None, "Transport telemetry: 0 totals, 1 per step, 2 per layer, 3 log per step."
 )
@@ -109,6 +119,9 @@ def resolved_config_dict():
   for field, flag in _KV_FLAGS.items():
     if flag.value is not None:
       cd.kv[field] = flag.value
+  for field, flag in (("mode", SPLIT_MODE), ("layer_split", LAYER_SPLIT)):
+    if flag.value is not None:
+      cd.split[field] = flag.value
   return cd.lock()
 
 

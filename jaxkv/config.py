@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 PLACEMENTS = ("device", "host", "auto")
+SPLIT_MODES = ("none", "layer", "tensor")
 # KV cache storage: "model" = the model dtype; two float dtypes; two quantized ones (see jaxkv.kv_quant).
 KV_DTYPES = ("model", "bfloat16", "float32", "int8", "float8_e4m3fn")
 INT8_BLOCK = 32  # int8 KV: values per scale along head_dim (llama.cpp q8_0).
@@ -153,12 +154,27 @@ class SamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SplitConfig:
+  """How layers map to the devices of the mesh (jaxkv.layout): mode "tensor" (heads split over the tensor axis),
+  "layer" (contiguous layer ranges per device) or "none" (one device). layer_split: proportions per device for
+  mode "layer", e.g. "55,45"; "" = even."""
+
+  mode: str = "tensor"
+  layer_split: str = ""
+
+  def __post_init__(self):
+    if self.mode not in SPLIT_MODES:
+      raise ValueError(f"split.mode must be one of {', '.join(SPLIT_MODES)}; got {self.mode!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   model: ModelConfig
   kv: KVConfig
   engine: EngineConfig
   sampling: SamplingConfig
   mesh: tuple[tuple[str, int], ...]  # ((axis_name, size), ...); size -1 = the remaining devices.
+  split: SplitConfig = SplitConfig()
 
   def __post_init__(self):
     check_kv_dtype(self.kv.dtype, self.model.head_dim)
@@ -186,4 +202,5 @@ def from_config_dict(cd) -> Config:
       engine=_build(EngineConfig, dict(d.get("engine", {})), "engine"),
       sampling=_build(SamplingConfig, dict(d.get("sampling", {})), "sampling"),
       mesh=tuple((str(k), int(v)) for k, v in dict(d.get("mesh", {"tensor": -1})).items()),
+      split=_build(SplitConfig, dict(d.get("split", {})), "split"),
   )

@@ -26,6 +26,7 @@ from absl import logging
 
 from jaxkv import cache as cache_lib
 from jaxkv import distributed
+from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv import sampling as sampling_lib
@@ -107,16 +108,43 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
 class Engine:
   """Generates from a batch of prompts with a KV cache placed and delivered as `config.kv` says."""
 
-  def __init__(self, config: Config, mesh: jax.sharding.Mesh, params: dict):
-    mesh_lib.check_divisible(config.model, mesh)
+  def __init__(self, config: Config, mesh: jax.sharding.Mesh, params: dict, layout: layout_lib.Layout | None = None):
+    """layout: where each layer runs (jaxkv.layout; default: every layer on `mesh`, split mode tensor). The
+    weights must be placed as it says (jaxkv.model.init_params with the same layout)."""
+    self.layout = layout or layout_lib.Layout((mesh,), (0,) * config.model.num_layers, "tensor")
+    for m in self.layout.meshes:
+      mesh_lib.check_divisible(config.model, m)
     if config.engine.prefill_chunk % config.kv.block:
       raise ValueError(
           f"engine.prefill_chunk ({config.engine.prefill_chunk}) must be a multiple of kv.block ({config.kv.block})"
       )
     self.config, self.mesh, self.params = config, mesh, params
-    self.top = {k: v for k, v in params.items() if k != "layers"}
-    self.fns = _functions(config.model, mesh, config.sampling, config.kv.dtype)
-    self._rep = mesh_lib.replicated(mesh)
+    lay = self.layout
+    self.stage_fns = tuple(_functions(config.model, m, config.sampling, config.kv.dtype) for m in lay.meshes)
+    self.fns = self.stage_fns[lay.stage_of[-1]]  # The head's: the last stage.
+    self._first = self.stage_fns[lay.stage_of[0]]  # The embedding's.
+    self._rep, self._rep_first = mesh_lib.replicated(lay.last), mesh_lib.replicated(lay.first)
+    self._stage_reps = tuple(mesh_lib.replicated(m) for m in lay.meshes)
+    self.top = {k: v for k, v in params.items() if k != "layers"}  # On the first stage.
+    self.top_last = self.top  # The head's copy, on the last stage.
+    if lay.last is not lay.first:
+      shard = lambda a: jax.sharding.NamedSharding(lay.last, a.sharding.spec)
+      self.top_last = jax.device_put(self.top, jax.tree.map(shard, self.top))
+
+  def layer_fns(self, layer: int) -> _Fns:
+    return self.stage_fns[self.layout.stage_of[layer]]
+
+  def to_stages(self, a: jax.Array) -> tuple[jax.Array, ...]:
+    """A replicated array on every stage (one explicit transfer per other stage in split mode layer)."""
+    if len(self._stage_reps) == 1:
+      return (a,)
+    return tuple(jax.device_put(a, r) for r in self._stage_reps)
+
+  def to_layer(self, x: jax.Array, layer: int) -> jax.Array:
+    """x onto layer's stage: the hidden state crossing a stage boundary (split mode layer)."""
+    if len(self._stage_reps) == 1:
+      return x
+    return jax.device_put(x, self._stage_reps[self.layout.stage_of[layer]])
 
   def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
     """Raises ValueError for input that cannot run, before any work."""
@@ -159,7 +187,7 @@ class Engine:
     self.validate(prompts, max_new_tokens)
     cfg = self.config
     batch = len(prompts)
-    cache = cache_lib.KVCache(cfg.model, cfg.kv, self.mesh, batch, cfg.engine.capacity)
+    cache = cache_lib.KVCache(cfg.model, cfg.kv, self.mesh, batch, cfg.engine.capacity, self.layout)
     transport = Transport(cache, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
     rec = _Recorder(batch, cfg.sampling.eos_id, max_new_tokens, keep_logits, cfg.kv.transport_debug)
     try:
@@ -177,20 +205,21 @@ class Engine:
     [0, longest // block * block) and the open page. counters(transport, d2h, rows) runs after each chunk.
     """
     block, chunk = self.config.kv.block, self.config.engine.prefill_chunk
-    fns, layers = self.fns, self.params["layers"]
+    layers, stage_of = self.params["layers"], self.layout.stage_of
     n_chunks = -(-longest // chunk)
     w_final = longest // block * block
     x = None
     for c in range(first, n_chunks):
       last = c == n_chunks - 1
-      x = fns.embed(self.top, distributed.put_host(tokens[:, c * chunk : (c + 1) * chunk], self._rep))
-      meta = self._meta(start, c * chunk, 0, seed)
+      x = self._first.embed(self.top, distributed.put_host(tokens[:, c * chunk : (c + 1) * chunk], self._rep_first))
+      metas = self.to_stages(self._meta(start, c * chunk, 0, seed))
       d2h = 0
 
       def compute(l, window):
         nonlocal x, d2h
         shapes.add(("prefill", 0 if window is None else window.shape[3]))
-        x, rows = fns.prefill(layers[l], x, window, meta)
+        fns = self.layer_fns(l)
+        x, rows = fns.prefill(layers[l], self.to_layer(x, l), window, metas[stage_of[l]])
         if last:
           d2h += finish(l, *fns.split(window, rows, w_rows=w_final, block=block))
         else:
@@ -198,19 +227,21 @@ class Engine:
 
       transport.run_pass(compute, next_pass=not last or next_pass)
       counters(transport, d2h, (c + 1) * chunk)
-    return fns.last_row(x, distributed.put_host(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
+    return self.fns.last_row(x, distributed.put_host(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
 
   def decode_pass(self, cache, transport, x, meta, end: int, next_pass: bool, shapes) -> tuple[jax.Array, int]:
     """One decode pass over every layer writing row `end` (== meta's end); returns x [B, D] before the head and
     the D2H bytes. When the open page fills, each layer's window grows by it and cache.rows by a block."""
-    block, fns, layers = self.config.kv.block, self.fns, self.params["layers"]
+    block, layers, stage_of = self.config.kv.block, self.params["layers"], self.layout.stage_of
     full = end - cache.rows == block - 1
+    metas = self.to_stages(meta)
     d2h = 0
 
     def compute(l, window):
       nonlocal x, d2h
       shapes.add(("decode", 0 if window is None else window.shape[3]))
-      x, cache.opens[l] = fns.decode(layers[l], x, window, cache.opens[l], meta)
+      fns = self.layer_fns(l)
+      x, cache.opens[l] = fns.decode(layers[l], self.to_layer(x, l), window, cache.opens[l], metas[stage_of[l]])
       if full:
         grown, cache.opens[l] = fns.flush(window, cache.opens[l])
         d2h += cache.store(l, grown)
@@ -255,7 +286,7 @@ class Engine:
         shapes=shapes,
         counters=lambda tr, d2h, rows: rec.counters("prefill", tr, d2h, rows),
     )
-    lg, tok, x, _ = fns.head(self.top, x_last, self._meta(start, longest, 0, seed))
+    lg, tok, x, _ = fns.head(self.top_last, x_last, self._meta(start, longest, 0, seed))
     t_start = rec.t_start
     finished = rec.take(lg, tok)  # Waits for the prefill: decode timing starts here.
     t_prefilled = time.perf_counter()
@@ -268,7 +299,7 @@ class Engine:
     pending: collections.deque = collections.deque()
     for t in range(1, 1 if finished else max_new_tokens):
       x, d2h = self.decode_pass(cache, transport, x, meta, longest + t - 1, t < max_new_tokens - 1, shapes)
-      lg, tok, x, meta = fns.head(self.top, x, meta)
+      lg, tok, x, meta = fns.head(self.top_last, x, meta)
       lg.copy_to_host_async()
       tok.copy_to_host_async()
       rec.counters("decode", transport, d2h, cache.rows)
@@ -298,6 +329,14 @@ class Engine:
     return done
 
 
+def add_by_device(total: dict, c: dict) -> None:
+  """Accumulates a take_counters() result's per-device bytes (sum) and ring high-water (max) into `total`."""
+  total["h2d_bytes_by_device"].update(c["h2d_bytes_by_device"])
+  hw = total["ring_high_water_bytes_by_device"]
+  for d, b in c["ring_high_water_bytes_by_device"].items():
+    hw[d] = max(hw.get(d, 0), b)
+
+
 class _Recorder:
   """Collects tokens, hashes logits as they arrive, and keeps per-step transport counters."""
 
@@ -308,7 +347,14 @@ class _Recorder:
     self.hash = hashlib.sha256()
     self.logits = [] if keep_logits else None
     self.steps: list[dict] = []
-    self.total = dict(h2d_bytes=0, d2h_bytes=0, ring_high_water_bytes_per_device=0, steps_read=0)
+    self.total = dict(
+        h2d_bytes=0,
+        d2h_bytes=0,
+        ring_high_water_bytes_per_device=0,
+        steps_read=0,
+        h2d_bytes_by_device=collections.Counter(),
+        ring_high_water_bytes_by_device={},
+    )
     self.t_last = self.t_start = self.t_progress = time.perf_counter()
 
   def counters(self, kind, transport, d2h, rows):
@@ -318,6 +364,7 @@ class _Recorder:
     self.total["ring_high_water_bytes_per_device"] = max(
         self.total["ring_high_water_bytes_per_device"], c["ring_high_water_bytes_per_device"]
     )
+    add_by_device(self.total, c)
     if self.debug >= 1:
       now = time.perf_counter()
       self.steps.append(dict(kind=kind, window_rows=rows, d2h_bytes=d2h, host_ms=1e3 * (now - self.t_last), **c))
@@ -343,7 +390,7 @@ class _Recorder:
     return bool(self.done.all())
 
   def totals(self):
-    return dict(self.total)
+    return dict(self.total, h2d_bytes_by_device=dict(self.total["h2d_bytes_by_device"]))
 
   def result(self, telemetry, timing) -> GenerateResult:
     return GenerateResult(

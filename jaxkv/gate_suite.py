@@ -73,7 +73,7 @@ def run(
   requests = parallel_requests(config, sequences, new_tokens, seed)
   transcripts: dict[str, str] = {}
   for arm in arms:
-    engine = Engine(benchmark.arm_config(config, arm), mesh, params)
+    engine = Engine(benchmark.arm_config(config, arm), mesh, params, run_lib.make_layout(config, mesh))
     results = [engine.generate([p], new_tokens, seed=seed) for p in prompts]
     hashes[arm] = [_task_hash(r) for r in results]
     served = serving.Server(engine, parallel).serve(requests)

@@ -58,12 +58,17 @@ def param_axes(cfg: ModelConfig) -> dict:
   return dict(top, layers=[dict(layer) for _ in range(cfg.num_layers)])
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, mesh: jax.sharding.Mesh) -> dict:
-  """Seeded random weights, created directly in their sharded layout.
+def init_params(cfg: ModelConfig, key: jax.Array, mesh: jax.sharding.Mesh, layout=None) -> dict:
+  """Seeded random weights, created directly in their sharded layout: on `mesh`, or with a jaxkv.layout.Layout
+  each layer on its stage's mesh and the top (embedding, final norm, head) on the first stage's. The values do
+  not depend on the placement.
 
   Scales: embeddings N(0, 1); projections N(0, 1/fan_in), so activations keep unit scale; norms 1.
   """
-  mesh_lib.check_divisible(cfg, mesh)
+  layer_mesh = (lambda l: mesh) if layout is None else layout.mesh
+  top_mesh = mesh if layout is None else layout.first
+  for m in {id(m): m for m in [mesh] + ([] if layout is None else list(layout.meshes))}.values():
+    mesh_lib.check_divisible(cfg, m)
   dt = dtype_of(cfg)
   axes = param_axes(cfg)
   d, h, k, dh, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
@@ -82,18 +87,18 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh: jax.sharding.Mesh) -> di
   }
   shapes_top = {"embed": ((cfg.vocab_size, d), 1), "final_norm": ((d,), None), "lm_head": ((d, cfg.vocab_size), d)}
 
-  def make(shape_fan, name_key, logical):
+  def make(shape_fan, name_key, logical, on):
     shape, fan_in = shape_fan
-    out = mesh_lib.sharding(mesh, logical)
+    out = mesh_lib.sharding(on, logical)
     return _init_fn(shape, dt.name, None if fan_in is None else 1.0 / math.sqrt(fan_in), out)(name_key)
 
   names = sorted(shapes_layer)
   params = {}
   for i, name in enumerate(sorted(axes.keys() - {"layers"})):
-    params[name] = make(shapes_top[name], jax.random.fold_in(key, 1_000_000 + i), axes[name])
+    params[name] = make(shapes_top[name], jax.random.fold_in(key, 1_000_000 + i), axes[name], top_mesh)
   params["layers"] = [
       {
-          name: make(shapes_layer[name], jax.random.fold_in(key, l * len(names) + names.index(name)), ax)
+          name: make(shapes_layer[name], jax.random.fold_in(key, l * len(names) + names.index(name)), ax, layer_mesh(l))
           for name, ax in layer_axes.items()
       }
       for l, layer_axes in enumerate(axes["layers"])

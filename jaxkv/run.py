@@ -12,6 +12,7 @@ from jaxkv import checkpoint
 from jaxkv import config as config_lib
 from jaxkv import distributed
 from jaxkv import engine as engine_lib
+from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv import serving
@@ -21,8 +22,15 @@ from jaxkv import tokenizer as tokenizer_lib
 def build(config: config_lib.Config, seed: int):
   """Returns (mesh, params, engine) for a config, with seeded random weights."""
   mesh = mesh_lib.make_mesh(config.mesh)
-  params = model.init_params(config.model, jax.random.key(seed), mesh)
-  return mesh, params, engine_lib.Engine(config, mesh, params)
+  layout = make_layout(config, mesh)
+  params = model.init_params(config.model, jax.random.key(seed), mesh, layout)
+  return mesh, params, engine_lib.Engine(config, mesh, params, layout)
+
+
+def make_layout(config: config_lib.Config, mesh) -> layout_lib.Layout:
+  """The layout of config.split over the devices of `mesh`."""
+  split = layout_lib.parse_layer_split(config.split.layer_split)
+  return layout_lib.make_layout(config.split.mode, mesh, config.model.num_layers, split)
 
 
 def build_from_checkpoint(config: config_lib.Config, checkpoint_dir: str, dtype: str | None = None):
@@ -31,6 +39,8 @@ def build_from_checkpoint(config: config_lib.Config, checkpoint_dir: str, dtype:
   The returned config is `config` with its model replaced by the checkpoint's (jaxkv.checkpoint.load); the kv,
   engine, sampling and mesh settings are kept.
   """
+  if config.split.mode != "tensor":
+    raise ValueError(f"checkpoints load in split mode tensor only; got split mode {config.split.mode!r}")
   mesh = mesh_lib.make_mesh(config.mesh)
   model_config, params = checkpoint.load(checkpoint_dir, mesh, dtype)
   config = dataclasses.replace(config, model=model_config)

@@ -147,7 +147,10 @@ class Server:
       raise ValueError(f"parallel must be >= 1, got {parallel}")
     self.engine, self.parallel = engine, parallel
     cfg = engine.config
-    self.fns = _slot_functions(cfg.model, engine.mesh, cfg.sampling)
+    self.fns = _slot_functions(cfg.model, engine.layout.last, cfg.sampling)  # The head's stage.
+    self.layer_fns = [
+        _slot_functions(cfg.model, engine.layout.mesh(l), cfg.sampling) for l in range(len(engine.params["layers"]))
+    ]
 
   def validate(self, requests: Sequence[Request]) -> None:
     if not requests:
@@ -183,6 +186,7 @@ class _Run:
     self.where: list[tuple[int, int, int] | None] = [None] * len(requests)  # (slot, epoch, first row).
     self.shapes: set[tuple] = set()
     self.totals = collections.Counter()
+    self.by_device = dict(h2d_bytes_by_device=collections.Counter(), ring_high_water_bytes_by_device={})
     self.summary: dict = {}
     self.steps = 0
     self.t_progress = time.perf_counter()
@@ -195,6 +199,7 @@ class _Run:
     self.totals["d2h_bytes"] += d2h
     hw = "ring_high_water_bytes_per_device"
     self.totals[hw] = max(self.totals[hw], c[hw])
+    engine_lib.add_by_device(self.by_device, c)
 
   def record(self, owners: list[int | None], lg, tok) -> list[int]:
     """Records one read step for the slots' owners; returns the slots whose request ended with it."""
@@ -226,7 +231,7 @@ class _Run:
     batch = min(parallel, len(self.requests))
     owners: list[int | None] = first + [None] * (batch - len(first))
     prompts = [self.requests[r].prompt if r is not None else (0,) for r in owners]
-    cache = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, batch, cap)
+    cache = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, batch, cap, eng.layout)
     transport = Transport(cache, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
     try:
       self._epoch(epoch, owners, prompts, cache, transport)
@@ -242,7 +247,7 @@ class _Run:
     )
     keys = np.array([[self.requests[r].seed if r is not None else 0, 0] for r in owners], np.int32)
     keys = distributed.put_host(keys, eng._rep)  # pylint: disable=protected-access
-    lg, tok, x, _ = fns.head(eng.top, x_last, eng._meta(start, longest, 0, 0), keys)  # pylint: disable=protected-access
+    lg, tok, x, _ = fns.head(eng.top_last, x_last, eng._meta(start, longest, 0, 0), keys)  # pylint: disable=protected-access
     meta = eng._meta(start, longest, 1, 0)  # pylint: disable=protected-access
     slots: list[_Slot | None] = [
         None if r is None else _Slot(r, epoch, int(start[b]), longest + self.requests[r].max_new_tokens - 2)
@@ -274,7 +279,7 @@ class _Run:
       need = max((s.last_row for s in slots if s is not None and not self.done[s.request]), default=-1)
       if end <= need:
         x, d2h = eng.decode_pass(cache, transport, x, meta, end, end + 1 <= need, self.shapes)
-        lg, tok, x, meta = fns.head(eng.top, x, meta, keys)
+        lg, tok, x, meta = fns.head(eng.top_last, x, meta, keys)
         lg.copy_to_host_async()
         tok.copy_to_host_async()
         self.counters(transport, d2h, cache.rows)
@@ -306,18 +311,18 @@ class _Run:
     tokens = np.zeros((1, -(-end // chunk) * chunk), np.int32)
     tokens[0, end - length : end] = req.prompt
     start = np.array([end - length], np.int32)
-    own = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, 1, cfg.engine.capacity)
+    own = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, 1, cfg.engine.capacity, eng.layout)
+    layer_fns = self.server.layer_fns
     if first:  # Skipped chunks: zero rows below the prompt (left padding).
       shape = (2, 1, cfg.model.num_kv_heads, first * chunk, own.row_width)
-      zeros = fns.zeros(shape, own.dtype)()
       for l in range(cfg.model.num_layers):
-        own.store(l, zeros)
+        own.store(l, layer_fns[l].zeros(shape, own.dtype)())
 
     def finish(l, head, open_page):
       if head is not None:
-        insert = fns.insert_host if cache.streamed[l] else fns.insert_device
+        insert = layer_fns[l].insert_host if cache.streamed[l] else layer_fns[l].insert_device
         cache.windows[l] = insert(cache.windows[l], head, b)
-      cache.opens[l] = fns.insert_device(cache.opens[l], open_page, b)
+      cache.opens[l] = layer_fns[l].insert_device(cache.opens[l], open_page, b)
       return 0
 
     transport = Transport(own, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
@@ -338,7 +343,7 @@ class _Run:
     finally:
       transport.close()
     key = np.array([[req.seed, 0]], np.int32)
-    lg, tok, x_new, _ = fns.head(eng.top, x_new, eng._meta(start, end, 0, 0), distributed.put_host(key, eng._rep))  # pylint: disable=protected-access
+    lg, tok, x_new, _ = fns.head(eng.top_last, x_new, eng._meta(start, end, 0, 0), distributed.put_host(key, eng._rep))  # pylint: disable=protected-access
     lg.copy_to_host_async()
     tok.copy_to_host_async()
     put = lambda v: distributed.put_host(np.asarray(v, np.int32), eng._rep)  # pylint: disable=protected-access
@@ -353,5 +358,9 @@ class _Run:
     ]
     transcript = json.dumps([[r.tokens, r.logits_sha256] for r in results])
     telemetry = dict(self.summary, compiled_shapes=len(self.shapes), epochs=epochs, **self.totals)
+    telemetry.update(
+        h2d_bytes_by_device=dict(self.by_device["h2d_bytes_by_device"]),
+        ring_high_water_bytes_by_device=self.by_device["ring_high_water_bytes_by_device"],
+    )
     timing = dict(wall_s=wall_s, decode_steps=self.steps, tokens=sum(len(t) for t in self.tokens))
     return ServeResult(results, hashlib.sha256(transcript.encode()).hexdigest(), telemetry, timing)

@@ -98,16 +98,22 @@ class Transport:
     self.streamed = bool(self.order)
     t = mesh_lib.tensor_size(cache.mesh)
     slot = cache.row_bytes(t) * cache.rows_bound() if self.streamed else 0  # Resident: no ring.
-    free = residency.free_device_bytes(cache.mesh.local_devices) if self.streamed else None
+    devices = cache.layout.devices() if cache.layout else list(cache.mesh.devices.flat)
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    free = residency.free_device_bytes(local) if self.streamed else None
     self.choice = choose_depth(depth, len(self.order), slot, cache.kv.budget_mib, cache.kv.headroom_mib, free)
     self.depth = self.choice.depth
-    self._tensor = t
+    lay = cache.layout
+    self._stage_of = lay.stage_of if lay else (0,) * self.num_layers
+    self._stage_devices = [list(m.devices.flat) for m in lay.meshes] if lay else [list(cache.mesh.devices.flat)]
+    stages = len(self._stage_devices)
     self._queued_next = False  # The next pass's jobs are already queued.
     self._lock = threading.Lock()
-    self._h2d = 0
-    self._held = 0  # Bytes of deliveries holding a slot.
-    self._previous = 0  # Bytes of the delivery consumed last (its compute may still run).
-    self._high_water = 0
+    # Per stage (the whole mesh, or one device per stage in split mode layer), bytes over all its devices.
+    self._h2d = [0] * stages
+    self._held = [0] * stages  # Deliveries holding a slot.
+    self._previous = [0] * stages  # The delivery consumed last (its compute may still run).
+    self._high_water = [0] * stages
     self.layer_times: list[tuple[int, float, float]] = []  # (layer, issue, ready) at debug >= 2.
     self._error: BaseException | None = None
     if self.streamed:
@@ -131,14 +137,15 @@ class Transport:
         window = self.cache.windows[layer]
         nbytes = 0
         if window is not None:
-          window = distributed.move(window, self.cache.device_sharding)
+          window = distributed.move(window, self.cache.device_shardings[layer])
           nbytes = window.nbytes
       except BaseException as e:  # Handed to the main thread, which raises it.
         self._error, window = e, None
       with self._lock:
-        self._h2d += nbytes
-        self._held += nbytes
-        self._high_water = max(self._high_water, self._held + self._previous)
+        s = self._stage_of[layer]
+        self._h2d[s] += nbytes
+        self._held[s] += nbytes
+        self._high_water[s] = max(self._high_water[s], self._held[s] + self._previous[s])
       self._ready.put((layer, window, nbytes, time.perf_counter()))
 
   def run_pass(self, compute: Callable[[int, jax.Array | None], None], next_pass: bool) -> None:
@@ -166,8 +173,8 @@ class Transport:
       compute(l, window)
       del window
       with self._lock:
-        self._held -= nbytes
-        self._previous = nbytes
+        self._held[self._stage_of[l]] -= nbytes
+        self._previous[self._stage_of[l]] = nbytes
       self._slots.release()
 
   def _queue_pass(self) -> None:
@@ -198,10 +205,10 @@ class Transport:
         window.block_until_ready()
       del window
       with self._lock:
-        self._held -= nbytes
+        self._held[self._stage_of[layer]] -= nbytes
       self._slots.release()
     self._queued_next = False
-    self._previous = 0
+    self._previous = [0] * len(self._previous)
 
   def close(self) -> None:
     """Drops pending deliveries and stops the feeder thread."""
@@ -213,9 +220,18 @@ class Transport:
   def take_counters(self) -> dict:
     """Bytes delivered and the ring's high-water mark since the last call (per device), then resets."""
     with self._lock:
-      out = dict(h2d_bytes=self._h2d, ring_high_water_bytes_per_device=self._high_water // self._tensor)
-      self._h2d = 0
-      self._high_water = self._held + self._previous
+      by_device = lambda per_stage: {
+          str(d): b // len(devs) for b, devs in zip(per_stage, self._stage_devices) for d in devs
+      }
+      hw = by_device(self._high_water)
+      out = dict(
+          h2d_bytes=sum(self._h2d),
+          ring_high_water_bytes_per_device=max(hw.values()),
+          h2d_bytes_by_device=by_device(self._h2d),
+          ring_high_water_bytes_by_device=hw,
+      )
+      self._h2d = [0] * len(self._h2d)
+      self._high_water = [h + p for h, p in zip(self._held, self._previous)]
     return out
 
   def layer_times_ms(self) -> list[tuple[int, float, float]]:
