@@ -101,7 +101,8 @@ class Transport:
     devices = cache.layout.devices() if cache.layout else list(cache.mesh.devices.flat)
     local = [d for d in devices if d.process_index == jax.process_index()]
     free = residency.free_device_bytes(local) if self.streamed else None
-    self.choice = choose_depth(depth, len(self.order), slot, cache.kv.budget_mib, cache.kv.headroom_mib, free)
+    streamed_layers = len(self.order) if self.streamed else self.num_layers  # Nothing streamed: nothing to cap.
+    self.choice = choose_depth(depth, streamed_layers, slot, cache.kv.budget_mib, cache.kv.headroom_mib, free)
     self.depth = self.choice.depth
     lay = cache.layout
     self._stage_of = lay.stage_of if lay else (0,) * self.num_layers
