@@ -84,6 +84,7 @@ def test_auto_where_device_memory_is_unknown_keeps_every_layer_resident():
   res = helpers.engine(2, placement="auto").generate(helpers.prompts(LENGTHS), 4)
   assert res.transport["residency"]["resident_layers"] == 6 and res.transport["h2d_bytes"] == 0
   assert res.transport["residency"]["budget_source"] == "no device memory limit"
+  assert res.transport["depth"] == 1 and res.transport["fallback_reason"] is None  # Nothing streamed: no cap.
 
 
 def test_auto_serves_slots_with_the_same_transcript():
