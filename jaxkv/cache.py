@@ -14,6 +14,11 @@ E and the dtype follow kv.dtype (jaxkv.kv_quant.KVFormat): E = head_dim values o
 float8_e4m3fn head_dim quantized bytes followed by their float16 scales, all in one uint8 array, so that a
 layer's window is still ONE array (one transfer). Zero bytes decode to zeros in every format.
 
+With kv.host_attention_fraction f > 0 (placement "host"), a streamed layer's window of W rows is stored as two
+pinned_host arrays split at r1 = split_row(W) = floor(f W / P) P: head[l] [2, B, K, r1, E] rows [0, r1), attended on
+the host CPU during decode (jaxkv.host_attention), and window[l] [2, B, K, W - r1, E] rows [r1, W) (the tail), the
+only rows delivered. head[l] is None while r1 = 0.
+
 Row r of sequence b is valid when start[b] <= r < end. A decode step writes row `end` into the open page
 (on device); when the open page is full, `grow` appends it to the window, which is stored back in its
 placement in one explicit transfer. Host and device placement hold the same arrays in different memories,
@@ -22,6 +27,7 @@ so every delivery mode feeds the same compiled layer function the same values.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -56,6 +62,17 @@ def split_prefilled(window, chunk, *, w_rows: int, block: int):
   return head, full[:, :, :, w_rows : w_rows + block]
 
 
+@functools.lru_cache(maxsize=None)
+def _split_fn(sharding: jax.sharding.Sharding):
+  """Jitted (window [2, B, K, W, E], r1) -> (rows [0, r1), rows [r1, W)), both in `sharding` (device memory)."""
+  return jax.jit(lambda w, r1: (w[:, :, :, :r1], w[:, :, :, r1:]), static_argnums=1, out_shardings=(sharding,) * 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _grow_fn(sharding: jax.sharding.Sharding):
+  return jax.jit(grow, out_shardings=sharding)
+
+
 class KVCache:
   """Holds the per-layer windows and open pages; see the module docstring for the layout."""
 
@@ -85,6 +102,7 @@ class KVCache:
     if any(self.streamed):
       check_pinned_pool(self.host_bytes_per_process(), model, self.format, batch, self.rows_bound())
     self.windows: list[jax.Array | None] = [None] * model.num_layers
+    self.heads: list[jax.Array | None] = [None] * model.num_layers  # Host-attended rows [0, r1); see above.
     self.opens: list[jax.Array | None] = [None] * model.num_layers
     self.rows = 0  # W, the same for every layer.
 
@@ -109,8 +127,35 @@ class KVCache:
     if window_device is None or not self.streamed[layer]:
       self.windows[layer] = window_device
       return 0
-    self.windows[layer] = distributed.move(window_device, self.host_shardings[layer])
+    r1 = self.split_row(window_device.shape[3])
+    head, tail = _split_fn(self.device_shardings[layer])(window_device, r1) if r1 else (None, window_device)
+    self.heads[layer] = None if head is None else distributed.move(head, self.host_shardings[layer])
+    self.windows[layer] = distributed.move(tail, self.host_shardings[layer])
     return window_device.nbytes
+
+  def split_row(self, rows: int) -> int:
+    """r1 for a window of `rows` rows: floor(f rows / P) P (0 with host attention off)."""
+    return int(self.kv.host_attention_fraction * rows) // self.block * self.block
+
+  def head_rows(self, layer: int) -> int:
+    return 0 if self.heads[layer] is None else self.heads[layer].shape[3]
+
+  def full_window(self, layer: int, tail: jax.Array | None) -> jax.Array | None:
+    """Layer's whole window [0, W) on the devices, given its tail (delivered) on the devices: the head is moved
+    back and prepended (host attention; otherwise the tail is the whole window)."""
+    if self.heads[layer] is None:
+      return tail
+    head = distributed.move(self.heads[layer], self.device_shardings[layer])
+    return _grow_fn(self.device_shardings[layer])(head, tail)
+
+  def store_tail(self, layer: int, tail: jax.Array) -> int:
+    """Stores a grown tail [2, B, K, W - r1, E] (device) of a split layer: alone while the split row stays r1, else
+    re-split with the head (moved back for it, once per move of the split row). Returns bytes moved D2H."""
+    r1 = self.head_rows(layer)
+    if self.split_row(r1 + tail.shape[3]) == r1:
+      self.windows[layer] = distributed.move(tail, self.host_shardings[layer])
+      return tail.nbytes
+    return self.store(layer, self.full_window(layer, tail))
 
 
 def pinned_pool_limit_bytes() -> int | None:

@@ -61,6 +61,12 @@ KV_DEVICE_BUDGET = flags.DEFINE_float(
     None,
     "With --kv_placement=auto: device memory per device for the KV, GiB (default: the free device memory).",
 )
+KV_HOST_ATTENTION = flags.DEFINE_float(
+    "kv_host_attention_fraction",
+    None,
+    "With --kv_placement=host: fraction of each layer's full-block rows attended on the host CPU during decode "
+    "(0 = off; < 1).",
+)
 SPLIT_MODE = flags.DEFINE_enum(
     "split_mode",
     None,
@@ -84,6 +90,7 @@ _KV_FLAGS = {
     "transport_debug": KV_DEBUG,
     "dtype": KV_DTYPE,
     "device_budget_gib": KV_DEVICE_BUDGET,
+    "host_attention_fraction": KV_HOST_ATTENTION,
 }
 
 

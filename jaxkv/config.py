@@ -84,6 +84,9 @@ class KVConfig:
     "float8_e4m3fn" (one scale per head row); jaxkv.kv_quant has the packed layout.
   device_budget_gib: with placement "auto", the device memory per device the KV may take (None = from the free
     device memory; jaxkv.residency).
+  host_attention_fraction: 0 = off; f in (0, 1) with placement "host": rows [0, floor(f W / block) block) of each
+    layer's window of W rows are attended on the host CPU during decode and only the rest is delivered
+    (jaxkv.host_attention, docs/design.md).
   """
 
   placement: str = "device"
@@ -94,6 +97,7 @@ class KVConfig:
   transport_debug: int = 0
   dtype: str = "model"
   device_budget_gib: float | None = None
+  host_attention_fraction: float = 0.0
 
   def __post_init__(self):
     if self.placement not in PLACEMENTS:
@@ -109,6 +113,13 @@ class KVConfig:
     check_kv_dtype(self.dtype)
     if self.device_budget_gib is not None and self.device_budget_gib < 0:
       raise ValueError(f"kv.device_budget_gib must be >= 0 (or unset for automatic), got {self.device_budget_gib}")
+    if not 0.0 <= self.host_attention_fraction < 1.0:
+      raise ValueError(f"kv.host_attention_fraction must be in [0, 1), got {self.host_attention_fraction}")
+    if self.host_attention_fraction and self.placement != "host":
+      raise ValueError(
+          f"kv.host_attention_fraction {self.host_attention_fraction} needs kv.placement host (the host attends rows "
+          f"it holds), got {self.placement!r}"
+      )
 
 
 def check_kv_dtype(kv_dtype: str, head_dim: int | None = None) -> None:

@@ -26,6 +26,7 @@ from absl import logging
 
 from jaxkv import cache as cache_lib
 from jaxkv import distributed
+from jaxkv import host_attention
 from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
@@ -67,6 +68,8 @@ class _Fns:
   head: object
   embed: object
   last_row: object
+  query: object
+  attend_split: object
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,6 +77,7 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
   """The jitted per-layer functions, shared by every engine (and delivery mode) on one mesh and KV dtype."""
   rep = mesh_lib.replicated(mesh)
   kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
+  heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None))  # q and the host's partial.
   fmt = KVFormat.of(cfg, kv_dtype)
 
   def prefill(p, x, window, meta):
@@ -81,6 +85,14 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
 
   def decode(p, x, window, open_page, meta):
     return model.decode_layer(p, x, window, open_page, meta[:-3], meta[-3], cfg=cfg, kv_format=fmt)
+
+  def query(p, x, open_page, meta):
+    return model.decode_query(p, x, open_page, meta[:-3], meta[-3], cfg=cfg, kv_format=fmt)
+
+  def attend_split(p, x, q, tail, open_page, host_o, host_lse, meta):
+    return model.decode_attend_split(
+        p, x, q, tail, open_page, host_o, host_lse, meta[:-3], meta[-3], cfg=cfg, kv_format=fmt
+    )
 
   def flush(window, open_page):
     return cache_lib.grow(window, open_page), jnp.zeros_like(open_page)
@@ -102,6 +114,8 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
       head=jax.jit(head, out_shardings=rep),
       embed=jax.jit(model.embed, out_shardings=rep),
       last_row=jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), out_shardings=rep),
+      query=jax.jit(query, out_shardings=(heads, kv), donate_argnums=(2,)),
+      attend_split=jax.jit(attend_split, out_shardings=rep),
   )
 
 
@@ -217,6 +231,7 @@ class Engine:
 
       def compute(l, window):
         nonlocal x, d2h
+        window = cache.full_window(l, window)  # With host attention the tail was delivered.
         shapes.add(("prefill", 0 if window is None else window.shape[3]))
         fns = self.layer_fns(l)
         x, rows = fns.prefill(layers[l], self.to_layer(x, l), window, metas[stage_of[l]])
@@ -235,21 +250,42 @@ class Engine:
     block, layers, stage_of = self.config.kv.block, self.params["layers"], self.layout.stage_of
     full = end - cache.rows == block - 1
     metas = self.to_stages(meta)
+    split = self.config.kv.host_attention_fraction > 0
+    start = np.asarray(meta.addressable_data(0))[:-3] if split else None  # i32[B], for the host's mask.
     d2h = 0
 
     def compute(l, window):
       nonlocal x, d2h
       shapes.add(("decode", 0 if window is None else window.shape[3]))
       fns = self.layer_fns(l)
-      x, cache.opens[l] = fns.decode(layers[l], self.to_layer(x, l), window, cache.opens[l], metas[stage_of[l]])
+      if split:
+        x = self._decode_split(cache, l, fns, self.to_layer(x, l), window, metas[stage_of[l]], start)
+      else:
+        x, cache.opens[l] = fns.decode(layers[l], self.to_layer(x, l), window, cache.opens[l], metas[stage_of[l]])
       if full:
         grown, cache.opens[l] = fns.flush(window, cache.opens[l])
-        d2h += cache.store(l, grown)
+        d2h += cache.store_tail(l, grown) if split else cache.store(l, grown)
 
     transport.run_pass(compute, next_pass=next_pass)
     if full:
       cache.rows += block
     return x, d2h
+
+  def _decode_split(self, cache, l, fns, x, tail, meta, start) -> jax.Array:
+    """Layer l with rows [0, r1) (cache.heads[l]) attended on the host CPU, synchronously, and the tail [r1, W)
+    (delivered) and the open page on the devices; x [B, D] -> x [B, D]."""
+    q, cache.opens[l] = fns.query(self.params["layers"][l], x, cache.opens[l], meta)  # q f32[B, K, G, Dh].
+    r1 = cache.head_rows(l)
+    if r1:
+      q_host = np.zeros(q.shape, np.float32)  # This process's heads; attend_array reads only those.
+      for shard in q.addressable_shards:
+        q_host[shard.index] = np.asarray(shard.data)
+      o, lse = host_attention.attend_array(cache.heads[l], q_host, start, 0, r1, cache.format)
+    else:
+      o, lse = np.zeros(q.shape, np.float32), np.full(q.shape[:3], -np.inf, np.float32)
+    o = distributed.put_host(o, q.sharding)  # f32[B, K, G, Dh] and f32[B, K, G], heads on the tensor axis.
+    lse = distributed.put_host(lse, mesh_lib.sharding(q.sharding.mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None)))
+    return fns.attend_split(self.params["layers"][l], x, q, tail, cache.opens[l], o, lse, meta)
 
   def prefill_prompts(self, cache, transport, prompts, seed, *, next_pass, shapes, counters):
     """Prefills a batch of prompts right-aligned into a fresh cache (window, open page and cache.rows);

@@ -145,6 +145,8 @@ class Server:
   def __init__(self, engine: engine_lib.Engine, parallel: int):
     if parallel < 1:
       raise ValueError(f"parallel must be >= 1, got {parallel}")
+    if engine.config.kv.host_attention_fraction:
+      raise ValueError("kv.host_attention_fraction is not supported with slots (--sequences) yet")
     self.engine, self.parallel = engine, parallel
     cfg = engine.config
     self.fns = _slot_functions(cfg.model, engine.layout.last, cfg.sampling)  # The head's stage.

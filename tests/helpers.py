@@ -47,6 +47,7 @@ def engine(
     budget_mib=0,
     debug=0,
     kv_dtype="model",
+    host_attention_fraction=0.0,
     cfg: config_lib.Config | None = None,
 ) -> engine_lib.Engine:
   """An engine on the tiny config (or `cfg`) with these kv/engine/sampling fields; weights cached per mesh and
@@ -60,6 +61,7 @@ def engine(
       budget_mib=budget_mib,
       transport_debug=debug,
       dtype=kv_dtype,
+      host_attention_fraction=host_attention_fraction,
   )
   eng = dataclasses.replace(
       cfg.engine, capacity=capacity or cfg.engine.capacity, prefill_chunk=chunk or cfg.engine.prefill_chunk
