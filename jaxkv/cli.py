@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 from jaxkv import config as config_lib
@@ -118,6 +120,14 @@ def setup_platform() -> None:
     jax.config.update("jax_platforms", "cpu")
   if args is not None:
     distributed.initialize(args, cpu=bool(n))
+
+
+def write_json(obj: dict, path: str | None) -> None:
+  """Writes an app's JSON output where --json_out says (nothing when it is unset)."""
+  if path:
+    with open(path, "w") as f:
+      json.dump(obj, f, indent=1)
+    logging.info("wrote %s", path)
 
 
 def resolved_config_dict():

@@ -155,10 +155,12 @@ class Engine:
     return tuple(jax.device_put(a, r) for r in self._stage_reps)
 
   def to_layer(self, x: jax.Array, layer: int) -> jax.Array:
-    """x onto layer's stage: the hidden state crossing a stage boundary (split mode layer)."""
-    if len(self._stage_reps) == 1:
+    """x onto layer's stage: the hidden state crossing a stage boundary (split mode layer). Layer 0's input comes
+    from the embedding (prefill) or the head on the last stage (decode)."""
+    stage_of = self.layout.stage_of
+    if len(self._stage_reps) == 1 or (layer and stage_of[layer] == stage_of[layer - 1]):
       return x
-    return jax.device_put(x, self._stage_reps[self.layout.stage_of[layer]])
+    return jax.device_put(x, self._stage_reps[stage_of[layer]])
 
   def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
     """Raises ValueError for input that cannot run, before any work."""

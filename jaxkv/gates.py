@@ -9,11 +9,9 @@ every process runs the gates and process 0 prints and writes the report. On the 
 
 from __future__ import annotations
 
-import json
 
 from absl import app
 from absl import flags
-from absl import logging
 
 from jaxkv import cli
 from jaxkv import distributed
@@ -62,10 +60,7 @@ def _report(report: dict, json_out: str | None) -> None:
       f"parallel gate ({p['sequences']} requests on {p['parallel']} slots, {p['insertions']} slot reuses, "
       f"{p['epochs']} epochs): {'PASS' if p['passed'] else 'FAIL'}"
   )
-  if json_out:
-    with open(json_out, "w") as f:
-      json.dump(report, f, indent=1)
-    logging.info("wrote %s", json_out)
+  cli.write_json(report, json_out)
 
 
 if __name__ == "__main__":

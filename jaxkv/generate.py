@@ -15,12 +15,10 @@ prints and writes.
 
 from __future__ import annotations
 
-import json
 import time
 
 from absl import app
 from absl import flags
-from absl import logging
 
 from jaxkv import cli
 from jaxkv import distributed
@@ -119,7 +117,7 @@ def _report_served(out: dict, json_out: str | None) -> None:
       f"kv placement {t['placement']}, depth {t['depth']}, {out['timing']['decode_steps']} decode steps, "
       f"{t['insertions']} slot reuses, {t['epochs']} epochs"
   )
-  _write(out, json_out)
+  cli.write_json(out, json_out)
 
 
 def _report(out: dict, json_out: str | None) -> None:
@@ -135,14 +133,7 @@ def _report(out: dict, json_out: str | None) -> None:
       f"kv placement {t['placement']}, depth {t['depth']}, h2d {t['h2d_bytes']} B, d2h {t['d2h_bytes']} B, "
       f"compiled shapes {t['compiled_shapes']}"
   )
-  _write(out, json_out)
-
-
-def _write(out: dict, json_out: str | None) -> None:
-  if json_out:
-    with open(json_out, "w") as f:
-      json.dump(out, f, indent=1)
-    logging.info("wrote %s", json_out)
+  cli.write_json(out, json_out)
 
 
 if __name__ == "__main__":

@@ -131,12 +131,13 @@ def _slot_functions(cfg, mesh: jax.sharding.Mesh, sampling: SamplingConfig) -> _
   )
 
 
+@dataclasses.dataclass(frozen=True)
 class _Slot:
-  """What a slot holds now (host side): its request and how far it got."""
+  """What a slot holds now (host side): its request and the last row its decode writes (the row of its first
+  token + max_new_tokens - 2)."""
 
-  def __init__(self, request: int, epoch: int, first_row: int, last_row: int):
-    self.request, self.epoch, self.first_row = request, epoch, first_row
-    self.last_row = last_row  # The last row its decode writes: first token row + max_new_tokens - 2.
+  request: int
+  last_row: int
 
 
 class Server:
@@ -203,11 +204,10 @@ class _Run:
     self.totals[hw] = max(self.totals[hw], c[hw])
     engine_lib.add_by_device(self.by_device, c)
 
-  def record(self, owners: list[int | None], lg, tok) -> list[int]:
-    """Records one read step for the slots' owners; returns the slots whose request ended with it."""
+  def record(self, owners: list[int | None], lg, tok) -> None:
+    """Records one read step for the slots' owners (row b of lg and tok belongs to owners[b])."""
     lg, tok = jax.device_get((lg, tok))
     lg = np.asarray(lg, np.float32)
-    ended = []
     eos = self.engine.config.sampling.eos_id
     for b, r in enumerate(owners):
       if r is None or self.done[r]:
@@ -217,8 +217,6 @@ class _Run:
       self.hashes[r].update(np.ascontiguousarray(lg[b]).astype("<f4").tobytes())
       if t == eos or len(self.tokens[r]) >= self.requests[r].max_new_tokens:
         self.done[r] = True
-        ended.append(b)
-    return ended
 
   # One epoch: a fresh cache, a batched prefill of the first requests, then decode with slot reuse.
   def epoch(self, epoch: int) -> None:
@@ -252,12 +250,11 @@ class _Run:
     lg, tok, x, _ = fns.head(eng.top_last, x_last, eng._meta(start, longest, 0, 0), keys)  # pylint: disable=protected-access
     meta = eng._meta(start, longest, 1, 0)  # pylint: disable=protected-access
     slots: list[_Slot | None] = [
-        None if r is None else _Slot(r, epoch, int(start[b]), longest + self.requests[r].max_new_tokens - 2)
-        for b, r in enumerate(owners)
+        None if r is None else _Slot(r, longest + self.requests[r].max_new_tokens - 2) for r in owners
     ]
-    for b, s in enumerate(slots):
-      if s is not None:
-        self.where[s.request] = (b, epoch, s.first_row)
+    for b, r in enumerate(owners):
+      if r is not None:
+        self.where[r] = (b, epoch, int(start[b]))
     pending = collections.deque([(0, [None if s is None else s.request for s in slots], lg, tok)])
     end = longest  # The row the next decode step writes.
     step = 1
@@ -275,7 +272,7 @@ class _Run:
         b = slots.index(None)
         transport.drop()  # Deliveries issued for the next step hold slot b's old rows.
         x, meta, keys, entry = self._insert(cache, x, meta, keys, b, r, end, step, epoch)
-        slots[b] = _Slot(r, epoch, end - len(req.prompt), end + req.max_new_tokens - 2)
+        slots[b] = _Slot(r, end + req.max_new_tokens - 2)
         self.where[r] = (b, epoch, end - len(req.prompt))
         pending.append(entry)
       need = max((s.last_row for s in slots if s is not None and not self.done[s.request]), default=-1)
