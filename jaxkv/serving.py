@@ -271,6 +271,9 @@ class _Run:
         self.queue.popleft()
         b = slots.index(None)
         transport.drop()  # Deliveries issued for the next step hold slot b's old rows.
+        # The windows are overwritten in place below: no copy of the last step may still read them, and no
+        # store may still write them (x depends on every delivery that step consumed).
+        jax.block_until_ready((x, cache.windows))
         x, meta, keys, entry = self._insert(cache, x, meta, keys, b, r, end, step, epoch)
         slots[b] = _Slot(r, end + req.max_new_tokens - 2)
         self.where[r] = (b, epoch, end - len(req.prompt))
