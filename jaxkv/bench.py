@@ -28,8 +28,9 @@ BATCHES = flags.DEFINE_list("batches", ["1"], "Sequences per generate.")
 ARMS = flags.DEFINE_list(
     "arms",
     ["device", "host_d0", "host_d1", "host_d2", "host_d4"],
-    "KV arms: 'device' or 'host_d<depth>' (host_d0 = ordered), optionally with a KV dtype suffix: "
-    "'_bfloat16', '_float32', '_int8', '_float8_e4m3fn' (e.g. host_d2_int8; none = config kv.dtype).",
+    "KV arms: 'device', 'host_d<depth>' (host_d0 = ordered) or 'auto_d<depth>' (residency planner), optionally "
+    "with a KV dtype suffix: '_bfloat16', '_float32', '_int8', '_float8_e4m3fn' (e.g. host_d2_int8; none = config "
+    "kv.dtype), then for host and auto arms '_ha' (host attention, share measured) or '_ha<NN>' (share NN/100).",
 )
 NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "Tokens generated per sequence per sample.")
 ROUNDS = flags.DEFINE_integer("rounds", 3, "Timed samples per arm; arm order alternates between rounds.")

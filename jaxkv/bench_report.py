@@ -76,6 +76,34 @@ def markdown(out: dict) -> str:
           f"| {_mib(plan['device_budget_bytes'])} | {_mib(a['streamed_bytes_per_step_per_device'])} "
           f"| {a['predicted_ms_per_step']:.2f} | {_num((a['ms_per_step'] or {}).get('median'), '.2f')} |"
       )
+  split = [(c, n, a) for c in out["cells"] for n, a in c["arms"].items() if a.get("delivered_fraction") is not None]
+  if split:
+    lines += [
+        "",
+        "## Host attention (_ha arms)",
+        "",
+        "f = the host's share of each streamed window (measured: f = cpu / (cpu + link) from the rates measured "
+        "together at start; jaxkv.host_split); x link bound = tok/s / (batch x link peak / the arm's KV bytes per "
+        "step): above 1 only because the CPU attends part of the rows. Thread ms/step: the dispatching thread's time "
+        "per decode step in the split layers: dispatching the query and the tail's partial (it waits for the tail's "
+        "delivery) / waiting for the query / the kernel / handing the partials back (last sample).",
+        "",
+        "| context | batch | arm | f (source) | cpu GB/s | link GB/s/device | tok/s | ms/step | x link bound "
+        "| thread ms/step: dispatch / wait q / kernel / hand back |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for cell, name, a in split:
+      ha = a["transport"]["host_attention"]
+      lines.append(
+          f"| {cell['context']} | {cell['batch']} | {name} | {ha['fraction']:.3f} ({ha['source']}) "
+          f"| {_num(ha['cpu_gbps'], '.1f')} | {_num(ha['link_gbps'], '.1f')} "
+          f"| {_num((a['tok_s'] or {}).get('median'), '.2f')} | {_num((a['ms_per_step'] or {}).get('median'), '.2f')} "
+          f"| {_num(a['x_link_bound'], '.2f')} | "
+          + " / ".join(
+              _num(ha.get(f"{p}_ms_per_step"), ".2f") for p in ("dispatch", "wait_query", "kernel", "hand_back")
+          )
+          + " |"
+      )
   lines += [
       "",
       "## Ceilings per cell",

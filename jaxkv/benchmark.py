@@ -1,8 +1,9 @@
 """The decode benchmark behind `python -m jaxkv.bench`: arms x contexts x batches in alternating rounds.
 
-An arm is a KV placement and delivery depth ("device"; "host_d0" = ordered; "host_dN" = pipelined at depth N),
-optionally with a KV dtype suffix ("host_d2_int8", "device_float8_e4m3fn"; none = the config's kv.dtype), or the
-Hugging Face peer (PEER_ARM, jaxkv.peer_hf). Every jaxkv arm shares one set of weights. For each
+An arm is a KV placement and delivery depth ("device"; "host_d0" = ordered; "host_dN" = pipelined at depth N;
+"auto_dN" = the residency planner), optionally with a KV dtype suffix ("host_d2_int8", "device_float8_e4m3fn"; none =
+the config's kv.dtype) and then a host attention suffix ("host_d2_ha": the host's share measured at start;
+"host_d2_ha40": f = 0.40; jaxkv.host_split), or the Hugging Face peer (PEER_ARM, jaxkv.peer_hf). Every jaxkv arm shares one set of weights. For each
 (context, batch) cell: the ceilings (jaxkv.ceilings) for the config's KV dtype and for every other KV dtype of a
 host arm, then one untimed warm-up generate per arm (it also compiles), then `rounds` timed generates per arm in
 alternating order (round 0 A B C, round 1 C B A, ...).
@@ -46,7 +47,7 @@ PEER_ARM = "hf_offloaded"
 ORDERED_ARM = "host_d0"
 DEVICE_ARM = "device"
 ARM_KV_DTYPES = tuple(d for d in KV_DTYPES if d != "model")  # Arm name suffixes.
-_ARM_RE = re.compile(rf"^(device|(host|auto)_d(\d+))(?:_({'|'.join(ARM_KV_DTYPES)}))?$")
+_ARM_RE = re.compile(rf"^(device|(host|auto)_d(\d+))(?:_({'|'.join(ARM_KV_DTYPES)}))?(_ha(\d\d)?)?$")
 _TRANSFER_ONLY_PASSES = 8
 
 
@@ -81,40 +82,55 @@ class BenchSpec:
       raise ValueError("rounds, ceiling_reps and peak_bytes must be positive")
 
 
-def parse_arm(name: str) -> tuple[str, int | None, str | None]:
-  """Arm name -> (placement, depth, kv dtype): "device" -> ("device", None, None); "host_d<N>" -> ("host", N,
-  None); "auto_d<N>" -> ("auto", N, None); "host_d<N>_int8" -> ("host", N, "int8"). A None kv dtype means the
-  config's kv.dtype."""
+@dataclasses.dataclass(frozen=True)
+class ArmSpec:
+  """placement: "device", "host" or "auto"; depth: None for "device"; kv_dtype: None = the config's kv.dtype;
+  host_attention: None = off, 0.0 = the measured share, f in (0, 1) = that share."""
+
+  placement: str
+  depth: int | None = None
+  kv_dtype: str | None = None
+  host_attention: float | None = None
+
+
+def parse_arm(name: str) -> ArmSpec:
+  """Arm name -> ArmSpec: "device"; "host_d<N>" / "auto_d<N>"; then "_<kv dtype>", then "_ha" or "_ha<NN>"."""
   m = _ARM_RE.match(name)
-  if not m:
+  if not m or (m.group(5) and m.group(2) is None) or m.group(6) == "00":
     raise ValueError(
         f"unknown arm {name!r}: use 'device', 'host_d<depth>' (host_d0 = ordered) or 'auto_d<depth>' (residency "
         f"planner), optionally followed by '_<kv dtype>' with a kv dtype of {', '.join(ARM_KV_DTYPES)} "
-        "(e.g. host_d2_int8)"
+        "(e.g. host_d2_int8), then for a host or auto arm '_ha' (host attention, share measured) or '_ha<NN>' "
+        "(share NN / 100, e.g. host_d2_ha40)"
     )
-  return ("device", None, m.group(4)) if m.group(2) is None else (m.group(2), int(m.group(3)), m.group(4))
+  ha = None if not m.group(5) else int(m.group(6) or 0) / 100
+  if m.group(2) is None:
+    return ArmSpec("device", None, m.group(4))
+  return ArmSpec(m.group(2), int(m.group(3)), m.group(4), ha)
 
 
 def arm_config(config: Config, arm: str) -> Config:
   """The config of an arm; ValueError when its KV dtype does not fit the model (int8 needs head_dim % 32 == 0)."""
-  placement, depth, kv_dtype = parse_arm(arm)
+  a = parse_arm(arm)
   kv = dataclasses.replace(
       config.kv,
-      placement=placement,
-      pipeline_depth=config.kv.pipeline_depth if depth is None else depth,
-      dtype=kv_dtype or config.kv.dtype,
+      placement=a.placement,
+      pipeline_depth=config.kv.pipeline_depth if a.depth is None else a.depth,
+      dtype=a.kv_dtype or config.kv.dtype,
+      host_attention=a.host_attention is not None,
+      host_attention_fraction=a.host_attention or 0.0,
   )
   return dataclasses.replace(config, kv=kv)
 
 
 def arm_kv_dtype(config: Config, arm: str) -> str:
   """The KV dtype an arm runs with (its suffix, else the config's kv.dtype)."""
-  return parse_arm(arm)[2] or config.kv.dtype
+  return parse_arm(arm).kv_dtype or config.kv.dtype
 
 
 def kv_bytes_per_step_per_device(config: Config, mesh, batch: int, rows: list[int]) -> float:
   """Stored KV bytes one device receives per decode step (mean over the steps' windows), in config.kv.dtype."""
-  kv = dataclasses.replace(config.kv, placement="device")
+  kv = dataclasses.replace(config.kv, placement="device", host_attention=False, host_attention_fraction=0.0)
   row_bytes = KVCache(config.model, kv, mesh, batch, config.engine.capacity).row_bytes(mesh_lib.tensor_size(mesh))
   return config.model.num_layers * row_bytes * statistics.mean(rows)
 
@@ -338,11 +354,19 @@ def _summarize(cell: dict, peak_gbps: float, tensor: int) -> None:
     compute_ms = med(f"{DEVICE_ARM}_{kv_dtype}", "ms_per_step") or cell["compute_only_ms"]
     bound_ms = max([m for m in (compute_ms, transfer_ms) if m], default=None)
     moved = rec["kv_bytes_per_step_per_device"] * (tensor if name == PEER_ARM else 1)
-    is_device = name != PEER_ARM and parse_arm(name)[0] == "device"
+    arm = None if name == PEER_ARM else parse_arm(name)
+    is_device = arm is not None and arm.placement == "device"
     rec["gain_vs_ordered"] = tok_s / ordered_tok_s if tok_s and ordered_tok_s else None
     rec["overlap_ratio"] = ms / bound_ms if ms and bound_ms else None
     rec["link_efficiency"] = moved / (ms * 1e-3) / (peak_gbps * 1e9) if ms and not is_device else None
     rec["ring_bytes_per_device_configured"] = rec.get("transport", {}).get("ring_bytes_per_device_configured")
+    rec["link_bound_tok_s"] = cell["batch"] * peak_gbps * 1e9 / rec["kv_bytes_per_step_per_device"]
+    rec["x_link_bound"] = tok_s / rec["link_bound_tok_s"] if tok_s else None
+    split = rec.get("transport", {}).get("host_attention")
+    if split:  # Host attention: the link moves (1 - f) of the streamed bytes; not comparable to a plain overlap.
+      rec["delivered_fraction"] = 1 - split["fraction"]
+      rec["overlap_ratio"] = None
+      rec["link_efficiency"] = (1 - split["fraction"]) * rec["link_efficiency"] if rec["link_efficiency"] else None
     plan = rec.get("transport", {}).get("residency")
     if plan and compute_ms:  # Residency planner: the streamed share of the KV against the model.
       share = plan["streamed_layers"] / (plan["streamed_layers"] + plan["resident_layers"])
@@ -353,10 +377,11 @@ def _summarize(cell: dict, peak_gbps: float, tensor: int) -> None:
       if ms:
         rec["overlap_ratio"] = ms / rec["predicted_ms_per_step"]
         rec["link_efficiency"] = rec["streamed_bytes_per_step_per_device"] / (ms * 1e-3) / (peak_gbps * 1e9)
-  # Arms of one KV dtype must agree bit for bit; arms of different KV dtypes may differ.
+  # Arms of one KV dtype must agree bit for bit; arms of different KV dtypes may differ, and so may host attention
+  # arms (another summation order: docs/design.md).
   hashes: dict[str, set] = {}
   for n, r in arms.items():
-    if n != PEER_ARM:
+    if n != PEER_ARM and parse_arm(n).host_attention is None:
       hashes.setdefault(r["kv_dtype"], set()).update(s["tokens_sha256"] for s in r["samples"])
   seen = [h for h in hashes.values() if h]
   cell["tokens_match_across_arms"] = all(len(h) == 1 for h in seen) if seen else None

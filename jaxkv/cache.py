@@ -14,10 +14,11 @@ E and the dtype follow kv.dtype (jaxkv.kv_quant.KVFormat): E = head_dim values o
 float8_e4m3fn head_dim quantized bytes followed by their float16 scales, all in one uint8 array, so that a
 layer's window is still ONE array (one transfer). Zero bytes decode to zeros in every format.
 
-With kv.host_attention_fraction f > 0 (placement "host"), a streamed layer's window of W rows is stored as two
-pinned_host arrays split at r1 = split_row(W) = floor(f W / P) P: head[l] [2, B, K, r1, E] rows [0, r1), attended on
-the host CPU during decode (jaxkv.host_attention), and window[l] [2, B, K, W - r1, E] rows [r1, W) (the tail), the
-only rows delivered. head[l] is None while r1 = 0.
+With kv.host_attention (placement "host" or "auto"), a streamed layer's window of W rows is stored as two pinned_host
+arrays split at r1 = split_row(W) = floor(f W / P) P, f = host_split.fraction (jaxkv.host_split: measured or the
+override): head[l] [2, B, K, r1, E] rows [0, r1), attended on the host CPU during decode (jaxkv.host_attention), and
+window[l] [2, B, K, W - r1, E] rows [r1, W) (the tail), the only rows delivered. head[l] is None while r1 = 0, and
+always for resident layers.
 
 Row r of sequence b is valid when start[b] <= r < end. A decode step writes row `end` into the open page
 (on device); when the open page is full, `grow` appends it to the window, which is stored back in its
@@ -27,6 +28,7 @@ so every delivery mode feeds the same compiled layer function the same values.
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import distributed
+from jaxkv import host_split as host_split_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv.config import KVConfig, ModelConfig
@@ -64,8 +67,12 @@ def split_prefilled(window, chunk, *, w_rows: int, block: int):
 
 @functools.lru_cache(maxsize=None)
 def _split_fn(sharding: jax.sharding.Sharding):
-  """Jitted (window [2, B, K, W, E], r1) -> (rows [0, r1), rows [r1, W)), both in `sharding` (device memory)."""
   return jax.jit(lambda w, r1: (w[:, :, :, :r1], w[:, :, :, r1:]), static_argnums=1, out_shardings=(sharding,) * 2)
+
+
+def split_rows(window: jax.Array, r1: int, sharding: jax.sharding.Sharding) -> tuple[jax.Array, jax.Array]:
+  """window [2, B, K, W, E] on the devices -> (rows [0, r1), rows [r1, W)), both in `sharding` (device memory)."""
+  return _split_fn(sharding)(window, r1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,6 +108,17 @@ class KVCache:
       self.streamed = (kv.placement == "host",) * model.num_layers  # streamed[l]: window l in pinned host memory.
     if any(self.streamed):
       check_pinned_pool(self.host_bytes_per_process(), model, self.format, batch, self.rows_bound())
+    self.host_split: host_split_lib.Split | None = None  # With kv.host_attention: the host's share.
+    # With host attention, seconds the dispatching thread spent per part of the split layers (jaxkv.engine).
+    self.host_times: collections.Counter = collections.Counter()
+    if kv.host_attention and any(self.streamed):
+      self.host_split = host_split_lib.split(
+          kv.host_attention_fraction,
+          self.host_sharding,
+          self.device_sharding,
+          self.format,
+          model.num_heads // model.num_kv_heads,
+      )
     self.windows: list[jax.Array | None] = [None] * model.num_layers
     self.heads: list[jax.Array | None] = [None] * model.num_layers  # Host-attended rows [0, r1); see above.
     self.opens: list[jax.Array | None] = [None] * model.num_layers
@@ -128,14 +146,16 @@ class KVCache:
       self.windows[layer] = window_device
       return 0
     r1 = self.split_row(window_device.shape[3])
-    head, tail = _split_fn(self.device_shardings[layer])(window_device, r1) if r1 else (None, window_device)
+    head, tail = split_rows(window_device, r1, self.device_shardings[layer]) if r1 else (None, window_device)
     self.heads[layer] = None if head is None else distributed.move(head, self.host_shardings[layer])
     self.windows[layer] = distributed.move(tail, self.host_shardings[layer])
     return window_device.nbytes
 
   def split_row(self, rows: int) -> int:
     """r1 for a window of `rows` rows: floor(f rows / P) P (0 with host attention off)."""
-    return int(self.kv.host_attention_fraction * rows) // self.block * self.block
+    if self.host_split is None:
+      return 0
+    return int(self.host_split.fraction * rows) // self.block * self.block
 
   def head_rows(self, layer: int) -> int:
     return 0 if self.heads[layer] is None else self.heads[layer].shape[3]

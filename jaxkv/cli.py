@@ -63,11 +63,17 @@ KV_DEVICE_BUDGET = flags.DEFINE_float(
     None,
     "With --kv_placement=auto: device memory per device for the KV, GiB (default: the free device memory).",
 )
-KV_HOST_ATTENTION = flags.DEFINE_float(
+KV_HOST_ATTENTION = flags.DEFINE_bool(
+    "kv_host_attention",
+    None,
+    "With --kv_placement=host or auto: attend a share of each streamed window on the host CPU during decode and "
+    "deliver only the rest (not bit-identical to the other modes).",
+)
+KV_HOST_ATTENTION_FRACTION = flags.DEFINE_float(
     "kv_host_attention_fraction",
     None,
-    "With --kv_placement=host: fraction of each layer's full-block rows attended on the host CPU during decode "
-    "(0 = off; < 1).",
+    "With --kv_host_attention: the host's share of each window's full-block rows, in (0, 1) (default: chosen from "
+    "the CPU and link rates measured at start).",
 )
 SPLIT_MODE = flags.DEFINE_enum(
     "split_mode",
@@ -92,7 +98,8 @@ _KV_FLAGS = {
     "transport_debug": KV_DEBUG,
     "dtype": KV_DTYPE,
     "device_budget_gib": KV_DEVICE_BUDGET,
-    "host_attention_fraction": KV_HOST_ATTENTION,
+    "host_attention": KV_HOST_ATTENTION,
+    "host_attention_fraction": KV_HOST_ATTENTION_FRACTION,
 }
 
 

@@ -84,9 +84,11 @@ class KVConfig:
     "float8_e4m3fn" (one scale per head row); jaxkv.kv_quant has the packed layout.
   device_budget_gib: with placement "auto", the device memory per device the KV may take (None = from the free
     device memory; jaxkv.residency).
-  host_attention_fraction: 0 = off; f in (0, 1) with placement "host": rows [0, floor(f W / block) block) of each
-    layer's window of W rows are attended on the host CPU during decode and only the rest is delivered
-    (jaxkv.host_attention, docs/design.md).
+  host_attention: with placement "host" or "auto", each streamed layer's window of W rows is split at
+    r1 = floor(f W / block) block: rows [0, r1) are attended on the host CPU during decode, in place, and only the
+    rest is delivered (jaxkv.host_attention, docs/design.md). Not bit-identical to the other modes.
+  host_attention_fraction: the host's share f: 0 = chosen from the CPU and link rates measured at start
+    (jaxkv.host_split); f in (0, 1) overrides it.
   """
 
   placement: str = "device"
@@ -97,6 +99,7 @@ class KVConfig:
   transport_debug: int = 0
   dtype: str = "model"
   device_budget_gib: float | None = None
+  host_attention: bool = False
   host_attention_fraction: float = 0.0
 
   def __post_init__(self):
@@ -115,11 +118,13 @@ class KVConfig:
       raise ValueError(f"kv.device_budget_gib must be >= 0 (or unset for automatic), got {self.device_budget_gib}")
     if not 0.0 <= self.host_attention_fraction < 1.0:
       raise ValueError(f"kv.host_attention_fraction must be in [0, 1), got {self.host_attention_fraction}")
-    if self.host_attention_fraction and self.placement != "host":
+    if self.host_attention_fraction and not self.host_attention:
       raise ValueError(
-          f"kv.host_attention_fraction {self.host_attention_fraction} needs kv.placement host (the host attends rows "
-          f"it holds), got {self.placement!r}"
+          f"kv.host_attention_fraction {self.host_attention_fraction} is the host's share with kv.host_attention; "
+          "set kv.host_attention too"
       )
+    if self.host_attention and self.placement == "device":
+      raise ValueError("kv.host_attention needs kv.placement host or auto (the host attends rows it holds)")
 
 
 def check_kv_dtype(kv_dtype: str, head_dim: int | None = None) -> None:

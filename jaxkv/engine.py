@@ -69,7 +69,8 @@ class _Fns:
   embed: object
   last_row: object
   query: object
-  attend_split: object
+  tail_partial: object
+  merge: object
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,7 +78,8 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
   """The jitted per-layer functions, shared by every engine (and delivery mode) on one mesh and KV dtype."""
   rep = mesh_lib.replicated(mesh)
   kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
-  heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None))  # q and the host's partial.
+  heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None))  # q and the partials' o.
+  lse_heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None))  # The partials' lse.
   fmt = KVFormat.of(cfg, kv_dtype)
 
   def prefill(p, x, window, meta):
@@ -89,10 +91,11 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
   def query(p, x, open_page, meta):
     return model.decode_query(p, x, open_page, meta[:-3], meta[-3], cfg=cfg, kv_format=fmt)
 
-  def attend_split(p, x, q, tail, open_page, host_o, host_lse, meta):
-    return model.decode_attend_split(
-        p, x, q, tail, open_page, host_o, host_lse, meta[:-3], meta[-3], cfg=cfg, kv_format=fmt
-    )
+  def tail_partial(q, tail, open_page, meta):
+    return model.decode_tail_partial(q, tail, open_page, meta[:-3], meta[-3], kv_format=fmt)
+
+  def merge(p, x, o, lse, host_o, host_lse):
+    return model.decode_merge(p, x, o, lse, host_o, host_lse, cfg=cfg)
 
   def flush(window, open_page):
     return cache_lib.grow(window, open_page), jnp.zeros_like(open_page)
@@ -115,7 +118,8 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
       embed=jax.jit(model.embed, out_shardings=rep),
       last_row=jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), out_shardings=rep),
       query=jax.jit(query, out_shardings=(heads, kv), donate_argnums=(2,)),
-      attend_split=jax.jit(attend_split, out_shardings=rep),
+      tail_partial=jax.jit(tail_partial, out_shardings=(heads, lse_heads)),
+      merge=jax.jit(merge, out_shardings=rep),
   )
 
 
@@ -252,21 +256,23 @@ class Engine:
     block, layers, stage_of = self.config.kv.block, self.params["layers"], self.layout.stage_of
     full = end - cache.rows == block - 1
     metas = self.to_stages(meta)
-    split = self.config.kv.host_attention_fraction > 0
+    split = cache.host_split is not None
     start = np.asarray(meta.addressable_data(0))[:-3] if split else None  # i32[B], for the host's mask.
+    if split:
+      cache.host_times["steps"] += 1
     d2h = 0
 
     def compute(l, window):
       nonlocal x, d2h
       shapes.add(("decode", 0 if window is None else window.shape[3]))
       fns = self.layer_fns(l)
-      if split:
+      if split and cache.streamed[l]:
         x = self._decode_split(cache, l, fns, self.to_layer(x, l), window, metas[stage_of[l]], start)
       else:
         x, cache.opens[l] = fns.decode(layers[l], self.to_layer(x, l), window, cache.opens[l], metas[stage_of[l]])
       if full:
         grown, cache.opens[l] = fns.flush(window, cache.opens[l])
-        d2h += cache.store_tail(l, grown) if split else cache.store(l, grown)
+        d2h += cache.store_tail(l, grown) if split and cache.streamed[l] else cache.store(l, grown)
 
     transport.run_pass(compute, next_pass=next_pass)
     if full:
@@ -274,20 +280,37 @@ class Engine:
     return x, d2h
 
   def _decode_split(self, cache, l, fns, x, tail, meta, start) -> jax.Array:
-    """Layer l with rows [0, r1) (cache.heads[l]) attended on the host CPU, synchronously, and the tail [r1, W)
-    (delivered) and the open page on the devices; x [B, D] -> x [B, D]."""
-    q, cache.opens[l] = fns.query(self.params["layers"][l], x, cache.opens[l], meta)  # q f32[B, K, G, Dh].
+    """Layer l with rows [0, r1) (cache.heads[l]) attended on the host CPU by this thread and the tail [r1, W)
+    (delivered) and the open page on the devices; x [B, D] -> x [B, D].
+
+    The query's copy to the host starts as soon as it is computed, and the device's partial is dispatched before
+    this thread waits for the query, so the devices attend the tail while the CPU attends the head; the feeder keeps
+    issuing the next layers' deliveries meanwhile. The merge and the rest of the layer need both partials.
+    (docs/design.md: why on this thread and not in a device callback.)"""
+    p = self.params["layers"][l]
+    times, t0 = cache.host_times, time.perf_counter()
+    q, cache.opens[l] = fns.query(p, x, cache.opens[l], meta)  # q f32[B, K, G, Dh].
+    q.copy_to_host_async()
+    o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
+    t1 = time.perf_counter()
     r1 = cache.head_rows(l)
     if r1:
       q_host = np.zeros(q.shape, np.float32)  # This process's heads; attend_array reads only those.
       for shard in q.addressable_shards:
         q_host[shard.index] = np.asarray(shard.data)
-      o, lse = host_attention.attend_array(cache.heads[l], q_host, start, 0, r1, cache.format)
+      t2 = time.perf_counter()
+      host_o, host_lse = host_attention.attend_array(
+          cache.heads[l], q_host, start, 0, r1, cache.format, threads=host_attention.ENGINE_THREADS
+      )
     else:
-      o, lse = np.zeros(q.shape, np.float32), np.full(q.shape[:3], -np.inf, np.float32)
-    o = distributed.put_host(o, q.sharding)  # f32[B, K, G, Dh] and f32[B, K, G], heads on the tensor axis.
-    lse = distributed.put_host(lse, mesh_lib.sharding(q.sharding.mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None)))
-    return fns.attend_split(self.params["layers"][l], x, q, tail, cache.opens[l], o, lse, meta)
+      t2 = time.perf_counter()
+      host_o, host_lse = np.zeros(q.shape, np.float32), np.full(q.shape[:3], -np.inf, np.float32)
+    t3 = time.perf_counter()
+    host_o = distributed.put_host(host_o, q.sharding)  # f32[B, K, G, Dh] and f32[B, K, G], heads on the tensor axis.
+    host_lse = distributed.put_host(host_lse, lse.sharding)
+    x = fns.merge(p, x, o, lse, host_o, host_lse)
+    times.update(dispatch=t1 - t0, wait_query=t2 - t1, kernel=t3 - t2, hand_back=time.perf_counter() - t3)
+    return x
 
   def prefill_prompts(self, cache, transport, prompts, seed, *, next_pass, shapes, counters):
     """Prefills a batch of prompts right-aligned into a fresh cache (window, open page and cache.rows);
@@ -349,6 +372,8 @@ class Engine:
       finished = self._take(rec, pending.popleft(), on_step, cache)
     t_end = time.perf_counter()
     telemetry = dict(transport.summary(), compiled_shapes=len(shapes), **rec.totals())
+    if cache.host_split is not None:
+      telemetry["host_attention"] = dict(telemetry["host_attention"], **host_thread_ms(cache.host_times))
     if cfg.kv.transport_debug >= 1:
       telemetry["steps"] = rec.steps
     if cfg.kv.transport_debug >= 2:
@@ -365,6 +390,14 @@ class Engine:
     if on_step is not None:
       on_step(step, cache)
     return done
+
+
+def host_thread_ms(times: collections.Counter) -> dict:
+  """Host attention: the dispatching thread's ms per decode step in each part of the split layers: dispatching
+  the query and the tail's partial (it waits for the tail's delivery), waiting for the query, the kernel, and
+  handing the partials back (the puts and the merge's dispatch)."""
+  steps = max(times["steps"], 1)
+  return {f"{k}_ms_per_step": 1e3 * times[k] / steps for k in ("dispatch", "wait_query", "kernel", "hand_back")}
 
 
 def add_by_device(total: dict, c: dict) -> None:

@@ -262,13 +262,14 @@ def _query_and_write(p, x, open_page, start, end, page_row, cfg: ModelConfig, fm
 
 
 # Split attention: rows [0, r1) of a layer's window are attended on the host (jaxkv.host_attention), rows [r1, W)
-# (the tail, delivered) and the open page on the device, and the two softmax partials are merged. A layer is then two
-# functions: decode_query (the query, handed to the host, and the new row) and decode_attend_split (the device's
-# partial, the merge, the rest of the layer). Not bit-identical to decode_layer: the rows are summed in another order.
+# (the tail, delivered) and the open page on the device, and the two softmax partials are merged. A layer is then three
+# functions: decode_query (the query, handed to the host, and the new row), decode_tail_partial (the device's partial,
+# dispatched before the host's starts, so the two run side by side) and decode_merge (the merge and the rest of the
+# layer). Not bit-identical to decode_layer: the rows are summed in another order.
 
 
 def decode_query(p, x, open_page, start, end, *, cfg: ModelConfig, kv_format: KVFormat | None = None):
-  """The first half of a split layer: its query and the new row.
+  """The first part of a split layer: its query and the new row.
 
   x [B, D]; open_page stored [2, B, K, P, E] rows [W, W + P); start i32[B]; end i32[] with W <= end < W + P and W a
   multiple of P, so the new row goes to page row end % P (no window argument: this function compiles once).
@@ -309,22 +310,24 @@ def merge_partials(o1, lse1, o2, lse2):
   return (w1[..., None] * o1 + w2[..., None] * o2) / total[..., None], m + jnp.log(total)
 
 
-def decode_attend_split(
-    p, x, q, tail, open_page, host_o, host_lse, start, end, *, cfg: ModelConfig, kv_format: KVFormat | None = None
-):
-  """The second half of a split layer: attention over the device's rows, merged with the host's, then the MLP.
+def decode_tail_partial(q, tail, open_page, start, end, *, kv_format: KVFormat):
+  """The device's partial of a split layer: attention over the delivered tail and the open page.
 
-  x [B, D]; q f32[B, K, G, Dh] from decode_query; tail stored [2, B, K, T, E] rows [W - T, W), or None while T = 0;
-  open_page stored [2, B, K, P, E] rows [W, W + P), the new row written; host_o f32[B, K, G, Dh] and host_lse
-  f32[B, K, G]: the host's partial over rows [0, W - T) (jaxkv.host_attention; o = 0, lse = -inf where no row was
-  valid); start i32[B]; end i32[], W = end - end % P. Returns x [B, D].
+  q f32[B, K, G, Dh] from decode_query; tail stored [2, B, K, T, E] rows [W - T, W), or None while T = 0; open_page
+  stored [2, B, K, P, E] rows [W, W + P), the new row written; start i32[B]; end i32[], W = end - end % P.
+  Returns o f32[B, K, G, Dh] and lse f32[B, K, G] (partial_attention).
   """
-  fmt = kv_format or KVFormat.of(cfg)
   t_rows, page = (0 if tail is None else tail.shape[3]), open_page.shape[3]
-  kv = fmt.unpack(open_page if tail is None else jnp.concatenate([tail, open_page], axis=3))
+  kv = kv_format.unpack(open_page if tail is None else jnp.concatenate([tail, open_page], axis=3))
   key_rows = end - end % page - t_rows + jnp.arange(t_rows + page, dtype=jnp.int32)
   mask = (key_rows[None, :] >= start[:, None]) & (key_rows[None, :] <= end)  # [B, T + P]; row `end` is valid.
-  o, lse = partial_attention(q.astype(x.dtype), kv, mask)
+  return partial_attention(q.astype(kv.dtype), kv, mask)
+
+
+def decode_merge(p, x, o, lse, host_o, host_lse, *, cfg: ModelConfig):
+  """The end of a split layer: the device's partial (o, lse) merged with the host's (host_o f32[B, K, G, Dh],
+  host_lse f32[B, K, G] over rows [0, W - T); o = 0, lse = -inf where no row was valid), then the rest of the
+  layer. x [B, D] -> x [B, D]."""
   o, _ = merge_partials(host_o, host_lse, o, lse)
   b, k, g, dh = o.shape
   return attn_out_and_mlp(p, x[:, None, :], o.reshape(b, 1, k * g, dh).astype(x.dtype), cfg)[:, 0, :]

@@ -146,8 +146,6 @@ class Server:
   def __init__(self, engine: engine_lib.Engine, parallel: int):
     if parallel < 1:
       raise ValueError(f"parallel must be >= 1, got {parallel}")
-    if engine.config.kv.host_attention_fraction:
-      raise ValueError("kv.host_attention_fraction is not supported with slots (--sequences) yet")
     self.engine, self.parallel = engine, parallel
     cfg = engine.config
     self.fns = _slot_functions(cfg.model, engine.layout.last, cfg.sampling)  # The head's stage.
@@ -273,7 +271,7 @@ class _Run:
         transport.drop()  # Deliveries issued for the next step hold slot b's old rows.
         # The windows are overwritten in place below: no copy of the last step may still read them, and no
         # store may still write them (x depends on every delivery that step consumed).
-        jax.block_until_ready((x, cache.windows))
+        jax.block_until_ready((x, cache.windows, cache.heads))
         x, meta, keys, entry = self._insert(cache, x, meta, keys, b, r, end, step, epoch)
         slots[b] = _Slot(r, end + req.max_new_tokens - 2)
         self.where[r] = (b, epoch, end - len(req.prompt))
@@ -323,6 +321,10 @@ class _Run:
     def finish(l, head, open_page):
       if head is not None:
         insert = layer_fns[l].insert_host if cache.streamed[l] else layer_fns[l].insert_device
+        r1 = cache.head_rows(l)  # Host attention: rows [0, r1) go to the layer's head, the rest to its tail.
+        if r1:
+          host_rows, head = cache_lib.split_rows(head, r1, cache.device_shardings[l])
+          cache.heads[l] = insert(cache.heads[l], host_rows, b)
         cache.windows[l] = insert(cache.windows[l], head, b)
       cache.opens[l] = layer_fns[l].insert_device(cache.opens[l], open_page, b)
       return 0

@@ -251,4 +251,5 @@ class Transport:
         ring_bytes_per_device_configured=ring,
         fallback_reason=c.fallback_reason,
         **({"residency": self.cache.plan.summary()} if self.cache.plan else {}),
+        **({"host_attention": self.cache.host_split.summary()} if self.cache.host_split else {}),
     )

@@ -9,6 +9,7 @@ import functools
 import jax
 
 from experiments import tiny
+from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import mesh as mesh_lib
@@ -47,6 +48,7 @@ def engine(
     budget_mib=0,
     debug=0,
     kv_dtype="model",
+    host_attention=False,
     host_attention_fraction=0.0,
     cfg: config_lib.Config | None = None,
 ) -> engine_lib.Engine:
@@ -61,6 +63,7 @@ def engine(
       budget_mib=budget_mib,
       transport_debug=debug,
       dtype=kv_dtype,
+      host_attention=host_attention,
       host_attention_fraction=host_attention_fraction,
   )
   eng = dataclasses.replace(
@@ -75,3 +78,16 @@ def prompts(lengths, seed=0, vocab=256):
 
   rng = np.random.default_rng(seed)
   return [rng.integers(0, vocab, size=n).tolist() for n in lengths]
+
+
+def with_kv(eng, **fields):
+  """The same engine (weights, mesh) with these kv fields replaced."""
+  kv = dataclasses.replace(eng.config.kv, **fields)
+  return type(eng)(dataclasses.replace(eng.config, kv=kv), eng.mesh, eng.params, eng.layout)
+
+
+def layer_bytes(eng, batch: int) -> int:
+  """Bytes per device of one layer's KV at the engine's capacity for `batch` sequences (the planner's unit)."""
+  kv = dataclasses.replace(eng.config.kv, placement="device", host_attention=False, host_attention_fraction=0.0)
+  probe = cache_lib.KVCache(eng.config.model, kv, eng.mesh, batch, eng.config.engine.capacity)
+  return probe.row_bytes(mesh_lib.tensor_size(eng.mesh)) * probe.rows_bound()

@@ -11,7 +11,7 @@ from jaxkv import cache as cache_lib
 from jaxkv import peer_hf
 from jaxkv.config import from_config_dict
 
-ARMS = ("device", "host_d0", "host_d1", "host_d2", "host_d4", "host_d2_int8")
+ARMS = ("device", "host_d0", "host_d1", "host_d2", "host_d4", "host_d2_int8", "host_d1_ha")
 INT8_ROW, F32_ROW = 32 + 32 // 32 * 2, 32 * 4  # Bytes per head row at head_dim 32: int8 + f16 scales; f32.
 ROUNDS = 2
 TOP_FIELDS = {"command", "hardware", "config", "spec", "tensor", "h2d_peak", "peer", "cells", "plot"}
@@ -46,6 +46,8 @@ ARM_FIELDS = {
     "ring_bytes_per_device_configured",
     "kv_dtype",
     "kv_bytes_per_step_per_device",
+    "link_bound_tok_s",
+    "x_link_bound",
 }
 SAMPLE_FIELDS = {
     "round",
@@ -118,11 +120,14 @@ def test_each_arm_has_numbers(bench):
       assert len(a["samples"]) == ROUNDS and all(SAMPLE_FIELDS <= set(s) for s in a["samples"])
       assert all(s["decode_steps"] == 7 for s in a["samples"])
       assert 0 < a["tok_s"]["min"] <= a["tok_s"]["median"] <= a["tok_s"]["max"]
-      assert a["ms_per_step"]["median"] > 0 and a["gain_vs_ordered"] > 0 and a["overlap_ratio"] > 0
+      assert a["ms_per_step"]["median"] > 0 and a["gain_vs_ordered"] > 0 and a["x_link_bound"] > 0
+      assert (a["overlap_ratio"] is None) == name.endswith("_ha")  # Host attention: no plain overlap bound.
       assert (a["link_efficiency"] is None) == (name == "device")
       assert a["kv_dtype"] == ("int8" if name.endswith("_int8") else "model")
       assert (a["ring_bytes_per_device_configured"] > 0) == (name != "device")
     assert cell["arms"]["host_d0"]["gain_vs_ordered"] == 1.0
+    split = cell["arms"]["host_d1_ha"]["transport"]["host_attention"]
+    assert split["source"] == "measured" and cell["arms"]["host_d1_ha"]["delivered_fraction"] == 1 - split["fraction"]
     peer = cell["arms"][benchmark.PEER_ARM]
     assert peer["status"] == "skipped" and "cpu" in peer["reason"] and not peer["samples"]
 
@@ -156,6 +161,7 @@ def test_markdown_and_plot(bench):
     assert f"| 40 | 2 | {name} |" in md
   assert f"| 16 | 2 | {benchmark.PEER_ARM} | 0.2 | skipped" in md  # KV MiB/step/device, then the reason.
   assert "| 40 | 2 | int8 | 40 |" in md  # The int8 arm's transfer ceilings.
+  assert "| 40 | 2 | host_d1_ha | " in md.split("## Host attention")[1]
   if out["plot"]["status"] == "ok":
     with open(paths["png"], "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -184,12 +190,16 @@ def test_skip_reason():
 
 
 def test_arm_names():
-  assert benchmark.parse_arm("device") == ("device", None, None)
-  assert benchmark.parse_arm("host_d4") == ("host", 4, None)
-  assert benchmark.parse_arm("host_d2_int8") == ("host", 2, "int8")
-  assert benchmark.parse_arm("device_float8_e4m3fn") == ("device", None, "float8_e4m3fn")
-  assert benchmark.parse_arm("host_d0_bfloat16") == ("host", 0, "bfloat16")
-  for bad in ("host", "host_d", "device_d1", "hf_offloaded", "host_d2_int4", "host_d2_model", "host_d2int8"):
+  arm = benchmark.ArmSpec
+  assert benchmark.parse_arm("device") == arm("device")
+  assert benchmark.parse_arm("host_d4") == arm("host", 4)
+  assert benchmark.parse_arm("host_d2_int8") == arm("host", 2, "int8")
+  assert benchmark.parse_arm("device_float8_e4m3fn") == arm("device", None, "float8_e4m3fn")
+  assert benchmark.parse_arm("host_d0_bfloat16") == arm("host", 0, "bfloat16")
+  assert benchmark.parse_arm("host_d2_ha") == arm("host", 2, None, 0.0)
+  assert benchmark.parse_arm("auto_d1_int8_ha35") == arm("auto", 1, "int8", 0.35)
+  bad_names = ("host", "host_d", "device_d1", "hf_offloaded", "host_d2_int4", "host_d2_model", "host_d2int8")
+  for bad in bad_names + ("device_ha", "host_d2_ha00", "host_d2_ha5", "host_d2_ha_int8"):
     with pytest.raises(ValueError):
       benchmark.parse_arm(bad)
   cfg = from_config_dict(tiny.get_config())  # head_dim 16: int8 does not fit, before any work.

@@ -153,21 +153,23 @@ def test_merge_of_partials_equals_single_pass():
 @functools.lru_cache(maxsize=None)
 def split_fns(cfg, fmt):
   query_fn = jax.jit(functools.partial(model.decode_query, cfg=cfg, kv_format=fmt))
-  attend_fn = jax.jit(functools.partial(model.decode_attend_split, cfg=cfg, kv_format=fmt))
-  return query_fn, attend_fn
+  tail_fn = jax.jit(functools.partial(model.decode_tail_partial, kv_format=fmt))
+  merge_fn = jax.jit(functools.partial(model.decode_merge, cfg=cfg))
+  return query_fn, tail_fn, merge_fn
 
 
 def split_layer(p, x, window, open_page, start, end, r1, cfg, fmt):
   """One layer with rows [0, r1) of the window attended on the host: the data path of --kv_host_attention."""
-  query_fn, attend_fn = split_fns(cfg, fmt)
+  query_fn, tail_fn, merge_fn = split_fns(cfg, fmt)
   q, open_page = query_fn(p, x, open_page, start, end)
   host = np.asarray(window) if window is not None else None
   if r1:
-    o, lse = host_attention.attend(host, np.asarray(q), np.asarray(start), 0, r1, fmt)
+    host_o, host_lse = host_attention.attend(host, np.asarray(q), np.asarray(start), 0, r1, fmt)
   else:
-    o, lse = np.zeros(q.shape, np.float32), np.full(q.shape[:3], -np.inf, np.float32)
+    host_o, host_lse = np.zeros(q.shape, np.float32), np.full(q.shape[:3], -np.inf, np.float32)
   tail = None if window is None or r1 == window.shape[3] else window[:, :, :, r1:]
-  return attend_fn(p, x, q, tail, open_page, o, lse, start, end), open_page
+  o, lse = tail_fn(q, tail, open_page, start, end)
+  return merge_fn(p, x, o, lse, host_o, host_lse), open_page
 
 
 @pytest.mark.parametrize("r1", [0, 8, 19, 24])

@@ -1,4 +1,4 @@
-"""The engine with kv.host_attention_fraction: rows [0, r1) of every window attended on the host CPU during decode.
+"""The engine with kv.host_attention: rows [0, r1) of every streamed window attended on the host CPU during decode.
 
 Greedy tokens equal the device placement's; logits agree to 1e-5 (the tiny model is f32 and its logits are of
 magnitude <= ~4: the split sums each softmax in another order, host blocks of 256 rows merged by exp(lse - max),
@@ -13,11 +13,17 @@ import numpy as np
 import pytest
 
 from jaxkv import config as config_lib
+from jaxkv import host_split
 from jaxkv import serving
 
 PROMPTS = helpers.prompts((40, 33, 17, 1))  # Windows of 40..56 rows (block 8): splits at 16 and 24 with f = 0.5.
 NEW = 20
 FRACTION = 0.5
+
+
+def split_engine(tensor, **kw):
+  kw = dict(placement="host", depth=1, host_attention=True, host_attention_fraction=FRACTION) | kw
+  return helpers.engine(tensor, **kw)
 
 
 def decode_h2d(result):
@@ -28,15 +34,19 @@ def decode_h2d(result):
 @pytest.mark.parametrize("tensor, depth", [(1, 0), (2, 1), (2, 2), (4, 2)])
 def test_split_decoding_matches_the_device_placement(tensor, depth):
   want = helpers.engine(tensor).generate(PROMPTS, NEW, keep_logits=True)
-  got = helpers.engine(tensor, placement="host", depth=depth, host_attention_fraction=FRACTION)
-  got = got.generate(PROMPTS, NEW, keep_logits=True)
+  got = split_engine(tensor, depth=depth).generate(PROMPTS, NEW, keep_logits=True)
   assert got.tokens == want.tokens
   np.testing.assert_allclose(got.logits, want.logits, rtol=0, atol=1e-5)
+  split = got.transport["host_attention"]
+  assert {k: split[k] for k in ("fraction", "source", "cpu_gbps", "link_gbps")} == dict(
+      fraction=FRACTION, source="override", cpu_gbps=None, link_gbps=None
+  )
+  parts = ("dispatch", "wait_query", "kernel", "hand_back")
+  assert all(split[f"{p}_ms_per_step"] > 0 for p in parts), split  # The dispatching thread's time, per part.
 
 
 def test_split_decoding_is_deterministic_and_delivers_the_tails():
-  split = lambda: helpers.engine(1, placement="host", depth=1, debug=1, host_attention_fraction=FRACTION)
-  a, b = split().generate(PROMPTS, NEW), split().generate(PROMPTS, NEW)
+  a, b = split_engine(1, debug=1).generate(PROMPTS, NEW), split_engine(1, debug=1).generate(PROMPTS, NEW)
   assert a.logits_sha256 == b.logits_sha256 and a.tokens == b.tokens
   plain = helpers.engine(1, placement="host", depth=1, debug=1).generate(PROMPTS, NEW)
   assert plain.tokens == a.tokens
@@ -45,13 +55,49 @@ def test_split_decoding_is_deterministic_and_delivers_the_tails():
   assert FRACTION - 0.1 < saved <= FRACTION, saved
 
 
+def test_the_split_is_chosen_from_rates_measured_together():
+  assert host_split.choose(40.0, 50.0) == pytest.approx(40 / 90)
+  assert host_split.choose(1000.0, 1.0) == host_split.MAX_FRACTION
+  with pytest.raises(ValueError, match="must be positive"):
+    host_split.choose(0.0, 50.0)
+  res = split_engine(2, host_attention_fraction=0.0).generate(PROMPTS, NEW)
+  split = res.transport["host_attention"]
+  assert split["source"] == "measured" and split["cpu_gbps"] > 0 and split["link_gbps"] > 0
+  assert split["fraction"] == host_split.choose(split["cpu_gbps"], 2 * split["link_gbps"])  # Two links, in parallel.
+  assert res.tokens == helpers.engine(2).generate(PROMPTS, NEW).tokens
+
+
+def test_auto_placement_splits_only_the_streamed_layers():
+  want = helpers.engine(2).generate(PROMPTS, NEW)
+  streamed = helpers.engine(2, placement="auto", depth=1, debug=1)
+  # A budget of 0 keeps every layer streamed...
+  auto = lambda **kw: helpers.with_kv(streamed, device_budget_gib=0.0, **kw).generate(PROMPTS, NEW)
+  plain, split = auto(), auto(host_attention=True, host_attention_fraction=FRACTION)
+  assert split.tokens == want.tokens and split.transport["residency"]["resident_layers"] == 0
+  assert decode_h2d(split) < 0.6 * decode_h2d(plain)
+  # ... and with 3.5 layers' worth, 3 of 6 are resident: only the streamed half moves, split.
+  half = helpers.with_kv(streamed, device_budget_gib=helpers.layer_bytes(streamed, len(PROMPTS)) * 3.5 / 2**30)
+  plain_half = half.generate(PROMPTS, NEW)
+  split_half = helpers.with_kv(half, host_attention=True, host_attention_fraction=FRACTION).generate(PROMPTS, NEW)
+  assert split_half.transport["residency"]["resident_layers"] == 3 and split_half.tokens == want.tokens
+  assert decode_h2d(split_half) < 0.6 * decode_h2d(plain_half)
+
+
+def test_slots_serve_with_host_attention():
+  reqs = [serving.Request(tuple(p), n) for p, n in zip(helpers.prompts((5, 12, 20, 3, 9, 30)), (6, 3, 9, 4, 7, 5))]
+  want = serving.Server(helpers.engine(2), 2).serve(reqs)
+  got = serving.Server(split_engine(2), 2).serve(reqs)
+  assert got.transport["insertions"] >= 1
+  assert [r.tokens for r in got.results] == [r.tokens for r in want.results]
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [
-        (dict(placement="device", host_attention_fraction=0.5), "needs kv.placement host"),
-        (dict(placement="auto", host_attention_fraction=0.5), "needs kv.placement host"),
-        (dict(placement="host", host_attention_fraction=1.0), r"must be in \[0, 1\)"),
-        (dict(placement="host", host_attention_fraction=-0.1), r"must be in \[0, 1\)"),
+        (dict(placement="device", host_attention=True), "needs kv.placement host or auto"),
+        (dict(placement="host", host_attention_fraction=0.5), "set kv.host_attention too"),
+        (dict(placement="host", host_attention=True, host_attention_fraction=1.0), r"must be in \[0, 1\)"),
+        (dict(placement="host", host_attention=True, host_attention_fraction=-0.1), r"must be in \[0, 1\)"),
     ],
 )
 def test_bad_settings_are_refused(fields, message):
@@ -59,8 +105,3 @@ def test_bad_settings_are_refused(fields, message):
     dataclasses.replace(helpers.tiny_config().kv, **fields)
   with pytest.raises(ValueError, match=message):
     config_lib.KVConfig(**fields)
-
-
-def test_slots_refuse_the_mode():
-  with pytest.raises(ValueError, match="not supported with slots"):
-    serving.Server(helpers.engine(1, placement="host", host_attention_fraction=FRACTION), 2)

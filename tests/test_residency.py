@@ -1,7 +1,5 @@
 """The residency planner (kv.placement "auto"): resident and streamed layers, bit-identical output."""
 
-import dataclasses
-
 import helpers
 import jax
 import numpy as np
@@ -52,13 +50,8 @@ def test_device_budget_from_free_memory_or_the_override():
 def _auto(tensor, depth, layers):
   """An auto engine whose budget holds `layers` whole layers of the tiny model."""
   eng = helpers.engine(tensor, placement="auto", depth=depth)
-  from jaxkv import cache as cache_lib  # pylint: disable=g-import-not-at-top
-
-  kv = dataclasses.replace(eng.config.kv, placement="device")
-  probe = cache_lib.KVCache(eng.config.model, kv, eng.mesh, len(LENGTHS), eng.config.engine.capacity)
-  layer = probe.row_bytes(tensor) * probe.rows_bound()
-  kv = dataclasses.replace(eng.config.kv, device_budget_gib=(layers * layer + layer // 2) / 2**30)
-  return type(eng)(dataclasses.replace(eng.config, kv=kv), eng.mesh, eng.params), layer
+  layer = helpers.layer_bytes(eng, len(LENGTHS))
+  return helpers.with_kv(eng, device_budget_gib=(layers * layer + layer // 2) / 2**30), layer
 
 
 @pytest.mark.parametrize("tensor", [1, 2, 4])
