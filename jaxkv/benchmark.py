@@ -360,13 +360,10 @@ def _summarize(cell: dict, peak_gbps: float, tensor: int) -> None:
     rec["overlap_ratio"] = ms / bound_ms if ms and bound_ms else None
     rec["link_efficiency"] = moved / (ms * 1e-3) / (peak_gbps * 1e9) if ms and not is_device else None
     rec["ring_bytes_per_device_configured"] = rec.get("transport", {}).get("ring_bytes_per_device_configured")
-    rec["link_bound_tok_s"] = cell["batch"] * peak_gbps * 1e9 / rec["kv_bytes_per_step_per_device"]
-    rec["x_link_bound"] = tok_s / rec["link_bound_tok_s"] if tok_s else None
-    split = rec.get("transport", {}).get("host_attention")
-    if split:  # Host attention: the link moves (1 - f) of the streamed bytes; not comparable to a plain overlap.
-      rec["delivered_fraction"] = 1 - split["fraction"]
-      rec["overlap_ratio"] = None
-      rec["link_efficiency"] = (1 - split["fraction"]) * rec["link_efficiency"] if rec["link_efficiency"] else None
+    kv_bytes = rec["kv_bytes_per_step_per_device"]
+    rec["link_bound_tok_s"] = cell["batch"] * peak_gbps * 1e9 / kv_bytes if kv_bytes else None
+    bound = rec["link_bound_tok_s"]
+    rec["x_link_bound"] = tok_s / bound if tok_s and bound and not is_device else None
     plan = rec.get("transport", {}).get("residency")
     if plan and compute_ms:  # Residency planner: the streamed share of the KV against the model.
       share = plan["streamed_layers"] / (plan["streamed_layers"] + plan["resident_layers"])
@@ -377,6 +374,12 @@ def _summarize(cell: dict, peak_gbps: float, tensor: int) -> None:
       if ms:
         rec["overlap_ratio"] = ms / rec["predicted_ms_per_step"]
         rec["link_efficiency"] = rec["streamed_bytes_per_step_per_device"] / (ms * 1e-3) / (peak_gbps * 1e9)
+    split = rec.get("transport", {}).get("host_attention")
+    if split:  # Host attention: the link moves (1 - f) of the streamed bytes (a little more: r1 rounds down to a
+      # block); no plain overlap bound applies.
+      rec["delivered_fraction"] = 1 - split["fraction"]
+      rec["overlap_ratio"] = None
+      rec["link_efficiency"] = (1 - split["fraction"]) * rec["link_efficiency"] if rec["link_efficiency"] else None
   # Arms of one KV dtype must agree bit for bit; arms of different KV dtypes may differ, and so may host attention
   # arms (another summation order: docs/design.md).
   hashes: dict[str, set] = {}

@@ -64,7 +64,7 @@ def host_cache_filled(config: Config, mesh: jax.sharding.Mesh, batch: int, rows:
 
   Each layer gets its own host buffer, as in a real cache. Raises ValueError when the pinned pool is too small.
   """
-  kv = dataclasses.replace(config.kv, placement="host")
+  kv = dataclasses.replace(config.kv, placement="host", host_attention=False, host_attention_fraction=0.0)
   cache = KVCache(config.model, kv, mesh, batch, config.engine.capacity, layout)
   m = config.model
   shape = (2, batch, m.num_kv_heads, rows, cache.row_width)

@@ -8,20 +8,23 @@ f in place (jaxkv.host_attention). Both sides work at once, so a step is shortes
 where cpu is the kernel's rate over stored rows and link the pinned host -> device rate, both in bytes per second,
 measured TOGETHER (each slows the other: they share the host's memory). `measure` runs them side by side on one
 layer's worth of rows (SAMPLE_BYTES per device, zeros: the rate does not depend on the values), once per process and
-(shardings, format). The serial work of each layer (the query's round trip, the merge, the MLP) is not in the model:
-the measured f is an upper bound on the best one (docs/kv-transport-pipelining.md compares it with a sweep).
+(shardings, format); with several processes, process 0's rates decide for all. The serial work of each layer (the
+query's round trip, the merge, the MLP) is not in the model, so the measured f is an upper bound on the best one: on
+the H200 the best was f = 0, host attention off (docs/kv-transport-pipelining.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from jaxkv import distributed
 from jaxkv import host_attention
@@ -31,6 +34,7 @@ from jaxkv.kv_quant import KVFormat
 SAMPLE_BYTES = 64 * 2**20  # Stored rows per device to measure on: about one layer's window at long context.
 MAX_FRACTION = 0.95  # A share of rows is always delivered: the device also attends the open page.
 _KERNEL_RUNS = 3
+_MAX_COPIES = 16  # Copies in flight while measuring together: at most 1 GiB per device.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +110,9 @@ def measure(host: jax.sharding.NamedSharding, device: jax.sharding.NamedSharding
   # Best of a few runs each: a single run can land on a busy moment (seen on the H200 host: 3 GB/s once, 27 another).
   cpu_alone = min(seconds(attend) for _ in range(_KERNEL_RUNS))
   link_alone = min(seconds(lambda: jax.block_until_ready(stream(1))) for _ in range(_KERNEL_RUNS))
-  n = max(1, round(_KERNEL_RUNS * cpu_alone / link_alone))  # Enough copies in flight to cover the kernel's runs.
+  # More copies in flight than the kernel's runs take, so that the link's time is its own (it is read after the
+  # kernel's runs): biased low only where the cap cuts in.
+  n = min(_MAX_COPIES, math.ceil(_KERNEL_RUNS * cpu_alone / link_alone) + 1)
   runs = [together(n) for _ in range(2)]
   t_cpu, t_link = min(r[0] for r in runs), min(r[1] for r in runs)
   # The CPU reads every local head shard; each device's link carries its own share, all in parallel.
@@ -114,6 +120,8 @@ def measure(host: jax.sharding.NamedSharding, device: jax.sharding.NamedSharding
   window.delete()
   cpu_gbps = _KERNEL_RUNS * local * per_device / t_cpu / 1e9
   link_gbps = n * per_device / t_link / 1e9
+  if jax.process_count() > 1:  # Every process must split at the same rows: process 0's rates decide.
+    cpu_gbps, link_gbps = (float(v) for v in multihost_utils.broadcast_one_to_all(np.array([cpu_gbps, link_gbps])))
   fraction = choose(cpu_gbps, link_gbps * local)
   logging.info(
       "host attention split: f = %.3f from cpu %.1f GB/s and link %.1f GB/s per device x %d, measured together "

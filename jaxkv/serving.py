@@ -236,6 +236,10 @@ class _Run:
     finally:
       transport.close()
       self.summary = transport.summary()
+      if cache.host_split is not None:
+        self.summary["host_attention"] = dict(
+            self.summary["host_attention"], **engine_lib.host_thread_ms(cache.host_times)
+        )
 
   def _epoch(self, epoch, owners, prompts, cache, transport) -> None:
     eng, fns = self.engine, self.server.fns

@@ -120,7 +120,8 @@ def test_each_arm_has_numbers(bench):
       assert len(a["samples"]) == ROUNDS and all(SAMPLE_FIELDS <= set(s) for s in a["samples"])
       assert all(s["decode_steps"] == 7 for s in a["samples"])
       assert 0 < a["tok_s"]["min"] <= a["tok_s"]["median"] <= a["tok_s"]["max"]
-      assert a["ms_per_step"]["median"] > 0 and a["gain_vs_ordered"] > 0 and a["x_link_bound"] > 0
+      assert a["ms_per_step"]["median"] > 0 and a["gain_vs_ordered"] > 0
+      assert (a["x_link_bound"] is None) if name == "device" else a["x_link_bound"] > 0
       assert (a["overlap_ratio"] is None) == name.endswith("_ha")  # Host attention: no plain overlap bound.
       assert (a["link_efficiency"] is None) == (name == "device")
       assert a["kv_dtype"] == ("int8" if name.endswith("_int8") else "model")

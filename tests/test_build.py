@@ -171,15 +171,18 @@ def missing_files(root: pathlib.Path) -> list[str]:
 
 
 def wrong_deps(root: pathlib.Path) -> list[str]:
-  """Targets whose deps differ from what their sources import."""
+  """Targets whose deps differ from what their sources import, or list one twice."""
   targets = load_build(root)
   by_path = owners(targets)
   problems = []
   for name, t in sorted(targets.items()):
     want = {n for path in expected_dep_paths(root, t) for n in by_path.get(path, [f"<no target for {path}>"])}
-    have = {label_name(label) for label in t.get("deps", [])}
+    deps = [label_name(label) for label in t.get("deps", [])]
+    have = set(deps)
     if want != have:
       problems.append(f"{name}: missing deps {sorted(want - have)}, unused deps {sorted(have - want)}")
+    if len(deps) != len(have):  # Bazel refuses to load the package.
+      problems.append(f"{name}: deps listed twice {sorted(d for d in have if deps.count(d) > 1)}")
   return problems
 
 
@@ -242,3 +245,11 @@ def test_a_dangling_dep_and_a_missing_import_fail(tree_copy):
   (tree_copy / "BUILD").write_text(broken)
   assert [p for p in dangling_deps(tree_copy) if "jaxkv_confg" in p]
   assert [p for p in wrong_deps(tree_copy) if "missing deps ['jaxkv_config']" in p]
+
+
+def test_a_dep_listed_twice_fails(tree_copy):
+  build = (tree_copy / "BUILD").read_text()
+  twice = build.replace('deps = [":jaxkv_config"],', 'deps = [":jaxkv_config", ":jaxkv_config"],', 1)
+  assert twice != build
+  (tree_copy / "BUILD").write_text(twice)
+  assert [p for p in wrong_deps(tree_copy) if "deps listed twice ['jaxkv_config']" in p]

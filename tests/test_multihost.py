@@ -75,6 +75,7 @@ def test_two_processes_decode_like_one(tmp_path):
   host = _generate(tmp_path, "host", 2, 2, *HOST)
   device = _generate(tmp_path, "device", 2, 2, *DEVICE)
   [plain] = _generate(tmp_path, "plain", None, 4, *DEVICE)
+  split = _generate(tmp_path, "split", 2, 2, *HOST, "--kv_host_attention")  # Host attention, share measured.
   ref = one["json"]
   assert ref["processes"] == 1 and [len(t) for t in ref["tokens"]] == [16] * 4
   for run in (host, device):
@@ -87,6 +88,9 @@ def test_two_processes_decode_like_one(tmp_path):
   local = host[0]["json"]["transport"]["kv_window_bytes_process"]
   assert local > 0 and 2 * local == ref["transport"]["kv_window_bytes_process"]
   assert host[0]["json"]["transport"]["h2d_bytes"] == ref["transport"]["h2d_bytes"]  # Totals over all devices.
+  # Host attention sums in another order (not the same bits) and splits at process 0's measured share everywhere.
+  assert split[0]["json"]["tokens"] == ref["tokens"]
+  assert split[0]["json"]["transport"]["host_attention"]["source"] == "measured"
   # In-process all-reduces round differently, not enough to change a token.
   assert plain["json"]["processes"] == 1 and plain["json"]["tokens"] == ref["tokens"]
 
