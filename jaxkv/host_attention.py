@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 from jaxkv.kv_quant import INT8_BLOCK, KVFormat
 
 # Threads of the kernel in the engine: all cores but two, left to the dispatching thread and the feeder (measured on
-# the 16-core H200 host: 14 threads beat 16 by 1.3x in decode steps, where spinning workers starve those threads).
+# the 16-core H200 host: 14 threads beat 16 by 1.3-1.4x in decode steps, where spinning workers starve those threads).
 ENGINE_THREADS = max(1, numba.config.NUMBA_NUM_THREADS - 2)
 ROW_BLOCK = 256  # Rows per task; fixed, so that the reduction order never depends on the threads.
 _CHUNK = 8  # Rows widened to f32 at a time; the V update below is written out for 8.
