@@ -266,7 +266,7 @@ class Engine:
       nonlocal x, d2h
       shapes.add(("decode", 0 if window is None else window.shape[3]))
       fns = self.layer_fns(l)
-      if split and cache.streamed[l]:
+      if split and cache.head_rows(l):  # No head rows yet (short window, resident layer): the plain layer.
         x = self._decode_split(cache, l, fns, self.to_layer(x, l), window, metas[stage_of[l]], start)
       else:
         x, cache.opens[l] = fns.decode(layers[l], self.to_layer(x, l), window, cache.opens[l], metas[stage_of[l]])
@@ -280,8 +280,8 @@ class Engine:
     return x, d2h
 
   def _decode_split(self, cache, l, fns, x, tail, meta, start) -> jax.Array:
-    """Layer l with rows [0, r1) (cache.heads[l]) attended on the host CPU by this thread and the tail [r1, W)
-    (delivered) and the open page on the devices; x [B, D] -> x [B, D].
+    """Layer l with rows [0, r1) (cache.heads[l], r1 > 0) attended on the host CPU by this thread and the tail
+    [r1, W) (delivered) and the open page on the devices; x [B, D] -> x [B, D].
 
     The query's copy to the host starts as soon as it is computed, and the device's partial is dispatched before
     this thread waits for the query, so the devices attend the tail while the CPU attends the head; the feeder keeps
@@ -293,18 +293,13 @@ class Engine:
     q.copy_to_host_async()
     o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
     t1 = time.perf_counter()
-    r1 = cache.head_rows(l)
-    if r1:
-      q_host = np.zeros(q.shape, np.float32)  # This process's heads; attend_array reads only those.
-      for shard in q.addressable_shards:
-        q_host[shard.index] = np.asarray(shard.data)
-      t2 = time.perf_counter()
-      host_o, host_lse = host_attention.attend_array(
-          cache.heads[l], q_host, start, 0, r1, cache.format, threads=host_attention.ENGINE_THREADS
-      )
-    else:
-      t2 = time.perf_counter()
-      host_o, host_lse = np.zeros(q.shape, np.float32), np.full(q.shape[:3], -np.inf, np.float32)
+    q_host = np.zeros(q.shape, np.float32)  # This process's heads; attend_array reads only those.
+    for shard in q.addressable_shards:
+      q_host[shard.index] = np.asarray(shard.data)
+    t2 = time.perf_counter()
+    host_o, host_lse = host_attention.attend_array(
+        cache.heads[l], q_host, start, 0, cache.head_rows(l), cache.format, threads=host_attention.ENGINE_THREADS
+    )
     t3 = time.perf_counter()
     host_o = distributed.put_host(host_o, q.sharding)  # f32[B, K, G, Dh] and f32[B, K, G], heads on the tensor axis.
     host_lse = distributed.put_host(host_lse, lse.sharding)

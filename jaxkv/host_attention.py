@@ -64,25 +64,20 @@ def shard_views(arr: jax.Array) -> list[tuple[tuple[slice, ...], np.ndarray]]:
   the CPU backend). The caller must not delete or donate `arr` while a view is used; this function waits until `arr`
   is ready (a host array stored by an asynchronous device-to-host copy may still be in flight).
   """
-  _wait_readable(arr)
-  return [(shard.index, _view(shard.data)) for shard in arr.addressable_shards]
-
-
-def _wait_readable(arr: jax.Array) -> None:
   kind = arr.sharding.memory_kind
   if kind not in ("pinned_host", "unpinned_host") and any(d.platform != "cpu" for d in arr.devices()):
     raise ValueError(f"the host cannot read memory kind {kind!r} of a device array; store it in pinned_host")
   arr.block_until_ready()
-
-
-def _view(data: jax.Array) -> np.ndarray:
-  """A zero-copy numpy view of one single-device host array (see shard_views)."""
-  row_major = tuple(range(data.ndim))
-  layout = data.format.layout.major_to_minor
-  if tuple(layout) != row_major:
-    raise ValueError(f"shard layout {layout} is not row-major {row_major}; a view needs the default layout")
-  raw = np.asarray(_Buffer(data, data.unsafe_buffer_pointer(), data.nbytes))
-  return raw.view(data.dtype).reshape(data.shape)
+  views = []
+  for shard in arr.addressable_shards:
+    data = shard.data
+    row_major = tuple(range(data.ndim))
+    layout = data.format.layout.major_to_minor
+    if tuple(layout) != row_major:
+      raise ValueError(f"shard layout {layout} is not row-major {row_major}; a view needs the default layout")
+    raw = np.asarray(_Buffer(data, data.unsafe_buffer_pointer(), data.nbytes))
+    views.append((shard.index, raw.view(data.dtype).reshape(data.shape)))
+  return views
 
 
 def attend(
