@@ -13,6 +13,12 @@ def _mib(x) -> str:
   return "—" if x is None else f"{x / 2**20:.1f}"
 
 
+def _one_device(one: dict | None) -> str:
+  if not one or one["status"] != "ok":
+    return ""
+  return f"; {one['device']} alone: {one['gbps_median']:.1f} GB/s"
+
+
 def markdown(out: dict) -> str:
   """The report: setup, the per-arm table, then the per-cell ceilings."""
   hw, spec, peak = out["hardware"], out["spec"], out["h2d_peak"]
@@ -23,21 +29,24 @@ def markdown(out: dict) -> str:
       "",
       f"- command: `{out['command']}`",
       f"- hardware: {len(hw['devices'])} x {hw['device_kind']} ({hw['backend']}), jax {hw['jax']}, "
-      f"jaxlib {hw['jaxlib']}, tensor axis {out['tensor']}",
+      f"jaxlib {hw['jaxlib']}, tensor axis {out['tensor']}, split mode {out['config']['split']['mode']}",
       f"- model: {m['num_layers']} layers, d_model {m['d_model']}, {m['num_heads']} heads / {m['num_kv_heads']} "
       f"KV heads x {m['head_dim']}, {m['dtype']}; kv.block {out['config']['kv']['block']}; kv.dtype "
       f"{out['config']['kv'].get('dtype', 'model')} (an arm's _<dtype> suffix overrides it)",
       f"- {spec['new_tokens']} new tokens per sample; {spec['rounds']} rounds in alternating arm order after one "
       "warm-up per arm; median (min–max) of the rounds",
       f"- link peak, pinned host -> device `jax.device_put` of {_mib(peak['bytes_per_device'])} MiB per device: "
-      f"{peak['gbps_median']:.1f} GB/s (median of {len(peak['gbps'])})",
+      f"{peak['gbps_median']:.1f} GB/s per device (median of {len(peak['gbps'])}), "
+      f"{out['tensor'] * peak['gbps_median']:.1f} GB/s over the {out['tensor']} devices at once"
+      + _one_device(out.get("h2d_peak_one_device")),
       f"- peer arm (Hugging Face offloaded cache): {peer['status']}"
       + (f" — {peer['reason']}" if peer.get("reason") else "")
       + (f" — {peer['note']}" if peer.get("note") else ""),
       "- gain = tok/s over host_d0 (ordered); overlap ratio = ms/step / max(transfer-only, compute-only "
       "(= the device arm)), both of the arm's KV dtype; link efficiency = the arm's stored KV window bytes per "
-      "step / step time / link peak, where the link peak of a cell is the best of the 1 GiB put and the "
-      "transfer-only steps' rates",
+      "step that the links carry in sequence (split mode tensor: one device's heads; layer: every layer, as the "
+      "stages receive in turn) / step time / link peak, where the link peak of a cell is the best of the 1 GiB "
+      "put and the transfer-only steps' rates (one device's link)",
       "",
       "| context | batch | arm | KV MiB/step/device | tok/s | ms/step | spread ms (min–max) | gain vs ordered "
       "| overlap ratio | link efficiency | ring MiB/device | peak device MiB (process) |",

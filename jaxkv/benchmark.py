@@ -13,17 +13,21 @@ ms/step = 1e3 * decode_s / decode_steps, tok/s = batch * decode_steps / decode_s
 An arm that does not fit (pinned pool ValueError, XLA RESOURCE_EXHAUSTED / out of memory, or a peer that
 cannot run) is reported skipped with its reason, from then on in that cell.
 
-Units: s in raw samples, ms and tok/s in stats, GB/s = 1e9 B/s, bytes "per device" = one device's KV head
-share. `peak_bytes_in_use` from memory_stats() is process-wide since start: a later arm inherits earlier peaks.
-KV bytes are the stored bytes (a quantized row's packed values and scales): each arm's link efficiency and
-transfer-only bound use its own KV dtype's bytes and ceilings.
+Units: s in raw samples, ms and tok/s in stats, GB/s = 1e9 B/s (one device's link), bytes "per device" = the
+fullest device's share (its KV heads; in split mode layer, its layers). The link bound and link efficiency use
+the bytes the links carry in sequence (kv_step_bytes). `peak_bytes_in_use` from memory_stats() is process-wide
+since start: a later arm inherits earlier peaks. KV bytes are the stored bytes (a quantized row's packed values and
+scales): each arm's link efficiency and transfer-only bound use its own KV dtype's bytes and ceilings. The JSON is
+rewritten after every cell ("complete": false until the last), so a run cut short keeps its finished cells.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import json
+import os
 import platform
 import re
 import statistics
@@ -128,11 +132,30 @@ def arm_kv_dtype(config: Config, arm: str) -> str:
   return parse_arm(arm).kv_dtype or config.kv.dtype
 
 
-def kv_bytes_per_step_per_device(config: Config, mesh, batch: int, rows: list[int]) -> float:
-  """Stored KV bytes one device receives per decode step (mean over the steps' windows), in config.kv.dtype."""
+def kv_step_bytes(config: Config, layout, batch: int, rows: list[int]) -> dict:
+  """Stored KV bytes delivered per decode step (mean over the steps' windows), in config.kv.dtype:
+
+  per_device: what the fullest device receives;
+  in_sequence: what the links carry one layer after another, each layer's per-device share summed over the
+    layers (split mode tensor: = per_device, every device receives its heads of each layer at once; split mode
+    layer: every layer's bytes, the stages receive in turn);
+  total: over all devices.
+  """
   kv = dataclasses.replace(config.kv, placement="device", host_attention=False, host_attention_fraction=0.0)
-  row_bytes = KVCache(config.model, kv, mesh, batch, config.engine.capacity).row_bytes(mesh_lib.tensor_size(mesh))
-  return config.model.num_layers * row_bytes * statistics.mean(rows)
+  row_bytes = KVCache(config.model, kv, layout.first, batch, config.engine.capacity).row_bytes()  # All heads.
+  per_row = collections.Counter()
+  in_sequence = 0
+  for l in range(config.model.num_layers):
+    devices = list(layout.mesh(l).devices.flat)
+    for d in devices:
+      per_row[d] += row_bytes // len(devices)
+    in_sequence += row_bytes // len(devices)
+  mean_rows = statistics.mean(rows)
+  return dict(
+      per_device=max(per_row.values()) * mean_rows,
+      in_sequence=in_sequence * mean_rows,
+      total=config.model.num_layers * row_bytes * mean_rows,
+  )
 
 
 def cell_config(config: Config, context: int, new_tokens: int) -> Config:
@@ -227,16 +250,16 @@ def _run_cell(
     config: Config, mesh, params, peer, peer_reason, spec: BenchSpec, context: int, batch: int, peak_gbps: float
 ) -> dict:
   cfg = cell_config(config, context, spec.new_tokens)
-  t = mesh_lib.tensor_size(mesh)
   steps = spec.new_tokens - 1
   rows = decode_window_rows(context, steps, cfg.kv.block)
+  layout = run_lib.make_layout(cfg, mesh)
   cell = dict(
       context=context,
       batch=batch,
       capacity=cfg.engine.capacity,
       decode_window_rows=rows,
       kv_dtype=cfg.kv.dtype,
-      kv_bytes_per_step_per_device=kv_bytes_per_step_per_device(cfg, mesh, batch, rows),
+      **_bytes_fields(cfg, layout, batch, rows),
   )
   # Ceilings for the config's KV dtype, then for every other KV dtype that a host arm streams.
   other = [
@@ -244,14 +267,13 @@ def _run_cell(
       for d in dict.fromkeys(arm_kv_dtype(cfg, a) for a in spec.arms if not a.startswith(DEVICE_ARM))
       if d != cfg.kv.dtype
   ]
-  layout = run_lib.make_layout(cfg, mesh)
   cell["ceilings"] = _ceilings(cfg, mesh, batch, rows[0], spec, layout)
   cell["ceilings_kv_dtype"] = {}
   for kv_dtype in other:
     dcfg = dataclasses.replace(cfg, kv=dataclasses.replace(cfg.kv, dtype=kv_dtype))
     cell["ceilings_kv_dtype"][kv_dtype] = dict(
         _ceilings(dcfg, mesh, batch, rows[0], spec, layout),
-        kv_bytes_per_step_per_device=kv_bytes_per_step_per_device(dcfg, mesh, batch, rows),
+        **_bytes_fields(dcfg, layout, batch, rows),
     )
 
   prompts = run_lib.random_prompts(cfg.model.vocab_size, [context] * batch, spec.seed + context + batch)
@@ -290,9 +312,18 @@ def _run_cell(
     # The peer keeps its cache in the model dtype.
     kv = dataclasses.replace(cfg.kv, dtype="model") if name == PEER_ARM else arm_config(cfg, name).kv
     acfg = dataclasses.replace(cfg, kv=kv)
-    rec.update(kv_dtype=kv.dtype, kv_bytes_per_step_per_device=kv_bytes_per_step_per_device(acfg, mesh, batch, rows))
-  _summarize(cell, peak_gbps, t)
+    rec.update(kv_dtype=kv.dtype, **_bytes_fields(acfg, layout, batch, rows))
+  _summarize(cell, peak_gbps)
   return cell
+
+
+def _bytes_fields(cfg: Config, layout, batch: int, rows: list[int]) -> dict:
+  b = kv_step_bytes(cfg, layout, batch, rows)
+  return dict(
+      kv_bytes_per_step_per_device=b["per_device"],
+      kv_bytes_per_step_in_sequence=b["in_sequence"],
+      kv_bytes_per_step_total=b["total"],
+  )
 
 
 def _ceilings(cfg: Config, mesh, batch: int, rows: int, spec: BenchSpec, layout) -> dict:
@@ -314,7 +345,7 @@ def _transfer_ms(ceil: dict) -> float | None:
   return (ceil.get("transfer_only") or {}).get("ms_median")
 
 
-def _summarize(cell: dict, peak_gbps: float, tensor: int) -> None:
+def _summarize(cell: dict, peak_gbps: float) -> None:
   """Adds per-arm stats, gain vs ordered, overlap ratio and link efficiency to a finished cell.
 
   Per KV dtype: the transfer-only ceiling of that dtype, and the compute-only time of the device arm of that
@@ -334,17 +365,18 @@ def _summarize(cell: dict, peak_gbps: float, tensor: int) -> None:
 
   ordered_tok_s = med(ORDERED_ARM, "tok_s")
   base = cell["kv_dtype"]
-  # Per KV dtype: (stored bytes per step per device, transfer-only ms); the config's dtype first.
+  # Per KV dtype: (the fullest device's stored bytes per step, transfer-only ms); the config's dtype first.
   per_dtype = {base: (cell["kv_bytes_per_step_per_device"], _transfer_ms(cell["ceilings"]))}
   for d, c in cell["ceilings_kv_dtype"].items():
     per_dtype[d] = (c["kv_bytes_per_step_per_device"], _transfer_ms(c))
   cell["compute_only_ms"] = med(DEVICE_ARM, "ms_per_step")
   cell["transfer_only_ms"] = per_dtype[base][1]
-  # Back-to-back layer deliveries can beat one large put: the link peak is the best of the put and the
-  # transfer-only streaming rates.
+  # Back-to-back layer deliveries can beat one large put: the link peak (one device's link) is the best of the
+  # put and the transfer-only streaming rates (the fullest device's bytes: in split mode layer the transfer-only
+  # passes, which wait for no compute, keep every stage's link busy at once).
   streaming = [b / (ms * 1e-3) / 1e9 for b, ms in per_dtype.values() if b and ms]
   peak_gbps = max([peak_gbps, *streaming])
-  step_bytes = cell["kv_bytes_per_step_per_device"]
+  step_bytes = cell["kv_bytes_per_step_in_sequence"]
   cell["link_peak_gbps"] = peak_gbps
   cell["link_bound_tok_s"] = cell["batch"] * peak_gbps * 1e9 / step_bytes if step_bytes else None
   for name, rec in arms.items():
@@ -353,14 +385,15 @@ def _summarize(cell: dict, peak_gbps: float, tensor: int) -> None:
     transfer_ms = per_dtype.get(kv_dtype, per_dtype[base])[1]
     compute_ms = med(f"{DEVICE_ARM}_{kv_dtype}", "ms_per_step") or cell["compute_only_ms"]
     bound_ms = max([m for m in (compute_ms, transfer_ms) if m], default=None)
-    moved = rec["kv_bytes_per_step_per_device"] * (tensor if name == PEER_ARM else 1)
+    # The peer moves every byte over one device's link.
+    moved = rec["kv_bytes_per_step_total" if name == PEER_ARM else "kv_bytes_per_step_in_sequence"]
     arm = None if name == PEER_ARM else parse_arm(name)
     is_device = arm is not None and arm.placement == "device"
     rec["gain_vs_ordered"] = tok_s / ordered_tok_s if tok_s and ordered_tok_s else None
     rec["overlap_ratio"] = ms / bound_ms if ms and bound_ms else None
     rec["link_efficiency"] = moved / (ms * 1e-3) / (peak_gbps * 1e9) if ms and not is_device else None
     rec["ring_bytes_per_device_configured"] = rec.get("transport", {}).get("ring_bytes_per_device_configured")
-    kv_bytes = rec["kv_bytes_per_step_per_device"]
+    kv_bytes = rec["kv_bytes_per_step_in_sequence"]
     rec["link_bound_tok_s"] = cell["batch"] * peak_gbps * 1e9 / kv_bytes if kv_bytes else None
     bound = rec["link_bound_tok_s"]
     rec["x_link_bound"] = tok_s / bound if tok_s and bound and not is_device else None
@@ -388,6 +421,19 @@ def _summarize(cell: dict, peak_gbps: float, tensor: int) -> None:
       hashes.setdefault(r["kv_dtype"], set()).update(s["tokens_sha256"] for s in r["samples"])
   seen = [h for h in hashes.values() if h]
   cell["tokens_match_across_arms"] = all(len(h) == 1 for h in seen) if seen else None
+
+
+def _one_device_peak(mesh, spec: BenchSpec) -> dict:
+  """The link peak of the mesh's first device alone, beside h2d_peak (every device at once): whether the host
+  limits the aggregate."""
+  if mesh.size == 1:
+    return dict(status="skipped", reason="one device: h2d_peak is that device alone")
+  if jax.process_count() > 1:
+    return dict(status="skipped", reason=f"{jax.process_count()} processes: measured on one process only")
+  one = mesh_lib.make_mesh(devices=mesh.devices.flat[:1])
+  return dict(
+      status="ok", device=str(one.devices.flat[0]), **ceilings.h2d_peak(one, spec.peak_bytes, spec.ceiling_reps)
+  )
 
 
 def _start_peer(config: Config, spec: BenchSpec):
@@ -430,16 +476,22 @@ def run(
   logging.info("link peak: %d B per device, %d puts", spec.peak_bytes, spec.ceiling_reps)
   peak = ceilings.h2d_peak(mesh, spec.peak_bytes, spec.ceiling_reps)
   out["h2d_peak"] = peak
+  out["h2d_peak_one_device"] = _one_device_peak(mesh, spec)
   peer, out["peer"] = _start_peer(config, spec)
+  out.update(complete=False, cells=[])
   try:
-    out["cells"] = [
-        _run_cell(config, mesh, params, peer, out["peer"].get("reason"), spec, context, batch, peak["gbps_median"])
-        for context in spec.contexts
-        for batch in spec.batches
-    ]
+    for context in spec.contexts:
+      for batch in spec.batches:
+        cell = _run_cell(
+            config, mesh, params, peer, out["peer"].get("reason"), spec, context, batch, peak["gbps_median"]
+        )
+        out["cells"].append(cell)
+        if json_out:
+          _write_json(out, json_out)
   finally:
     if peer is not None:
       peer.close()
+  out["complete"] = True
   if plot_out:
     out["plot"] = bench_report.plot(out, plot_out)
   if md_out:
@@ -447,7 +499,12 @@ def run(
       f.write(bench_report.markdown(out))
     logging.info("wrote %s", md_out)
   if json_out:
-    with open(json_out, "w") as f:
-      json.dump(out, f, indent=1)
+    _write_json(out, json_out)
     logging.info("wrote %s", json_out)
   return out
+
+
+def _write_json(out: dict, path: str) -> None:
+  with open(path + ".tmp", "w") as f:
+    json.dump(out, f, indent=1)
+  os.replace(path + ".tmp", path)

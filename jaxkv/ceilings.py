@@ -110,9 +110,10 @@ def cell_ceilings(
     return dict(window_rows=0, skipped="the decode window is empty (context < kv.block): nothing is delivered")
   cache = host_cache_filled(config, mesh, batch, rows, layout)
   n = config.model.num_layers
-  _put_seconds(cache.windows[0], cache.device_sharding)
-  seconds = [_put_seconds(cache.windows[i % n], cache.device_sharding) for i in range(reps)]
-  layer = _gbps_summary(cache.windows[0].nbytes // mesh_lib.tensor_size(mesh), seconds)
+  _put_seconds(cache.windows[0], cache.device_shardings[0])
+  seconds = [_put_seconds(cache.windows[i % n], cache.device_shardings[i % n]) for i in range(reps)]
+  # Every layer's window has the same bytes per device of its stage (all heads in split mode layer).
+  layer = _gbps_summary(cache.windows[0].nbytes // len(cache.device_shardings[0].device_set), seconds)
   transport = Transport(cache, TRANSFER_ONLY_DEPTH)
   transfer_only_ms(transport, passes)
   ms = [transfer_only_ms(transport, passes) for _ in range(reps)]

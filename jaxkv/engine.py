@@ -283,15 +283,15 @@ class Engine:
     """Layer l with rows [0, r1) (cache.heads[l], r1 > 0) attended on the host CPU by this thread and the tail
     [r1, W) (delivered) and the open page on the devices; x [B, D] -> x [B, D].
 
-    The query's copy to the host starts as soon as it is computed, and the device's partial is dispatched before
-    this thread waits for the query, so the devices attend the tail while the CPU attends the head; the feeder keeps
-    issuing the next layers' deliveries meanwhile. The merge and the rest of the layer need both partials.
-    (docs/design.md: why on this thread and not in a device callback.)"""
+    The query's copy to the host starts as soon as it is computed; the CPU attends the head while the tail is
+    still on its way (the feeder keeps issuing the next layers' deliveries meanwhile), then the device's partial
+    over the tail is dispatched: dispatching a call that consumes a delivery in flight blocks this thread until
+    it lands, so dispatching it first would put the tail's delivery before the kernel. The merge and the rest of
+    the layer need both partials. (docs/design.md: why on this thread and not in a device callback.)"""
     p = self.params["layers"][l]
     times, t0 = cache.host_times, time.perf_counter()
     q, cache.opens[l] = fns.query(p, x, cache.opens[l], meta)  # q f32[B, K, G, Dh].
     q.copy_to_host_async()
-    o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
     t1 = time.perf_counter()
     q_host = np.zeros(q.shape, np.float32)  # This process's heads; attend_array reads only those.
     for shard in q.addressable_shards:
@@ -301,10 +301,12 @@ class Engine:
         cache.heads[l], q_host, start, 0, cache.head_rows(l), cache.format, threads=host_attention.ENGINE_THREADS
     )
     t3 = time.perf_counter()
+    o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
+    t4 = time.perf_counter()
     host_o = distributed.put_host(host_o, q.sharding)  # f32[B, K, G, Dh] and f32[B, K, G], heads on the tensor axis.
     host_lse = distributed.put_host(host_lse, lse.sharding)
     x = fns.merge(p, x, o, lse, host_o, host_lse)
-    times.update(dispatch=t1 - t0, wait_query=t2 - t1, kernel=t3 - t2, hand_back=time.perf_counter() - t3)
+    times.update(dispatch=t1 - t0 + t4 - t3, wait_query=t2 - t1, kernel=t3 - t2, hand_back=time.perf_counter() - t4)
     return x
 
   def prefill_prompts(self, cache, transport, prompts, seed, *, next_pass, shapes, counters):

@@ -1,5 +1,6 @@
 """The benchmark (jaxkv.benchmark) end to end on the tiny model over 2 CPU devices, and its skip paths."""
 
+import dataclasses
 import json
 
 import jax
@@ -8,13 +9,27 @@ import pytest
 from experiments import tiny
 from jaxkv import benchmark
 from jaxkv import cache as cache_lib
+from jaxkv import mesh as mesh_lib
 from jaxkv import peer_hf
-from jaxkv.config import from_config_dict
+from jaxkv import run as run_lib
+from jaxkv.config import SplitConfig, from_config_dict
 
 ARMS = ("device", "host_d0", "host_d1", "host_d2", "host_d4", "host_d2_int8", "host_d1_ha")
 INT8_ROW, F32_ROW = 32 + 32 // 32 * 2, 32 * 4  # Bytes per head row at head_dim 32: int8 + f16 scales; f32.
 ROUNDS = 2
-TOP_FIELDS = {"command", "hardware", "config", "spec", "tensor", "h2d_peak", "peer", "cells", "plot"}
+TOP_FIELDS = {
+    "command",
+    "hardware",
+    "config",
+    "spec",
+    "tensor",
+    "h2d_peak",
+    "h2d_peak_one_device",
+    "peer",
+    "complete",
+    "cells",
+    "plot",
+}
 CELL_FIELDS = {
     "context",
     "batch",
@@ -98,6 +113,9 @@ def test_json_has_every_field(bench):
   assert TOP_FIELDS <= set(out)
   assert out["tensor"] == 2
   assert out["h2d_peak"]["gbps_median"] > 0 and len(out["h2d_peak"]["gbps"]) == 2
+  one = out["h2d_peak_one_device"]
+  assert one["status"] == "ok" and one["device"] == out["hardware"]["devices"][0] and one["gbps_median"] > 0
+  assert out["complete"] is True
   assert out["hardware"]["jax"] == jax.__version__ and out["hardware"]["devices"]
   assert [(c["context"], c["batch"]) for c in out["cells"]] == [(16, 2), (40, 2)]
   for cell in out["cells"]:
@@ -180,6 +198,44 @@ def test_arm_that_does_not_fit_is_skipped(monkeypatch):
   assert host["status"] == "skipped" and "warm-up" in host["reason"] and "pinned" in host["reason"]
   assert host["tok_s"] is None and not host["samples"]
   assert benchmark.PEER_ARM not in cell["arms"]
+
+
+def _layer_config(proportions: str):
+  return dataclasses.replace(_config(), split=SplitConfig(mode="layer", layer_split=proportions))
+
+
+def test_step_bytes_follow_the_split_mode():
+  """Tensor: each device receives its half of every layer, both at once; layer (4 + 2 of 6 layers): the fullest
+  device receives 4 whole layers and the links carry all 6 in sequence."""
+  rows = [16, 24]
+  tensor_cfg, layer_cfg = _config(), _layer_config("2,1")
+  mesh = mesh_lib.make_mesh(tensor_cfg.mesh)
+  t = benchmark.kv_step_bytes(tensor_cfg, run_lib.make_layout(tensor_cfg, mesh), 2, rows)
+  assert t["per_device"] == t["in_sequence"] == t["total"] / 2 > 0
+  layer = benchmark.kv_step_bytes(layer_cfg, run_lib.make_layout(layer_cfg, mesh), 2, rows)
+  assert layer["total"] == layer["in_sequence"] == t["total"] and layer["per_device"] == t["total"] * 4 / 6
+
+
+def test_bench_in_split_mode_layer():
+  """The ceilings put each layer's window to its own stage's device; the link bound uses the bytes in sequence."""
+  out = benchmark.run(
+      _layer_config("2,1"), _spec(contexts=(16,), arms=("device", "host_d1"), new_tokens=3, rounds=1, peer=False)
+  )
+  cell = out["cells"][0]
+  host = cell["arms"]["host_d1"]
+  assert host["status"] == "ok" and cell["tokens_match_across_arms"] is True
+  stage0, stage1 = host["transport"]["h2d_bytes_by_device"].values()
+  assert stage0 == 2 * stage1 > 0  # 4 layers on the first device, 2 on the second.
+  assert cell["ceilings"]["h2d_layer"]["bytes_per_device"] * 6 * 2 == host["transport"]["h2d_bytes"]  # 2 steps.
+  assert (
+      cell["kv_bytes_per_step_in_sequence"]
+      == cell["kv_bytes_per_step_total"]
+      == 1.5 * cell["kv_bytes_per_step_per_device"]
+  )
+  streaming = cell["kv_bytes_per_step_per_device"] / (cell["transfer_only_ms"] * 1e-3) / 1e9  # One link's rate.
+  assert cell["link_peak_gbps"] == pytest.approx(max(out["h2d_peak"]["gbps_median"], streaming))
+  want = cell["batch"] * cell["link_peak_gbps"] * 1e9 / cell["kv_bytes_per_step_in_sequence"]
+  assert cell["link_bound_tok_s"] == pytest.approx(want)
 
 
 def test_skip_reason():

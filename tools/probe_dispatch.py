@@ -2,7 +2,8 @@
 
 Times 32 layers of `decode_layer` with windows delivered from pinned host memory, issued inline (device_put
 on the dispatching thread) or from a feeder thread, against compute-only and transfer-only; prints ms/step,
-host issue ms, and the host time spent in device_put and in the layer dispatch. CTX=4096 by default.
+host issue ms, and the host time spent in device_put and in the layer dispatch. CTX=4096 by default. The mesh
+spans every visible GPU (split mode tensor); CUDA_VISIBLE_DEVICES=0 times one.
 Run from the repo root: PYTHONPATH=. CTX=16384 python3 tools/probe_dispatch.py
 """
 import dataclasses, os, queue, threading, time
@@ -16,7 +17,7 @@ cfg = C.from_config_dict(cd)
 mesh, params, eng = run.build(cfg, 0)
 L = cfg.model.num_layers; fns = eng.fns
 cache = cache_lib.KVCache(cfg.model, dataclasses.replace(cfg.kv, placement="host"), mesh, 1, cfg.engine.capacity)
-hw = [jax.device_put(jnp.ones((2, 1, 8, ctx, 128), jnp.bfloat16) * 0.01, cache.store_sharding) for _ in range(L)]
+hw = [jax.device_put(jnp.ones((2, 1, 8, ctx, 128), jnp.bfloat16) * 0.01, cache.host_sharding) for _ in range(L)]
 opens = [jax.device_put(jnp.zeros((2, 1, 8, 256, 128), jnp.bfloat16), cache.device_sharding) for _ in range(L)]
 meta = jax.device_put(np.array([0, ctx, 1, 0], np.int32), eng._rep)
 x0 = jax.device_put(jnp.zeros((1, 4096), jnp.bfloat16), eng._rep)
