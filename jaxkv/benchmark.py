@@ -3,10 +3,10 @@
 An arm is a KV placement and delivery depth ("device"; "host_d0" = ordered; "host_dN" = pipelined at depth N;
 "auto_dN" = the residency planner), optionally with a KV dtype suffix ("host_d2_int8", "device_float8_e4m3fn"; none =
 the config's kv.dtype) and then a host attention suffix ("host_d2_ha": the host's share measured at start;
-"host_d2_ha40": f = 0.40; jaxkv.host_split), or the Hugging Face peer (PEER_ARM, jaxkv.peer_hf). Every jaxkv arm shares one set of weights. For each
-(context, batch) cell: the ceilings (jaxkv.ceilings) for the config's KV dtype and for every other KV dtype of a
-host arm, then one untimed warm-up generate per arm (it also compiles), then `rounds` timed generates per arm in
-alternating order (round 0 A B C, round 1 C B A, ...).
+"host_d2_ha40": f = 0.40; jaxkv.host_split), or the Hugging Face peer (PEER_ARM, jaxkv.peer_hf). Every jaxkv arm
+shares one set of weights. For each (context, batch) cell: the ceilings (jaxkv.ceilings) for the config's KV dtype
+and for every other KV dtype of a host arm, then one untimed warm-up generate per arm (it also compiles), then
+`rounds` timed generates per arm in alternating order (round 0 A B C, round 1 C B A, ...).
 A sample is one generate of `new_tokens` tokens from `batch` random prompts of `context` tokens:
 ms/step = 1e3 * decode_s / decode_steps, tok/s = batch * decode_steps / decode_s.
 
@@ -141,20 +141,22 @@ def kv_step_bytes(config: Config, layout, batch: int, rows: list[int]) -> dict:
     layer: every layer's bytes, the stages receive in turn);
   total: over all devices.
   """
+  m = config.model
   kv = dataclasses.replace(config.kv, placement="device", host_attention=False, host_attention_fraction=0.0)
-  row_bytes = KVCache(config.model, kv, layout.first, batch, config.engine.capacity).row_bytes()  # All heads.
+  row_bytes = KVCache(m, kv, layout.first, batch, config.engine.capacity).row_bytes()  # One row, all heads.
   per_row = collections.Counter()
   in_sequence = 0
-  for l in range(config.model.num_layers):
+  for l in range(m.num_layers):
     devices = list(layout.mesh(l).devices.flat)
+    share = row_bytes // len(devices)
     for d in devices:
-      per_row[d] += row_bytes // len(devices)
-    in_sequence += row_bytes // len(devices)
+      per_row[d] += share
+    in_sequence += share
   mean_rows = statistics.mean(rows)
   return dict(
       per_device=max(per_row.values()) * mean_rows,
       in_sequence=in_sequence * mean_rows,
-      total=config.model.num_layers * row_bytes * mean_rows,
+      total=m.num_layers * row_bytes * mean_rows,
   )
 
 

@@ -10,7 +10,7 @@ measured TOGETHER (each slows the other: they share the host's memory). `measure
 layer's worth of rows (SAMPLE_BYTES per device, zeros: the rate does not depend on the values), once per process and
 (shardings, format); with several processes, process 0's rates decide for all. The serial work of each layer (the
 query's round trip, the merge, the MLP) is not in the model, so the measured f is an upper bound on the best one: on
-the H200 the best was f = 0, host attention off (docs/kv-transport-pipelining.md).
+the H200 no share beat f = 0 (streaming alone), and the measured one was slower (docs/kv-transport-pipelining.md).
 """
 
 from __future__ import annotations
