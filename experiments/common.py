@@ -36,7 +36,9 @@ def base_config() -> ml_collections.ConfigDict:
           transport_debug=0,
           dtype="model",  # "model" = model.dtype; or bfloat16, float32, int8, float8_e4m3fn (jaxkv.kv_quant).
           device_budget_gib=None,  # placement "auto": device GiB for the KV (None = free memory; jaxkv.residency).
-          host_attention_fraction=0.0,  # placement "host": share of each window attended on the host CPU; 0 = off.
+          host_attention=False,  # placement "host" or "auto": attend a share of each window on the host CPU.
+          host_attention_fraction=0.0,  # With host_attention: that share; 0 = from rates measured at start.
+          host_attention_threads=0,  # With host_attention: the CPU kernel's threads; 0 = all cores but two, at most 16.
       )
   )
   c.engine = ml_collections.ConfigDict(dict(capacity=4096, prefill_chunk=1024))

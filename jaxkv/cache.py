@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import distributed
+from jaxkv import host_attention
 from jaxkv import host_split as host_split_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
@@ -109,15 +110,18 @@ class KVCache:
     if any(self.streamed):
       check_pinned_pool(self.host_bytes_per_process(), model, self.format, batch, self.rows_bound())
     self.host_split: host_split_lib.Split | None = None  # With kv.host_attention: the host's share.
+    self.host_threads = 0  # With kv.host_attention: the kernel's threads.
     # With host attention, seconds the dispatching thread spent per part of the split layers (jaxkv.engine).
     self.host_times: collections.Counter = collections.Counter()
     if kv.host_attention and any(self.streamed):
+      self.host_threads = host_attention.engine_threads(kv.host_attention_threads)
       self.host_split = host_split_lib.split(
           kv.host_attention_fraction,
           self.host_sharding,
           self.device_sharding,
           self.format,
           model.num_heads // model.num_kv_heads,
+          self.host_threads,
       )
     self.windows: list[jax.Array | None] = [None] * model.num_layers
     self.heads: list[jax.Array | None] = [None] * model.num_layers  # Host-attended rows [0, r1); see above.

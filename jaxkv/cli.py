@@ -75,6 +75,12 @@ KV_HOST_ATTENTION_FRACTION = flags.DEFINE_float(
     "With --kv_host_attention: the host's share of each window's full-block rows, in (0, 1) (default: chosen from "
     "the CPU and link rates measured at start).",
 )
+KV_HOST_ATTENTION_THREADS = flags.DEFINE_integer(
+    "kv_host_attention_threads",
+    None,
+    "With --kv_host_attention: the CPU kernel's threads (default: config kv.host_attention_threads, 0 = all cores "
+    "but two, at most 16).",
+)
 SPLIT_MODE = flags.DEFINE_enum(
     "split_mode",
     None,
@@ -100,6 +106,7 @@ _KV_FLAGS = {
     "device_budget_gib": KV_DEVICE_BUDGET,
     "host_attention": KV_HOST_ATTENTION,
     "host_attention_fraction": KV_HOST_ATTENTION_FRACTION,
+    "host_attention_threads": KV_HOST_ATTENTION_THREADS,
 }
 
 

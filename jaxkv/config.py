@@ -89,6 +89,8 @@ class KVConfig:
     rest is delivered (jaxkv.host_attention, docs/design.md). Not bit-identical to the other modes.
   host_attention_fraction: the host's share f: 0 = chosen from the CPU and link rates measured at start
     (jaxkv.host_split); f in (0, 1) overrides it.
+  host_attention_threads: with host_attention, the CPU kernel's threads: 0 = all cores but two, at most 16
+    (jaxkv.host_attention.ENGINE_THREADS); ignored without it (a bench sets it for its host attention arms only).
   """
 
   placement: str = "device"
@@ -101,6 +103,7 @@ class KVConfig:
   device_budget_gib: float | None = None
   host_attention: bool = False
   host_attention_fraction: float = 0.0
+  host_attention_threads: int = 0
 
   def __post_init__(self):
     if self.placement not in PLACEMENTS:
@@ -123,6 +126,8 @@ class KVConfig:
           f"kv.host_attention_fraction {self.host_attention_fraction} is the host's share with kv.host_attention; "
           "set kv.host_attention too"
       )
+    if self.host_attention_threads < 0:
+      raise ValueError(f"kv.host_attention_threads must be >= 0 (0 = automatic), got {self.host_attention_threads}")
     if self.host_attention and self.placement == "device":
       raise ValueError("kv.host_attention needs kv.placement host or auto (the host attends rows it holds)")
 

@@ -71,6 +71,7 @@ class _Fns:
   query: object
   tail_partial: object
   merge: object
+  host_part: jax.sharding.Sharding  # The host's partial, merge's last argument.
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,8 +95,11 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
   def tail_partial(q, tail, open_page, meta):
     return model.decode_tail_partial(q, tail, open_page, meta[:-3], meta[-3], kv_format=fmt)
 
-  def merge(p, x, o, lse, host_o, host_lse):
-    return model.decode_merge(p, x, o, lse, host_o, host_lse, cfg=cfg)
+  def merge(p, x, o, lse, host_part):
+    # host_part f32[B, K, G, Dh + 1] (the host's o, then its lse) comes in pinned host memory and moves here, on the
+    # compute stream, not on the copy stream behind the queued deliveries (docs/design.md: measured at batch 4).
+    host_part = jax.device_put(host_part, jax.memory.Space.Device)
+    return model.decode_merge(p, x, o, lse, host_part[..., :-1], host_part[..., -1], cfg=cfg)
 
   def flush(window, open_page):
     return cache_lib.grow(window, open_page), jnp.zeros_like(open_page)
@@ -120,6 +124,7 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
       query=jax.jit(query, out_shardings=(heads, kv), donate_argnums=(2,)),
       tail_partial=jax.jit(tail_partial, out_shardings=(heads, lse_heads)),
       merge=jax.jit(merge, out_shardings=rep),
+      host_part=mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None), "pinned_host"),
   )
 
 
@@ -298,14 +303,13 @@ class Engine:
       q_host[shard.index] = np.asarray(shard.data)
     t2 = time.perf_counter()
     host_o, host_lse = host_attention.attend_array(
-        cache.heads[l], q_host, start, 0, cache.head_rows(l), cache.format, threads=host_attention.ENGINE_THREADS
+        cache.heads[l], q_host, start, 0, cache.head_rows(l), cache.format, threads=cache.host_threads
     )
     t3 = time.perf_counter()
     o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
     t4 = time.perf_counter()
-    host_o = distributed.put_host(host_o, q.sharding)  # f32[B, K, G, Dh] and f32[B, K, G], heads on the tensor axis.
-    host_lse = distributed.put_host(host_lse, lse.sharding)
-    x = fns.merge(p, x, o, lse, host_o, host_lse)
+    host_part = np.concatenate([host_o, host_lse[..., None]], axis=-1)  # f32[B, K, G, Dh + 1].
+    x = fns.merge(p, x, o, lse, distributed.put_host(host_part, fns.host_part))
     times.update(dispatch=t1 - t0 + t4 - t3, wait_query=t2 - t1, kernel=t3 - t2, hand_back=time.perf_counter() - t4)
     return x
 
@@ -392,7 +396,7 @@ class Engine:
 def host_thread_ms(times: collections.Counter) -> dict:
   """Host attention: the dispatching thread's ms per decode step in each part of the split layers: dispatching
   the query and the tail's partial (it waits for the tail's delivery), waiting for the query, the kernel, and
-  handing the partials back (the puts and the merge's dispatch)."""
+  handing the partials back (their put to pinned host memory and the merge's dispatch)."""
   steps = max(times["steps"], 1)
   return {f"{k}_ms_per_step": 1e3 * times[k] / steps for k in ("dispatch", "wait_query", "kernel", "hand_back")}
 

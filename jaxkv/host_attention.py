@@ -14,12 +14,12 @@ R = rows of the array, E = stored width of a head row, jaxkv.kv_quant):
 
 The kernel (numba, nopython, parallel, GIL released) splits [r0, r1) into blocks of ROW_BLOCK rows and runs one task
 per (sequence, head, block): scores of the block's K rows for the G heads, block max and sum, then the V rows
-weighted by exp(score - max), all in f32. A second loop merges each (sequence, head)'s blocks in block order. Tasks
-never share an accumulator and the block size does not depend on the thread count, so the result is bitwise the same
-for every run and every thread count (on one machine: the vector width of the compiled code may differ elsewhere).
-Rows are widened to f32 in chunks of _CHUNK rows (an L1-resident scratch), exactly: bf16 by a 16-bit shift, float16
-and the f16 scales by re-biasing the exponent, fp8 by a 256-entry table, int8 times its block's scale. The rows two
-chunks ahead are prefetched, so memory loads overlap the arithmetic.
+weighted by exp(score - max), all in f32. A second, serial loop merges each (sequence, head)'s blocks in block
+order. Tasks never share an accumulator and the block size does not depend on the thread count, so the result is
+bitwise the same for every run and every thread count (on one machine: the vector width of the compiled code may
+differ elsewhere). Rows are widened to f32 in chunks of _CHUNK rows (an L1-resident scratch), exactly: bf16 by a
+16-bit shift, float16 and the f16 scales by re-biasing the exponent, fp8 by a 256-entry table, int8 times its block's
+scale. The rows two chunks ahead are prefetched, so memory loads overlap the arithmetic.
 """
 
 from __future__ import annotations
@@ -36,9 +36,12 @@ from numba.extending import intrinsic
 
 from jaxkv.kv_quant import INT8_BLOCK, KVFormat
 
-# Threads of the kernel in the engine: all cores but two, left to the dispatching thread and the feeder (measured on
-# the 16-core H200 host: 14 threads beat 16 by 1.3-1.4x in decode steps, where spinning workers starve those threads).
-ENGINE_THREADS = max(1, numba.config.NUMBA_NUM_THREADS - 2)
+# Threads of the kernel in the engine: all cores but two, left to the dispatching thread and the feeder, and at most
+# 16. Measured on the H200 hosts, decode steps with host attention: on 16 cores, 14 threads beat 16 by 1.3-1.4x
+# (spinning workers starve those threads); on 32 cores, 16 threads ran 8B at 16k, batch 4 in 142.8 ms per step where
+# 30 had taken 155.6 (two sessions). DRAM read bandwidth is near its peak at 16 threads (63 GB/s on 16 cores).
+ENGINE_THREADS = max(1, min(numba.config.NUMBA_NUM_THREADS - 2, 16))
+
 ROW_BLOCK = 256  # Rows per task; fixed, so that the reduction order never depends on the threads.
 _CHUNK = 8  # Rows widened to f32 at a time; the V update below is written out for 8.
 _PREFETCH = 2 * _CHUNK  # Rows ahead to prefetch (measured: 16 beat 8, 32 and 64).
@@ -46,6 +49,17 @@ _PREFETCH = 2 * _CHUNK  # Rows ahead to prefetch (measured: 16 beat 8, 32 and 64
 _F32, _BF16, _F16, _INT8, _FP8 = range(5)
 _CODES = {"float32": _F32, "bfloat16": _BF16, "float16": _F16, "int8": _INT8, "float8_e4m3fn": _FP8}
 _FP8_VALUES = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)  # e4m3fn bits -> f32.
+
+
+def engine_threads(requested: int) -> int:
+  """The kernel's threads in the engine for kv.host_attention_threads = requested (0 = ENGINE_THREADS); ValueError
+  past numba's pool."""
+  if requested > numba.config.NUMBA_NUM_THREADS:
+    raise ValueError(
+        f"kv.host_attention_threads {requested} is over numba's pool of {numba.config.NUMBA_NUM_THREADS} threads "
+        "(NUMBA_NUM_THREADS, by default the cores)"
+    )
+  return requested or ENGINE_THREADS
 
 
 class _Buffer:
@@ -311,7 +325,7 @@ def _attend(kv, code, q, start, r0, r1, row0, scale, block, fp8):
           )
   o = np.zeros((nb, nk, ng, dh), np.float32)
   lse = np.full((nb, nk, ng), -np.inf, np.float32)
-  for bk in numba.prange(nb * nk):
+  for bk in range(nb * nk):  # A few microseconds of work: a second parallel region would cost more to start.
     b, k = bk // nk, bk % nk
     for g in range(ng):
       m = np.float32(-np.inf)

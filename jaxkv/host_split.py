@@ -59,19 +59,26 @@ def choose(cpu_gbps: float, link_gbps: float) -> float:
 
 
 def split(
-    fraction: float, host: jax.sharding.NamedSharding, device: jax.sharding.NamedSharding, fmt: KVFormat, groups: int
+    fraction: float,
+    host: jax.sharding.NamedSharding,
+    device: jax.sharding.NamedSharding,
+    fmt: KVFormat,
+    groups: int,
+    threads: int,
 ) -> Split:
   """The override when fraction > 0, else the measured split."""
   if fraction:
     return Split(fraction, "override")
-  return measure(host, device, fmt, groups)
+  return measure(host, device, fmt, groups, threads)
 
 
 @functools.lru_cache(maxsize=None)
-def measure(host: jax.sharding.NamedSharding, device: jax.sharding.NamedSharding, fmt: KVFormat, groups: int) -> Split:
-  """Measures the kernel over SAMPLE_BYTES of `fmt` rows per device (host: the cache's pinned_host sharding of a
-  window [2, B, K, W, E]; groups: query heads per KV head, G, which sets the kernel's arithmetic per row) while the
-  same rows stream to `device`, and returns the split they give."""
+def measure(
+    host: jax.sharding.NamedSharding, device: jax.sharding.NamedSharding, fmt: KVFormat, groups: int, threads: int
+) -> Split:
+  """Measures the kernel on `threads` threads over SAMPLE_BYTES of `fmt` rows per device (host: the cache's
+  pinned_host sharding of a window [2, B, K, W, E]; groups: query heads per KV head, G, which sets the kernel's
+  arithmetic per row) while the same rows stream to `device`, and returns the split they give."""
   mesh = host.mesh
   t = mesh_lib.tensor_size(mesh)
   heads = t  # One KV head per device shard: the kernel's and the link's rates are per byte, not per head.
@@ -85,7 +92,7 @@ def measure(host: jax.sharding.NamedSharding, device: jax.sharding.NamedSharding
   per_device = window.nbytes // t
 
   def attend():
-    host_attention.attend_array(window, q, start, 0, rows, fmt, threads=host_attention.ENGINE_THREADS)
+    host_attention.attend_array(window, q, start, 0, rows, fmt, threads=threads)
 
   def stream(n):
     return [distributed.move(window, device) for _ in range(n)]

@@ -9,6 +9,7 @@ import pytest
 from experiments import tiny
 from jaxkv import benchmark
 from jaxkv import cache as cache_lib
+from jaxkv import ceilings
 from jaxkv import mesh as mesh_lib
 from jaxkv import peer_hf
 from jaxkv import run as run_lib
@@ -232,7 +233,7 @@ def test_bench_in_split_mode_layer():
       == cell["kv_bytes_per_step_total"]
       == 1.5 * cell["kv_bytes_per_step_per_device"]
   )
-  streaming = cell["kv_bytes_per_step_per_device"] / (cell["transfer_only_ms"] * 1e-3) / 1e9  # One link's rate.
+  streaming = cell["kv_bytes_per_step_per_device"] / (cell["transfer_only_ms"] * 1e-3) / 1e9  # The fullest device.
   assert cell["link_peak_gbps"] == pytest.approx(max(out["h2d_peak"]["gbps_median"], streaming))
   want = cell["batch"] * cell["link_peak_gbps"] * 1e9 / cell["kv_bytes_per_step_in_sequence"]
   assert cell["link_bound_tok_s"] == pytest.approx(want)
@@ -277,3 +278,36 @@ def test_peer_starts_or_says_why():
     assert res["decode_steps"] == 3 and res["decode_s"] > 0
   finally:
     peer.close()
+
+
+class _Window:
+  """A delivery that records when it was waited for."""
+
+  def __init__(self, log, layer):
+    self.log, self.layer = log, layer
+
+  def block_until_ready(self):
+    self.log.append(self.layer)
+    return self
+
+
+class _FakeTransport:
+  """run_pass hands out windows 0..n-1 and records, after each compute, the layers waited for so far."""
+
+  def __init__(self, depth, num_layers):
+    self.depth, self.num_layers, self.waited, self.seen = depth, num_layers, [], []
+
+  def run_pass(self, compute, next_pass):
+    del next_pass
+    for l in range(self.num_layers):
+      compute(l, _Window(self.waited, l))
+      self.seen.append(list(self.waited))
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_transfer_only_holds_at_most_the_ring_in_flight(depth):
+  """compute(l) waits for layer l - depth - 1's delivery (the ring's bound in decode); the clock waits for all."""
+  t = _FakeTransport(depth, 6)
+  assert ceilings.transfer_only_ms(t, passes=1) > 0
+  assert [seen[-1] if seen else None for seen in t.seen] == [None] * (depth + 1) + list(range(6 - depth - 1))
+  assert sorted(t.waited) == list(range(6))

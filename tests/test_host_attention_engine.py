@@ -9,6 +9,7 @@ observed <= 3e-6). The mode is deterministic (two runs bitwise equal) and delive
 import dataclasses
 
 import helpers
+import numba
 import numpy as np
 import pytest
 
@@ -48,6 +49,12 @@ def test_split_decoding_matches_the_device_placement(tensor, depth):
 def test_split_decoding_is_deterministic_and_delivers_the_tails():
   a, b = split_engine(1, debug=1).generate(PROMPTS, NEW), split_engine(1, debug=1).generate(PROMPTS, NEW)
   assert a.logits_sha256 == b.logits_sha256 and a.tokens == b.tokens
+  # The kernel's blocks do not depend on its threads: the default count and 2 (or 1) give the same bits.
+  c = helpers.with_kv(split_engine(1), host_attention_threads=min(2, numba.config.NUMBA_NUM_THREADS))
+  assert c.generate(PROMPTS, NEW).logits_sha256 == a.logits_sha256
+  over = helpers.with_kv(split_engine(1), host_attention_threads=numba.config.NUMBA_NUM_THREADS + 1)
+  with pytest.raises(ValueError, match="over numba's pool"):
+    over.generate(PROMPTS, NEW)
   plain = helpers.engine(1, placement="host", depth=1, debug=1).generate(PROMPTS, NEW)
   assert plain.tokens == a.tokens
   # r1 = floor(f W / 8) 8 <= f W, so at most the fraction is saved; W = 40..56 rows round it to 0.43..0.5.
@@ -98,6 +105,7 @@ def test_slots_serve_with_host_attention():
         (dict(placement="host", host_attention_fraction=0.5), "set kv.host_attention too"),
         (dict(placement="host", host_attention=True, host_attention_fraction=1.0), r"must be in \[0, 1\)"),
         (dict(placement="host", host_attention=True, host_attention_fraction=-0.1), r"must be in \[0, 1\)"),
+        (dict(placement="host", host_attention=True, host_attention_threads=-1), "must be >= 0"),
     ],
 )
 def test_bad_settings_are_refused(fields, message):
