@@ -38,7 +38,7 @@ def base_config() -> ml_collections.ConfigDict:
           device_budget_gib=None,  # placement "auto": device GiB for the KV (None = free memory; jaxkv.residency).
           host_attention=False,  # placement "host" or "auto": attend a share of each window on the host CPU.
           host_attention_fraction=0.0,  # With host_attention: that share; 0 = from rates measured at start.
-          host_attention_threads=0,  # With host_attention: the CPU kernel's threads; 0 = all cores but two, at most 16.
+          host_attention_threads=0,  # With host_attention: the CPU kernel's threads; 0 = numba's pool - 2, at most 16.
       )
   )
   c.engine = ml_collections.ConfigDict(dict(capacity=4096, prefill_chunk=1024))

@@ -110,7 +110,7 @@ class KVCache:
     if any(self.streamed):
       check_pinned_pool(self.host_bytes_per_process(), model, self.format, batch, self.rows_bound())
     self.host_split: host_split_lib.Split | None = None  # With kv.host_attention: the host's share.
-    self.host_threads = 0  # With kv.host_attention: the kernel's threads.
+    self.host_threads: int | None = None  # With kv.host_attention: the kernel's threads.
     # With host attention, seconds the dispatching thread spent per part of the split layers (jaxkv.engine).
     self.host_times: collections.Counter = collections.Counter()
     if kv.host_attention and any(self.streamed):

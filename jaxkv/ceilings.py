@@ -81,11 +81,11 @@ def host_cache_filled(config: Config, mesh: jax.sharding.Mesh, batch: int, rows:
 def transfer_only_ms(transport: Transport, passes: int) -> float:
   """ms per pass of `passes` back-to-back passes whose compute waits for nothing but the deliveries.
 
-  Deliveries run into the next pass as in decode. As in decode, where a layer's compute holds its window until the
-  window has landed, at most depth + 2 deliveries are in flight: compute(l) waits for the delivery of the layer
-  depth + 1 before it. (Without that wait the feeder issued every pass at once, and on the H200 the clock read
-  passes at 66 GB/s, over the link's peak, alternating with slow ones.) The clock stops when every delivery has
-  landed.
+  Deliveries run into the next pass as in decode. compute(l) waits for the delivery of layer l - depth - 1, so at
+  most 2 depth + 2 deliveries are alive: the depth + 1 held here and the feeder's depth + 1 slots (decode, whose
+  dispatch of layer l waits for window l, keeps depth + 1 in flight). Without that wait the feeder issued every pass
+  at once, and on the H200 the clock read passes at 66 GB/s, over the link's peak, alternating with slow ones. The
+  clock stops when every delivery has landed.
   """
   held = collections.deque()
 
@@ -107,8 +107,8 @@ def cell_ceilings(
   """Ceilings for one (context, batch) cell whose decode delivers windows of `rows` rows per layer.
 
   h2d_layer: GB/s of single per-layer deliveries (`reps` puts of windows[l], layers in turn).
-  transfer_only: ms per step of Transport(depth=2) passes with no compute (the ring still bounds the deliveries in
-    flight), median of `reps` runs of `passes` passes (after one untimed run); also the transport's summary (depth
+  transfer_only: ms per step of Transport(depth=2) passes with no compute (transfer_only_ms bounds the deliveries
+    in flight), median of `reps` runs of `passes` passes (after one untimed run); also the transport's summary (depth
     after any fallback).
   """
   if rows == 0:

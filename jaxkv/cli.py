@@ -78,8 +78,8 @@ KV_HOST_ATTENTION_FRACTION = flags.DEFINE_float(
 KV_HOST_ATTENTION_THREADS = flags.DEFINE_integer(
     "kv_host_attention_threads",
     None,
-    "With --kv_host_attention: the CPU kernel's threads (default: config kv.host_attention_threads, 0 = all cores "
-    "but two, at most 16).",
+    "With --kv_host_attention: the CPU kernel's threads (default: config kv.host_attention_threads, 0 = numba's "
+    "pool, by default the cores, minus two, at most 16).",
 )
 SPLIT_MODE = flags.DEFINE_enum(
     "split_mode",

@@ -89,8 +89,9 @@ class KVConfig:
     rest is delivered (jaxkv.host_attention, docs/design.md). Not bit-identical to the other modes.
   host_attention_fraction: the host's share f: 0 = chosen from the CPU and link rates measured at start
     (jaxkv.host_split); f in (0, 1) overrides it.
-  host_attention_threads: with host_attention, the CPU kernel's threads: 0 = all cores but two, at most 16
-    (jaxkv.host_attention.ENGINE_THREADS); ignored without it (a bench sets it for its host attention arms only).
+  host_attention_threads: with host_attention, the CPU kernel's threads: 0 = numba's pool (by default the
+    cores) minus two, at most 16 (jaxkv.host_attention.ENGINE_THREADS); ignored without it (in a bench it affects
+    only the host attention arms).
   """
 
   placement: str = "device"

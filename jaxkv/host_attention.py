@@ -36,10 +36,11 @@ from numba.extending import intrinsic
 
 from jaxkv.kv_quant import INT8_BLOCK, KVFormat
 
-# Threads of the kernel in the engine: all cores but two, left to the dispatching thread and the feeder, and at most
-# 16. Measured on the H200 hosts, decode steps with host attention: on 16 cores, 14 threads beat 16 by 1.3-1.4x
-# (spinning workers starve those threads); on 32 cores, 16 threads ran 8B at 16k, batch 4 in 142.8 ms per step where
-# 30 had taken 155.6 (two sessions). DRAM read bandwidth is near its peak at 16 threads (63 GB/s on 16 cores).
+# Threads of the kernel in the engine: numba's pool (NUMBA_NUM_THREADS, by default the cores) but two, left to the
+# dispatching thread and the feeder, and at most 16. Measured on the H200 hosts, decode steps with host attention:
+# on 16 cores, 14 threads beat 16 by 1.3-1.4x (spinning workers starve those threads); on 32 cores, 16 threads ran
+# 8B at 16k, batch 4 in 142.8 ms per step where 30 had taken 155.6 (two sessions). DRAM read bandwidth is near its
+# peak at 16 threads (63 GB/s on 16 cores).
 ENGINE_THREADS = max(1, min(numba.config.NUMBA_NUM_THREADS - 2, 16))
 
 ROW_BLOCK = 256  # Rows per task; fixed, so that the reduction order never depends on the threads.

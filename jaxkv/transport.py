@@ -251,5 +251,9 @@ class Transport:
         ring_bytes_per_device_configured=ring,
         fallback_reason=c.fallback_reason,
         **({"residency": self.cache.plan.summary()} if self.cache.plan else {}),
-        **({"host_attention": self.cache.host_split.summary()} if self.cache.host_split else {}),
+        **(
+            {"host_attention": dict(self.cache.host_split.summary(), threads=self.cache.host_threads)}
+            if self.cache.host_split
+            else {}
+        ),
     )

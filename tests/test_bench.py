@@ -305,9 +305,11 @@ class _FakeTransport:
 
 
 @pytest.mark.parametrize("depth", [0, 2])
-def test_transfer_only_holds_at_most_the_ring_in_flight(depth):
-  """compute(l) waits for layer l - depth - 1's delivery (the ring's bound in decode); the clock waits for all."""
+def test_transfer_only_waits_depth_plus_one_behind_and_for_all_at_the_end(depth):
+  """compute(l) waits for the delivery depth + 1 layers before it, across passes; the clock waits for every one."""
   t = _FakeTransport(depth, 6)
-  assert ceilings.transfer_only_ms(t, passes=1) > 0
-  assert [seen[-1] if seen else None for seen in t.seen] == [None] * (depth + 1) + list(range(6 - depth - 1))
-  assert sorted(t.waited) == list(range(6))
+  assert ceilings.transfer_only_ms(t, passes=2) > 0
+  layers = list(range(6)) * 2  # The deliveries of both passes, in order.
+  assert [seen[-1] if seen else None for seen in t.seen] == [None] * (depth + 1) + layers[: 12 - depth - 1]
+  assert [len(seen) for seen in t.seen] == [max(i - depth, 0) for i in range(12)]
+  assert t.waited == layers

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxkv import config as config_lib
+from jaxkv import host_attention
 from jaxkv import host_split
 from jaxkv import serving
 
@@ -49,9 +50,11 @@ def test_split_decoding_matches_the_device_placement(tensor, depth):
 def test_split_decoding_is_deterministic_and_delivers_the_tails():
   a, b = split_engine(1, debug=1).generate(PROMPTS, NEW), split_engine(1, debug=1).generate(PROMPTS, NEW)
   assert a.logits_sha256 == b.logits_sha256 and a.tokens == b.tokens
-  # The kernel's blocks do not depend on its threads: the default count and 2 (or 1) give the same bits.
-  c = helpers.with_kv(split_engine(1), host_attention_threads=min(2, numba.config.NUMBA_NUM_THREADS))
-  assert c.generate(PROMPTS, NEW).logits_sha256 == a.logits_sha256
+  # The setting reaches the kernel (the split measurement and decode), and the bits do not depend on it.
+  threads = min(2, numba.config.NUMBA_NUM_THREADS)
+  c = helpers.with_kv(split_engine(1), host_attention_threads=threads).generate(PROMPTS, NEW)
+  assert a.transport["host_attention"]["threads"] == host_attention.ENGINE_THREADS <= 16
+  assert c.transport["host_attention"]["threads"] == threads and c.logits_sha256 == a.logits_sha256
   over = helpers.with_kv(split_engine(1), host_attention_threads=numba.config.NUMBA_NUM_THREADS + 1)
   with pytest.raises(ValueError, match="over numba's pool"):
     over.generate(PROMPTS, NEW)
