@@ -8,6 +8,9 @@ process runs the same arms and process 0 writes the outputs. On the GPU, e.g.:
 
   python -m jaxkv.bench --cpu_devices=0 --config=experiments/llama3_8b.py --batches=1,4 \
       --json_out=bench.json --md_out=bench.md --plot_out=bench.png
+
+--synthetic_context stores each prompt's rows below its last prefill chunk as zeros instead of prefilling them:
+the decode steps do the same work, and a long context of a large model costs one chunk of prefill per sample.
 """
 
 from __future__ import annotations
@@ -39,6 +42,13 @@ PEER = flags.DEFINE_bool(
     True,
     "Add the Hugging Face offloaded-cache arm (needs torch, transformers and "
     "a CUDA device beside a JAX GPU run; else reported skipped).",
+)
+SYNTHETIC_CONTEXT = flags.DEFINE_bool(
+    "synthetic_context",
+    False,
+    "Store each prompt's rows below its last prefill chunk as zeros instead of prefilling them through the model "
+    "(jaxkv arms; the peer prefills in full): the same decode work for a fraction of the prefill time; the tokens "
+    "differ from a full prefill's.",
 )
 PEAK_MIB = flags.DEFINE_integer("peak_mib", 1024, "Per-device size of the link peak transfer, MiB.")
 SEED = flags.DEFINE_integer("seed", 0, "Seeds the weights and the prompt ids.")
@@ -72,6 +82,7 @@ def main(argv):
         peer=PEER.value,
         seed=SEED.value,
         peak_bytes=PEAK_MIB.value * 2**20,
+        synthetic_context=SYNTHETIC_CONTEXT.value,
     )
   except ValueError as e:
     raise app.UsageError(str(e)) from e

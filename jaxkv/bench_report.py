@@ -34,7 +34,12 @@ def markdown(out: dict) -> str:
       f"KV heads x {m['head_dim']}, {m['dtype']}; kv.block {out['config']['kv']['block']}; kv.dtype "
       f"{out['config']['kv'].get('dtype', 'model')} (an arm's _<dtype> suffix overrides it)",
       f"- {spec['new_tokens']} new tokens per sample; {spec['rounds']} rounds in alternating arm order after one "
-      "warm-up per arm; median (min–max) of the rounds",
+      "warm-up per arm; median (min–max) of the rounds"
+      + (
+          "; synthetic context: each prompt's rows below its last prefill chunk are zeros, not prefilled"
+          if spec.get("synthetic_context")
+          else ""
+      ),
       f"- link peak, pinned host -> device `jax.device_put` of {_mib(peak['bytes_per_device'])} MiB per device: "
       f"{peak['gbps_median']:.1f} GB/s per device (median of {len(peak['gbps'])}), "
       f"{out['tensor'] * peak['gbps_median']:.1f} GB/s over the {out['tensor']} devices at once"

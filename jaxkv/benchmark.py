@@ -7,7 +7,8 @@ the config's kv.dtype) and then a host attention suffix ("host_d2_ha": the host'
 shares one set of weights. For each (context, batch) cell: the ceilings (jaxkv.ceilings) for the config's KV dtype
 and for every other KV dtype of a host arm, then one untimed warm-up generate per arm (it also compiles), then
 `rounds` timed generates per arm in alternating order (round 0 A B C, round 1 C B A, ...).
-A sample is one generate of `new_tokens` tokens from `batch` random prompts of `context` tokens:
+A sample is one generate of `new_tokens` tokens from `batch` random prompts of `context` tokens (with
+synthetic_context, all but the last prefill chunk of each stored as zeros, not prefilled):
 ms/step = 1e3 * decode_s / decode_steps, tok/s = batch * decode_steps / decode_s.
 
 An arm that does not fit (pinned pool ValueError, XLA RESOURCE_EXHAUSTED / out of memory, or a peer that
@@ -61,7 +62,9 @@ class BenchSpec:
   optional "_<kv dtype>" suffix;
   new_tokens: tokens generated per sequence (>= 2; decode steps = new_tokens - 1); rounds: timed samples per
   arm and cell; peer: add PEER_ARM; peak_bytes: per-device size of the link peak transfer; ceiling_reps:
-  samples per ceiling."""
+  samples per ceiling; synthetic_context: the jaxkv arms store each prompt's rows below its last prefill chunk as
+  zeros instead of prefilling them (Engine.generate's zero_rows; the peer prefills in full): the same decode work
+  for a fraction of the prefill time, with other tokens than a full prefill's."""
 
   contexts: tuple[int, ...]
   batches: tuple[int, ...]
@@ -72,6 +75,7 @@ class BenchSpec:
   seed: int = 0
   peak_bytes: int = 2**30
   ceiling_reps: int = 5
+  synthetic_context: bool = False
 
   def __post_init__(self):
     if not self.contexts or min(self.contexts) < 1 or not self.batches or min(self.batches) < 1:
@@ -239,9 +243,9 @@ class _Arm:
     return s
 
 
-def _jax_runner(engine: Engine, prompts, new_tokens: int, seed: int) -> Callable[[], dict]:
+def _jax_runner(engine: Engine, prompts, new_tokens: int, seed: int, zero_rows: int) -> Callable[[], dict]:
   def run_once():
-    res = engine.generate(prompts, new_tokens, seed=seed)
+    res = engine.generate(prompts, new_tokens, seed=seed, zero_rows=zero_rows)
     transport = {k: v for k, v in res.transport.items() if k not in ("steps", "layer_times_ms")}
     return dict(res.timing, tokens_sha256=res.tokens_sha256, transport=transport)
 
@@ -279,8 +283,15 @@ def _run_cell(
     )
 
   prompts = run_lib.random_prompts(cfg.model.vocab_size, [context] * batch, spec.seed + context + batch)
+  chunk = cfg.engine.prefill_chunk
+  zero_rows = (context - 1) // chunk * chunk if spec.synthetic_context else 0  # All chunks but the last.
   arms = [
-      _Arm(name, _jax_runner(Engine(arm_config(cfg, name), mesh, params, layout), prompts, spec.new_tokens, spec.seed))
+      _Arm(
+          name,
+          _jax_runner(
+              Engine(arm_config(cfg, name), mesh, params, layout), prompts, spec.new_tokens, spec.seed, zero_rows
+          ),
+      )
       for name in spec.arms
   ]
   if spec.peer:

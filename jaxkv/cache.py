@@ -81,6 +81,11 @@ def _grow_fn(sharding: jax.sharding.Sharding):
   return jax.jit(grow, out_shardings=sharding)
 
 
+@functools.lru_cache(maxsize=None)
+def _zeros_fn(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
 class KVCache:
   """Holds the per-layer windows and open pages; see the module docstring for the layout."""
 
@@ -143,6 +148,13 @@ class KVCache:
     local = sum(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
     share = self.row_bytes(mesh_lib.tensor_size(self.mesh)) * local
     return share * self.rows_bound() * (sum(self.streamed) + 1)
+
+  def store_zeros(self, rows: int) -> None:
+    """Stores zeros as rows [0, rows) of every layer's window: rows no prompt computes (left padding of a prompt
+    prefilled alone, or a benchmark's synthetic context; decode reads and attends them like any rows)."""
+    for l in range(self.model.num_layers):
+      shape = (2, self.batch, self.model.num_kv_heads, rows, self.row_width)
+      self.store(l, _zeros_fn(shape, self.dtype, self.device_shardings[l])())
 
   def store(self, layer: int, window_device: jax.Array | None) -> int:
     """Places layer `layer`'s window (a device array) in the cache's memory. Returns bytes moved D2H."""

@@ -171,9 +171,9 @@ class Engine:
       return x
     return jax.device_put(x, self._stage_reps[stage_of[layer]])
 
-  def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+  def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, zero_rows: int = 0) -> None:
     """Raises ValueError for input that cannot run, before any work."""
-    cap = self.config.engine.capacity
+    cap, chunk = self.config.engine.capacity, self.config.engine.prefill_chunk
     vocab = self.config.model.vocab_size
     if not prompts:
       raise ValueError("no prompts given")
@@ -194,6 +194,11 @@ class Engine:
           f"{longest + max_new_tokens - 1} cache rows, more than the capacity {cap}; raise engine.capacity "
           "or lower max_new_tokens"
       )
+    if zero_rows % chunk or not 0 <= zero_rows < longest:
+      raise ValueError(
+          f"zero_rows must be a multiple of engine.prefill_chunk ({chunk}) below the longest prompt ({longest} "
+          f"tokens), got {zero_rows}"
+      )
 
   def _meta(self, start: np.ndarray, end: int, step: int, seed: int) -> jax.Array:
     m = np.concatenate([start, [end, step, seed]]).astype(np.int32)
@@ -206,17 +211,20 @@ class Engine:
       seed: int = 0,
       keep_logits: bool = False,
       on_step=None,
+      zero_rows: int = 0,
   ) -> GenerateResult:
     """Generates up to max_new_tokens per prompt. on_step(step, cache), if given, runs after each decode
-    step's tokens are back on the host (for monitoring)."""
-    self.validate(prompts, max_new_tokens)
+    step's tokens are back on the host (for monitoring). zero_rows (a multiple of engine.prefill_chunk below the
+    longest prompt): rows [0, zero_rows) are stored as zeros instead of prefilled through the model, a synthetic
+    context for benchmarks (decode reads and attends them like any rows; the tokens differ from a full prefill's)."""
+    self.validate(prompts, max_new_tokens, zero_rows)
     cfg = self.config
     batch = len(prompts)
     cache = cache_lib.KVCache(cfg.model, cfg.kv, self.mesh, batch, cfg.engine.capacity, self.layout)
     transport = Transport(cache, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
     rec = _Recorder(batch, cfg.sampling.eos_id, max_new_tokens, keep_logits, cfg.kv.transport_debug)
     try:
-      return self._generate(prompts, max_new_tokens, seed, on_step, cache, transport, rec)
+      return self._generate(prompts, max_new_tokens, seed, on_step, cache, transport, rec, zero_rows)
     finally:
       transport.close()
 
@@ -313,9 +321,9 @@ class Engine:
     times.update(dispatch=t1 - t0 + t4 - t3, wait_query=t2 - t1, kernel=t3 - t2, hand_back=time.perf_counter() - t4)
     return x
 
-  def prefill_prompts(self, cache, transport, prompts, seed, *, next_pass, shapes, counters):
-    """Prefills a batch of prompts right-aligned into a fresh cache (window, open page and cache.rows);
-    returns (x [B, D] of each prompt's last row, start i32[B], longest)."""
+  def prefill_prompts(self, cache, transport, prompts, seed, *, next_pass, shapes, counters, zero_rows=0):
+    """Prefills a batch of prompts right-aligned into a fresh cache (window, open page and cache.rows), rows
+    [0, zero_rows) as zeros (Engine.generate); returns (x [B, D] of each prompt's last row, start i32[B], longest)."""
     chunk, block = self.config.engine.prefill_chunk, self.config.kv.block
     lens = np.array([len(p) for p in prompts], np.int32)
     longest = int(lens.max())
@@ -328,13 +336,25 @@ class Engine:
       cache.opens[l] = open_page
       return cache.store(l, head)
 
+    if zero_rows:
+      cache.store_zeros(zero_rows)
     x_last = self.prefill(
-        cache, transport, tokens, start, longest, seed, finish, next_pass=next_pass, shapes=shapes, counters=counters
+        cache,
+        transport,
+        tokens,
+        start,
+        longest,
+        seed,
+        finish,
+        next_pass=next_pass,
+        shapes=shapes,
+        counters=counters,
+        first=zero_rows // chunk,
     )
     cache.rows = longest // block * block
     return x_last, start, longest
 
-  def _generate(self, prompts, max_new_tokens, seed, on_step, cache, transport, rec) -> GenerateResult:
+  def _generate(self, prompts, max_new_tokens, seed, on_step, cache, transport, rec, zero_rows) -> GenerateResult:
     """Prefill, then decode; the caller closes the transport."""
     cfg = self.config
     shapes: set[tuple] = set()
@@ -347,6 +367,7 @@ class Engine:
         next_pass=max_new_tokens > 1,
         shapes=shapes,
         counters=lambda tr, d2h, rows: rec.counters("prefill", tr, d2h, rows),
+        zero_rows=zero_rows,
     )
     lg, tok, x, _ = fns.head(self.top_last, x_last, self._meta(start, longest, 0, seed))
     t_start = rec.t_start

@@ -85,7 +85,6 @@ class _SlotFns:
   enter: object
   insert_device: object  # Into a window or open page in device memory.
   insert_host: object  # Into a window in pinned host memory, in place.
-  zeros: object
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,9 +124,6 @@ def _slot_functions(cfg, mesh: jax.sharding.Mesh, sampling: SamplingConfig) -> _
       enter=jax.jit(enter, out_shardings=rep, donate_argnums=(0, 1, 2)),
       insert_device=jax.jit(insert, out_shardings=kv_device, donate_argnums=(0,)),
       insert_host=jax.jit(insert_host, out_shardings=kv_host, donate_argnums=(0,)),
-      zeros=functools.lru_cache(maxsize=None)(
-          lambda shape, dtype: jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_device)
-      ),
   )
 
 
@@ -318,9 +314,7 @@ class _Run:
     own = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, 1, cfg.engine.capacity, eng.layout)
     layer_fns = self.server.layer_fns
     if first:  # Skipped chunks: zero rows below the prompt (left padding).
-      shape = (2, 1, cfg.model.num_kv_heads, first * chunk, own.row_width)
-      for l in range(cfg.model.num_layers):
-        own.store(l, layer_fns[l].zeros(shape, own.dtype)())
+      own.store_zeros(first * chunk)
 
     def finish(l, head, open_page):
       if head is not None:

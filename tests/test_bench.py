@@ -7,6 +7,7 @@ import jax
 import pytest
 
 from experiments import tiny
+from jaxkv import bench_report
 from jaxkv import benchmark
 from jaxkv import cache as cache_lib
 from jaxkv import ceilings
@@ -313,3 +314,21 @@ def test_transfer_only_waits_depth_plus_one_behind_and_for_all_at_the_end(depth)
   assert [seen[-1] if seen else None for seen in t.seen] == [None] * (depth + 1) + layers[: 12 - depth - 1]
   assert [len(seen) for seen in t.seen] == [max(i - depth, 0) for i in range(12)]
   assert t.waited == layers
+
+
+def test_synthetic_context_skips_all_but_the_last_prefill_chunk(monkeypatch):
+  """With synthetic_context every jaxkv sample stores the rows below the last chunk as zeros (16-row chunks: 32 of
+  a 40-token context) and the report says so."""
+  seen = []
+  generate = benchmark.Engine.generate
+
+  def spy(self, prompts, new_tokens, **kw):
+    seen.append(kw["zero_rows"])
+    return generate(self, prompts, new_tokens, **kw)
+
+  monkeypatch.setattr(benchmark.Engine, "generate", spy)
+  spec = _spec(contexts=(40,), arms=("device", "host_d1"), new_tokens=3, rounds=1, peer=False, synthetic_context=True)
+  out = benchmark.run(_config(), spec)
+  assert seen == [32] * 4  # A warm-up and a round per arm.
+  assert out["spec"]["synthetic_context"] is True and out["cells"][0]["tokens_match_across_arms"] is True
+  assert "synthetic context" in bench_report.markdown(out)

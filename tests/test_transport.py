@@ -176,3 +176,23 @@ def test_long_decode_keeps_device_memory_flat():
   assert max(counts[1000:]) <= max(counts[:1000]), (max(counts[:1000]), max(counts[1000:]))
   # Bytes beyond the open pages and the ring: only small per-step arrays (tokens, logits, meta, x).
   assert max(excess) < 64 * 1024, max(excess)
+
+
+def test_zero_rows_are_stored_not_prefilled_and_every_mode_agrees():
+  """generate(zero_rows=...) stores rows [0, zero_rows) as zeros and prefills only the chunks after them; the
+  delivery modes stay bitwise identical over that context, and bad values are refused before any work."""
+  prompts = helpers.prompts((40, 33))  # Chunks of 16 rows: [0, 16), [16, 32), [32, 48).
+  results = {}
+  for placement, depth in [("device", 1), ("host", 0), ("host", 2)]:
+    eng = helpers.engine(2, placement=placement, depth=depth, chunk=16, debug=1)
+    results[placement, depth] = eng.generate(prompts, 6, keep_logits=True, zero_rows=32)
+  ref = results["device", 1]
+  for mode, res in results.items():
+    np.testing.assert_array_equal(res.logits, ref.logits, err_msg=str(mode))
+  steps = results["host", 2].transport["steps"]
+  assert [s["kind"] for s in steps].count("prefill") == 1  # Only the last chunk ran.
+  full = helpers.engine(2, chunk=16).generate(prompts, 6, keep_logits=True)
+  assert not np.array_equal(full.logits, ref.logits)  # The zero rows were attended, not the prompts' own.
+  for bad in (8, 48, -16):
+    with pytest.raises(ValueError, match="zero_rows must be a multiple"):
+      helpers.engine(2, chunk=16).generate(prompts, 6, zero_rows=bad)
