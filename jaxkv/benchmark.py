@@ -385,8 +385,8 @@ def _summarize(cell: dict, peak_gbps: float) -> None:
   cell["compute_only_ms"] = med(DEVICE_ARM, "ms_per_step")
   cell["transfer_only_ms"] = per_dtype[base][1]
   # Back-to-back layer deliveries can beat one large put: the link peak (one device's link) is the best of the
-  # put and the transfer-only streaming rates (the fullest device's bytes; in split mode layer the stages receive in
-  # turn, as in decode, so that rate is below one link's and the put decides).
+  # put and the transfer-only streaming rates (the fullest device's bytes; in split mode layer the stages receive
+  # mostly in turn, so that rate is below one link's and the put decides).
   streaming = [b / (ms * 1e-3) / 1e9 for b, ms in per_dtype.values() if b and ms]
   peak_gbps = max([peak_gbps, *streaming])
   step_bytes = cell["kv_bytes_per_step_in_sequence"]

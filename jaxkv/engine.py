@@ -96,8 +96,8 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
     return model.decode_tail_partial(q, tail, open_page, meta[:-3], meta[-3], kv_format=fmt)
 
   def merge(p, x, o, lse, host_part):
-    # host_part f32[B, K, G, Dh + 1] (the host's o, then its lse) comes in pinned host memory and moves here, on the
-    # compute stream, not on the copy stream behind the queued deliveries (docs/design.md: measured at batch 4).
+    # host_part f32[B, K, G, Dh + 1] (the host's o, then its lse) comes in pinned host memory and moves here, inside
+    # the call, not by a put of its own on the copy stream behind the queued deliveries (docs/design.md).
     host_part = jax.device_put(host_part, jax.memory.Space.Device)
     return model.decode_merge(p, x, o, lse, host_part[..., :-1], host_part[..., -1], cfg=cfg)
 
