@@ -35,6 +35,7 @@ from jaxkv.config import Config, ModelConfig, SamplingConfig
 from jaxkv.kv_quant import KVFormat
 from jaxkv.transport import Transport
 
+HOST_THREAD_PARTS = ("dispatch", "wait_host", "hand_back", "wait_query", "kernel")  # host_thread_ms.
 _LAG = 2  # Decode steps between dispatching a step and reading its tokens back.
 
 
@@ -293,33 +294,41 @@ class Engine:
     return x, d2h
 
   def _decode_split(self, cache, l, fns, x, tail, meta, start) -> jax.Array:
-    """Layer l with rows [0, r1) (cache.heads[l], r1 > 0) attended on the host CPU by this thread and the tail
-    [r1, W) (delivered) and the open page on the devices; x [B, D] -> x [B, D].
+    """Layer l with rows [0, r1) (cache.heads[l], r1 > 0) attended on the host CPU by the kernel's worker thread
+    and the tail [r1, W) (delivered) and the open page on the devices; x [B, D] -> x [B, D].
 
-    The query's copy to the host starts as soon as it is computed; the CPU attends the head while the tail is
-    still on its way (the feeder keeps issuing the next layers' deliveries meanwhile), then the device's partial
-    over the tail is dispatched: dispatching a call that consumes a delivery in flight blocks this thread until
-    it lands, so dispatching it first would put the tail's delivery before the kernel. The merge and the rest of
-    the layer need both partials. (docs/design.md: why on this thread and not in a device callback.)"""
+    The query's copy to the host starts as soon as it is computed; the worker waits for it and attends the head
+    while this thread dispatches the device's partial over the tail (dispatching a call that consumes a delivery
+    in flight blocks this thread until it lands, so on one thread the kernel and that wait would add up). The
+    feeder keeps issuing the next layers' deliveries meanwhile. The merge and the rest of the layer need both
+    partials. (docs/design.md: why on the host's threads and not in a device callback.)"""
     p = self.params["layers"][l]
     times, t0 = cache.host_times, time.perf_counter()
     q, cache.opens[l] = fns.query(p, x, cache.opens[l], meta)  # q f32[B, K, G, Dh].
     q.copy_to_host_async()
+    host = host_attention.WORKER.submit(self._host_part, cache, l, q, start)
+    o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
     t1 = time.perf_counter()
+    host_part = host.result()
+    t2 = time.perf_counter()
+    x = fns.merge(p, x, o, lse, distributed.put_host(host_part, fns.host_part))
+    times.update(dispatch=t1 - t0, wait_host=t2 - t1, hand_back=time.perf_counter() - t2)
+    return x
+
+  @staticmethod
+  def _host_part(cache, l, q, start) -> np.ndarray:
+    """On the kernel's worker: waits for q f32[B, K, G, Dh] on the host, attends rows [0, r1) of layer l; returns
+    o and lse side by side, f32[B, K, G, Dh + 1]."""
+    t0 = time.perf_counter()
     q_host = np.zeros(q.shape, np.float32)  # This process's heads; attend_array reads only those.
     for shard in q.addressable_shards:
       q_host[shard.index] = np.asarray(shard.data)
-    t2 = time.perf_counter()
-    host_o, host_lse = host_attention.attend_array(
+    t1 = time.perf_counter()
+    o, lse = host_attention.attend_array(
         cache.heads[l], q_host, start, 0, cache.head_rows(l), cache.format, threads=cache.host_threads
     )
-    t3 = time.perf_counter()
-    o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
-    t4 = time.perf_counter()
-    host_part = np.concatenate([host_o, host_lse[..., None]], axis=-1)  # f32[B, K, G, Dh + 1].
-    x = fns.merge(p, x, o, lse, distributed.put_host(host_part, fns.host_part))
-    times.update(dispatch=t1 - t0 + t4 - t3, wait_query=t2 - t1, kernel=t3 - t2, hand_back=time.perf_counter() - t4)
-    return x
+    cache.host_times.update(wait_query=t1 - t0, kernel=time.perf_counter() - t1)  # Before this thread's result.
+    return np.concatenate([o, lse[..., None]], axis=-1)
 
   def prefill_prompts(self, cache, transport, prompts, seed, *, next_pass, shapes, counters, zero_rows=0):
     """Prefills a batch of prompts right-aligned into a fresh cache (window, open page and cache.rows), rows
@@ -415,11 +424,12 @@ class Engine:
 
 
 def host_thread_ms(times: collections.Counter) -> dict:
-  """Host attention: the dispatching thread's ms per decode step in each part of the split layers: dispatching
-  the query and the tail's partial (it waits for the tail's delivery), waiting for the query, the kernel, and
-  handing the partials back (their put to pinned host memory and the merge's dispatch)."""
+  """Host attention, ms per decode step in each part of the split layers. The dispatching thread: dispatching the
+  query and the tail's partial (it waits for the tail's delivery), waiting for the host's partial, handing it back
+  (its put to pinned host memory and the merge's dispatch). The kernel's worker, meanwhile: waiting for the query,
+  the kernel."""
   steps = max(times["steps"], 1)
-  return {f"{k}_ms_per_step": 1e3 * times[k] / steps for k in ("dispatch", "wait_query", "kernel", "hand_back")}
+  return {f"{k}_ms_per_step": 1e3 * times[k] / steps for k in HOST_THREAD_PARTS}
 
 
 def add_by_device(total: dict, c: dict) -> None:

@@ -24,6 +24,7 @@ scale. The rows two chunks ahead are prefetched, so memory loads overlap the ari
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 
 import jax
@@ -42,6 +43,10 @@ from jaxkv.kv_quant import INT8_BLOCK, KVFormat
 # 8B at 16k, batch 4 in 142.8 ms per step where 30 had taken 155.6 (two sessions). DRAM read bandwidth is near its
 # peak at 16 threads (63 GB/s on 16 cores).
 ENGINE_THREADS = max(1, min(numba.config.NUMBA_NUM_THREADS - 2, 16))
+
+# The engine's kernel thread (jaxkv.engine): a split layer's kernel runs here while the dispatching thread dispatches
+# the device's side; one per process, so numba's parallel launches never overlap.
+WORKER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxkv-host-attention")
 
 ROW_BLOCK = 256  # Rows per task; fixed, so that the reduction order never depends on the threads.
 _CHUNK = 8  # Rows widened to f32 at a time; the V update below is written out for 8.
