@@ -99,12 +99,12 @@ def markdown(out: dict) -> str:
         "f = the host's share of each streamed window (measured: f = cpu / (cpu + link) from the rates measured "
         "together at start; jaxkv.host_split); x link bound = tok/s / (batch x link peak / the arm's KV bytes per "
         "step): above 1 only because the CPU attends part of the rows. Thread ms/step, per decode step in the split layers "
-        "(last sample): the dispatching thread dispatching the query and the tail's partial (it waits for the "
-        "tail's delivery) / waiting for the host's partial / handing it back; the kernel's worker meanwhile waiting "
-        "for the query / running the kernel.",
+        "(last sample): the dispatching thread dispatching the query / the tail's partial (it waits for the tail's "
+        "delivery) / waiting for the host's partial / handing it back; the kernel's worker meanwhile waiting for "
+        "the query / running the kernel.",
         "",
         "| context | batch | arm | f (source) | cpu GB/s | link GB/s/device | tok/s | ms/step | x link bound "
-        "| thread ms/step: dispatch / wait host / hand back; worker: wait q / kernel |",
+        "| thread ms/step: query / tail / wait host / hand back; worker: wait q / kernel |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell, name, a in split:
@@ -114,7 +114,7 @@ def markdown(out: dict) -> str:
           f"| {_num(ha['cpu_gbps'], '.1f')} | {_num(ha['link_gbps'], '.1f')} "
           f"| {_num((a['tok_s'] or {}).get('median'), '.2f')} | {_num((a['ms_per_step'] or {}).get('median'), '.2f')} "
           f"| {_num(a['x_link_bound'], '.2f')} | "
-          + " / ".join(_num(ha.get(f"{p}_ms_per_step"), ".2f") for p in ("dispatch", "wait_host", "hand_back"))
+          + " / ".join(_num(ha.get(f"{p}_ms_per_step"), ".2f") for p in ("query", "tail", "wait_host", "hand_back"))
           + "; "
           + " / ".join(_num(ha.get(f"{p}_ms_per_step"), ".2f") for p in ("wait_query", "kernel"))
           + " |"

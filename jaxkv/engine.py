@@ -35,7 +35,7 @@ from jaxkv.config import Config, ModelConfig, SamplingConfig
 from jaxkv.kv_quant import KVFormat
 from jaxkv.transport import Transport
 
-HOST_THREAD_PARTS = ("dispatch", "wait_host", "hand_back", "wait_query", "kernel")  # host_thread_ms.
+HOST_THREAD_PARTS = ("query", "tail", "wait_host", "hand_back", "wait_query", "kernel")  # host_thread_ms.
 _LAG = 2  # Decode steps between dispatching a step and reading its tokens back.
 
 
@@ -307,12 +307,13 @@ class Engine:
     q, cache.opens[l] = fns.query(p, x, cache.opens[l], meta)  # q f32[B, K, G, Dh].
     q.copy_to_host_async()
     host = host_attention.WORKER.submit(self._host_part, cache, l, q, start)
-    o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
     t1 = time.perf_counter()
-    host_part = host.result()
+    o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
     t2 = time.perf_counter()
+    host_part = host.result()
+    t3 = time.perf_counter()
     x = fns.merge(p, x, o, lse, distributed.put_host(host_part, fns.host_part))
-    times.update(dispatch=t1 - t0, wait_host=t2 - t1, hand_back=time.perf_counter() - t2)
+    times.update(query=t1 - t0, tail=t2 - t1, wait_host=t3 - t2, hand_back=time.perf_counter() - t3)
     return x
 
   @staticmethod
@@ -425,9 +426,9 @@ class Engine:
 
 def host_thread_ms(times: collections.Counter) -> dict:
   """Host attention, ms per decode step in each part of the split layers. The dispatching thread: dispatching the
-  query and the tail's partial (it waits for the tail's delivery), waiting for the host's partial, handing it back
-  (its put to pinned host memory and the merge's dispatch). The kernel's worker, meanwhile: waiting for the query,
-  the kernel."""
+  query (and handing it to the worker), dispatching the tail's partial (it waits for the tail's delivery), waiting
+  for the host's partial, handing it back (its put to pinned host memory and the merge's dispatch). The kernel's
+  worker, meanwhile: waiting for the query, the kernel."""
   steps = max(times["steps"], 1)
   return {f"{k}_ms_per_step": 1e3 * times[k] / steps for k in HOST_THREAD_PARTS}
 
