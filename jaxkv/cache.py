@@ -116,7 +116,8 @@ class KVCache:
       check_pinned_pool(self.host_bytes_per_process(), model, self.format, batch, self.rows_bound())
     self.host_split: host_split_lib.Split | None = None  # With kv.host_attention: the host's share.
     self.host_threads: int | None = None  # With kv.host_attention: the kernel's threads.
-    # With host attention, seconds the dispatching thread spent per part of the split layers (jaxkv.engine).
+    # With host attention, seconds the dispatching thread and the kernel's worker spent per part of the split layers
+    # (jaxkv.engine.host_thread_ms).
     self.host_times: collections.Counter = collections.Counter()
     if kv.host_attention and any(self.streamed):
       self.host_threads = host_attention.engine_threads(kv.host_attention_threads)

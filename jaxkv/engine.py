@@ -12,6 +12,7 @@ chunk; during decode the head computes the next step's meta on the device.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -307,19 +308,23 @@ class Engine:
     q, cache.opens[l] = fns.query(p, x, cache.opens[l], meta)  # q f32[B, K, G, Dh].
     q.copy_to_host_async()
     host = host_attention.WORKER.submit(self._host_part, cache, l, q, start)
-    t1 = time.perf_counter()
-    o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
-    t2 = time.perf_counter()
-    host_part = host.result()
+    try:
+      t1 = time.perf_counter()
+      o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
+      t2 = time.perf_counter()
+    except BaseException:
+      concurrent.futures.wait([host])  # It reads the head in place: it must end before the cache can go.
+      raise
+    host_part, worker_times = host.result()
     t3 = time.perf_counter()
     x = fns.merge(p, x, o, lse, distributed.put_host(host_part, fns.host_part))
-    times.update(query=t1 - t0, tail=t2 - t1, wait_host=t3 - t2, hand_back=time.perf_counter() - t3)
+    times.update(query=t1 - t0, tail=t2 - t1, wait_host=t3 - t2, hand_back=time.perf_counter() - t3, **worker_times)
     return x
 
   @staticmethod
-  def _host_part(cache, l, q, start) -> np.ndarray:
+  def _host_part(cache, l, q, start) -> tuple[np.ndarray, dict]:
     """On the kernel's worker: waits for q f32[B, K, G, Dh] on the host, attends rows [0, r1) of layer l; returns
-    o and lse side by side, f32[B, K, G, Dh + 1]."""
+    o and lse side by side, f32[B, K, G, Dh + 1], and this thread's seconds per part."""
     t0 = time.perf_counter()
     q_host = np.zeros(q.shape, np.float32)  # This process's heads; attend_array reads only those.
     for shard in q.addressable_shards:
@@ -328,8 +333,8 @@ class Engine:
     o, lse = host_attention.attend_array(
         cache.heads[l], q_host, start, 0, cache.head_rows(l), cache.format, threads=cache.host_threads
     )
-    cache.host_times.update(wait_query=t1 - t0, kernel=time.perf_counter() - t1)  # Before this thread's result.
-    return np.concatenate([o, lse[..., None]], axis=-1)
+    times = dict(wait_query=t1 - t0, kernel=time.perf_counter() - t1)
+    return np.concatenate([o, lse[..., None]], axis=-1), times
 
   def prefill_prompts(self, cache, transport, prompts, seed, *, next_pass, shapes, counters, zero_rows=0):
     """Prefills a batch of prompts right-aligned into a fresh cache (window, open page and cache.rows), rows

@@ -45,7 +45,7 @@ from jaxkv.kv_quant import INT8_BLOCK, KVFormat
 ENGINE_THREADS = max(1, min(numba.config.NUMBA_NUM_THREADS - 2, 16))
 
 # The engine's kernel thread (jaxkv.engine): a split layer's kernel runs here while the dispatching thread dispatches
-# the device's side; one per process, so numba's parallel launches never overlap.
+# the device's side; one per process, so the engines' kernels run one at a time.
 WORKER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxkv-host-attention")
 
 ROW_BLOCK = 256  # Rows per task; fixed, so that the reduction order never depends on the threads.
