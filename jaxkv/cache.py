@@ -153,8 +153,8 @@ class KVCache:
   def store_zeros(self, rows: int) -> None:
     """Stores zeros as rows [0, rows) of every layer's window: rows no prompt computes (left padding of a prompt
     prefilled alone, or a benchmark's synthetic context; decode reads and attends them like any rows)."""
+    shape = (2, self.batch, self.model.num_kv_heads, rows, self.row_width)
     for l in range(self.model.num_layers):
-      shape = (2, self.batch, self.model.num_kv_heads, rows, self.row_width)
       self.store(l, _zeros_fn(shape, self.dtype, self.device_shardings[l])())
 
   def store(self, layer: int, window_device: jax.Array | None) -> int:
