@@ -104,7 +104,7 @@ def markdown(out: dict) -> str:
         "for the query / running the kernel.",
         "",
         "| context | batch | arm | f (source) | cpu GB/s | link GB/s/device | tok/s | ms/step | x link bound "
-        "| thread ms/step: query / tail / wait host / hand back; worker: wait q / kernel |",
+        "| thread ms/step: query / tail / wait host / merge; worker: wait q / kernel |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell, name, a in split:
@@ -114,7 +114,7 @@ def markdown(out: dict) -> str:
           f"| {_num(ha['cpu_gbps'], '.1f')} | {_num(ha['link_gbps'], '.1f')} "
           f"| {_num((a['tok_s'] or {}).get('median'), '.2f')} | {_num((a['ms_per_step'] or {}).get('median'), '.2f')} "
           f"| {_num(a['x_link_bound'], '.2f')} | "
-          + " / ".join(_num(ha.get(f"{p}_ms_per_step"), ".2f") for p in ("query", "tail", "wait_host", "hand_back"))
+          + " / ".join(_num(ha.get(f"{p}_ms_per_step"), ".2f") for p in ("query", "tail", "wait_host", "merge"))
           + "; "
           + " / ".join(_num(ha.get(f"{p}_ms_per_step"), ".2f") for p in ("wait_query", "kernel"))
           + " |"

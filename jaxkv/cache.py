@@ -119,6 +119,7 @@ class KVCache:
     # With host attention, seconds the dispatching thread and the kernel's worker spent per part of the split layers
     # (jaxkv.engine.host_thread_ms).
     self.host_times: collections.Counter = collections.Counter()
+    self._hand_backs: dict[jax.sharding.Sharding, host_attention.HandBack] = {}
     if kv.host_attention and any(self.streamed):
       self.host_threads = host_attention.engine_threads(kv.host_attention_threads)
       self.host_split = host_split_lib.split(
@@ -133,6 +134,15 @@ class KVCache:
     self.heads: list[jax.Array | None] = [None] * model.num_layers  # Host-attended rows [0, r1); see above.
     self.opens: list[jax.Array | None] = [None] * model.num_layers
     self.rows = 0  # W, the same for every layer.
+
+  def hand_back(self, sharding: jax.sharding.Sharding) -> host_attention.HandBack:
+    """With host attention: the array that carries the host's partials f32[B, K, G, Dh + 1] to a stage's devices,
+    in `sharding` (its heads, pinned host memory); one per stage, made at first use (jaxkv.engine)."""
+    if sharding not in self._hand_backs:
+      m = self.model
+      shape = (self.batch, m.num_kv_heads, m.num_heads // m.num_kv_heads, m.head_dim + 1)
+      self._hand_backs[sharding] = host_attention.HandBack(shape, sharding)
+    return self._hand_backs[sharding]
 
   def rows_bound(self) -> int:
     """Largest window plus open page the cache can reach: capacity rounded up to a block, plus a block."""

@@ -19,6 +19,7 @@ import hashlib
 import json
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,7 @@ from jaxkv.config import Config, ModelConfig, SamplingConfig
 from jaxkv.kv_quant import KVFormat
 from jaxkv.transport import Transport
 
-HOST_THREAD_PARTS = ("query", "tail", "wait_host", "hand_back", "wait_query", "kernel")  # host_thread_ms.
+HOST_THREAD_PARTS = ("query", "tail", "wait_host", "merge", "wait_query", "kernel")  # host_thread_ms.
 _LAG = 2  # Decode steps between dispatching a step and reading its tokens back.
 
 
@@ -73,7 +74,18 @@ class _Fns:
   query: object
   tail_partial: object
   merge: object
-  host_part: jax.sharding.Sharding  # The host's partial, merge's last argument.
+  merge_query: object
+  pinned_heads: jax.sharding.Sharding  # q's copy for the host and the host's partial (host_attention.HandBack).
+
+
+class _HeldMerge(NamedTuple):
+  """A split layer's merge, not dispatched yet: merge(p, x, o, lse, hand_back.array) on the stage of `fns`."""
+
+  fns: _Fns
+  p: dict
+  o: jax.Array  # f32[B, K, G, Dh], the device's partial.
+  lse: jax.Array  # f32[B, K, G].
+  hand_back: host_attention.HandBack
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,6 +94,7 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
   rep = mesh_lib.replicated(mesh)
   kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
   heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None))  # q and the partials' o.
+  pinned_heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None), "pinned_host")
   lse_heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None))  # The partials' lse.
   fmt = KVFormat.of(cfg, kv_dtype)
 
@@ -91,17 +104,23 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
   def decode(p, x, window, open_page, meta):
     return model.decode_layer(p, x, window, open_page, meta[:-3], meta[-3], cfg=cfg, kv_format=fmt)
 
-  def query(p, x, open_page, meta):
-    return model.decode_query(p, x, open_page, meta[:-3], meta[-3], cfg=cfg, kv_format=fmt)
-
   def tail_partial(q, tail, open_page, meta):
     return model.decode_tail_partial(q, tail, open_page, meta[:-3], meta[-3], kv_format=fmt)
+
+  def query(p, x, open_page, meta):
+    q, open_page = model.decode_query(p, x, open_page, meta[:-3], meta[-3], cfg=cfg, kv_format=fmt)
+    return q, q, open_page  # The second lands in pinned host memory when the call ends, for the host's kernel.
 
   def merge(p, x, o, lse, host_part):
     # host_part f32[B, K, G, Dh + 1] (the host's o, then its lse) comes in pinned host memory and moves here, inside
     # the call, not by a put of its own on the copy stream behind the queued deliveries (docs/design.md).
     host_part = jax.device_put(host_part, jax.memory.Space.Device)
     return model.decode_merge(p, x, o, lse, host_part[..., :-1], host_part[..., -1], cfg=cfg)
+
+  def merge_query(p_prev, x, o, lse, host_part, p, open_page, meta):
+    """A split layer's merge, then the next split layer's query: one dispatch where there were two."""
+    x = merge(p_prev, x, o, lse, host_part)
+    return (x, *query(p, x, open_page, meta))
 
   def flush(window, open_page):
     return cache_lib.grow(window, open_page), jnp.zeros_like(open_page)
@@ -123,10 +142,11 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
       head=jax.jit(head, out_shardings=rep),
       embed=jax.jit(model.embed, out_shardings=rep),
       last_row=jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), out_shardings=rep),
-      query=jax.jit(query, out_shardings=(heads, kv), donate_argnums=(2,)),
+      query=jax.jit(query, out_shardings=(heads, pinned_heads, kv), donate_argnums=(2,)),
       tail_partial=jax.jit(tail_partial, out_shardings=(heads, lse_heads)),
       merge=jax.jit(merge, out_shardings=rep),
-      host_part=mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None), "pinned_host"),
+      merge_query=jax.jit(merge_query, out_shardings=(rep, heads, pinned_heads, kv), donate_argnums=(6,)),
+      pinned_heads=pinned_heads,
   )
 
 
@@ -276,38 +296,52 @@ class Engine:
     if split:
       cache.host_times["steps"] += 1
     d2h = 0
+    held = None  # The last split layer's merge, not dispatched yet.
 
     def compute(l, window):
-      nonlocal x, d2h
+      nonlocal x, d2h, held
       shapes.add(("decode", 0 if window is None else window.shape[3]))
       fns = self.layer_fns(l)
       if split and cache.head_rows(l):  # No head rows yet (short window, resident layer): the plain layer.
-        x = self._decode_split(cache, l, fns, self.to_layer(x, l), window, metas[stage_of[l]], start)
+        x, held = self._decode_split(cache, l, fns, x, held, window, metas[stage_of[l]], start)
       else:
+        x, held = self._merge_held(cache, held, x), None
         x, cache.opens[l] = fns.decode(layers[l], self.to_layer(x, l), window, cache.opens[l], metas[stage_of[l]])
       if full:
         grown, cache.opens[l] = fns.flush(window, cache.opens[l])
         d2h += cache.store_tail(l, grown) if split and cache.streamed[l] else cache.store(l, grown)
 
     transport.run_pass(compute, next_pass=next_pass)
+    x = self._merge_held(cache, held, x)
     if full:
       cache.rows += block
     return x, d2h
 
-  def _decode_split(self, cache, l, fns, x, tail, meta, start) -> jax.Array:
+  def _decode_split(self, cache, l, fns, x, held, tail, meta, start) -> tuple[jax.Array, _HeldMerge]:
     """Layer l with rows [0, r1) (cache.heads[l], r1 > 0) attended on the host CPU by the kernel's worker thread
-    and the tail [r1, W) (delivered) and the open page on the devices; x [B, D] -> x [B, D].
+    and the tail [r1, W) (delivered) and the open page on the devices.
 
-    The query's copy to the host starts as soon as it is computed; the worker waits for it and attends the head
-    while this thread dispatches the device's partial over the tail (dispatching a call that consumes a delivery
-    in flight blocks this thread until it lands, so on one thread the kernel and that wait would add up). The
-    feeder keeps issuing the next layers' deliveries meanwhile. The merge and the rest of the layer need both
-    partials. (docs/design.md: why on the host's threads and not in a device callback.)"""
+    x [B, D] is the input of layer l, or with `held` (the previous split layer's merge) the input of that merge.
+    Returns layer l's input and its own merge, held: the next split layer's query carries it (one dispatch per layer
+    on the path from one kernel to the next), else `_merge_held` dispatches it.
+
+    The query's call also writes q to pinned host memory; the worker waits for it there, attends the head and writes
+    its partial in place into the stage's hand-back array, while this thread dispatches the device's partial over the
+    tail (dispatching a call that consumes a delivery in flight blocks this thread until it lands, so on one thread
+    the kernel and that wait would add up). The feeder keeps issuing the next layers' deliveries meanwhile.
+    (docs/design.md: why on the host's threads and not in a device callback.)"""
+    if held is not None and held.fns is not fns:  # Held on another stage: merged there first.
+      x, held = self._merge_held(cache, held, x), None
+    x = self.to_layer(x, l)
     p = self.params["layers"][l]
+    hand_back = cache.hand_back(fns.pinned_heads)
     times, t0 = cache.host_times, time.perf_counter()
-    q, cache.opens[l] = fns.query(p, x, cache.opens[l], meta)  # q f32[B, K, G, Dh].
-    q.copy_to_host_async()
-    host = host_attention.WORKER.submit(self._host_part, cache, l, q, start)
+    if held is None:
+      q, q_host, cache.opens[l] = fns.query(p, x, cache.opens[l], meta)  # q f32[B, K, G, Dh], twice.
+    else:  # The held merge reads the hand-back array before this query, hence before the worker writes it again.
+      h = held
+      x, q, q_host, cache.opens[l] = fns.merge_query(h.p, x, h.o, h.lse, h.hand_back.array, p, cache.opens[l], meta)
+    host = host_attention.WORKER.submit(self._host_part, cache, l, q_host, start, hand_back)
     try:
       t1 = time.perf_counter()
       o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
@@ -315,26 +349,34 @@ class Engine:
     except BaseException:
       concurrent.futures.wait([host])  # It reads the head in place: it must end before the cache can go.
       raise
-    host_part, worker_times = host.result()
-    t3 = time.perf_counter()
-    x = fns.merge(p, x, o, lse, distributed.put_host(host_part, fns.host_part))
-    times.update(query=t1 - t0, tail=t2 - t1, wait_host=t3 - t2, hand_back=time.perf_counter() - t3, **worker_times)
+    worker_times = host.result()
+    times.update(query=t1 - t0, tail=t2 - t1, wait_host=time.perf_counter() - t2, **worker_times)
+    return x, _HeldMerge(fns, p, o, lse, hand_back)
+
+  @staticmethod
+  def _merge_held(cache, held: _HeldMerge | None, x: jax.Array) -> jax.Array:
+    """x after the held merge (x itself without one)."""
+    if held is None:
+      return x
+    t0 = time.perf_counter()
+    x = held.fns.merge(held.p, x, held.o, held.lse, held.hand_back.array)
+    cache.host_times["merge"] += time.perf_counter() - t0
     return x
 
   @staticmethod
-  def _host_part(cache, l, q, start) -> tuple[np.ndarray, dict]:
-    """On the kernel's worker: waits for q f32[B, K, G, Dh] on the host, attends rows [0, r1) of layer l; returns
-    o and lse side by side, f32[B, K, G, Dh + 1], and this thread's seconds per part."""
+  def _host_part(cache, l, q_host, start, hand_back) -> dict:
+    """On the kernel's worker: waits for q f32[B, K, G, Dh] in pinned host memory, attends rows [0, r1) of layer l
+    and writes o and lse into `hand_back`; returns this thread's seconds per part."""
     t0 = time.perf_counter()
-    q_host = np.zeros(q.shape, np.float32)  # This process's heads; attend_array reads only those.
-    for shard in q.addressable_shards:
-      q_host[shard.index] = np.asarray(shard.data)
+    q = np.zeros(q_host.shape, np.float32)  # This process's heads; attend_array reads only those.
+    for index, view in host_attention.shard_views(q_host):
+      q[index] = view
     t1 = time.perf_counter()
     o, lse = host_attention.attend_array(
-        cache.heads[l], q_host, start, 0, cache.head_rows(l), cache.format, threads=cache.host_threads
+        cache.heads[l], q, start, 0, cache.head_rows(l), cache.format, threads=cache.host_threads
     )
-    times = dict(wait_query=t1 - t0, kernel=time.perf_counter() - t1)
-    return np.concatenate([o, lse[..., None]], axis=-1), times
+    hand_back.write(o, lse)
+    return dict(wait_query=t1 - t0, kernel=time.perf_counter() - t1)
 
   def prefill_prompts(self, cache, transport, prompts, seed, *, next_pass, shapes, counters, zero_rows=0):
     """Prefills a batch of prompts right-aligned into a fresh cache (window, open page and cache.rows), rows

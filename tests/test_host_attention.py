@@ -257,6 +257,23 @@ def test_views_alias_the_shards_of_a_host_array():
   np.testing.assert_array_equal(lse, want_lse)
 
 
+@pytest.mark.parametrize("devices", [1, 2, 4])
+def test_hand_back_is_written_in_place_and_read_by_a_device_call(devices):
+  mesh = helpers.mesh(devices)
+  sharding = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None), "pinned_host")
+  hand_back = host_attention.HandBack((2, 4, 3, 9), sharding)
+  pointers = [s.data.unsafe_buffer_pointer() for s in hand_back.array.addressable_shards]
+  read = jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Device) * 1.0)
+  rng = np.random.default_rng(0)
+  for _ in range(3):  # Each write is seen by the next call; the array stays the same memory.
+    o, lse = rng.standard_normal((2, 4, 3, 8), np.float32), rng.standard_normal((2, 4, 3), np.float32)
+    hand_back.write(o, lse)
+    got = np.asarray(read(hand_back.array))
+    np.testing.assert_array_equal(got[..., :-1], o)
+    np.testing.assert_array_equal(got[..., -1], lse)
+    assert [s.data.unsafe_buffer_pointer() for s in hand_back.array.addressable_shards] == pointers
+
+
 def test_the_probe_runs_and_writes_its_json(tmp_path):
   spec = importlib.util.spec_from_file_location("probe", ROOT / "tools" / "probe_host_attention.py")
   probe = importlib.util.module_from_spec(spec)

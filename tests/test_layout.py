@@ -102,3 +102,17 @@ def test_config_rejects_an_unknown_split_mode():
   cfg = helpers.tiny_config()
   with pytest.raises(ValueError, match="split.mode must be one of"):
     dataclasses.replace(cfg, split=dataclasses.replace(cfg.split, mode="pipeline"))
+
+
+@pytest.mark.parametrize("devices, split", [(2, "1,2"), (4, "")])
+def test_host_attention_across_layer_stages_matches_one_device(devices, split):
+  """Each stage's split layers hand their merge to the next split layer's query on the same stage; at a stage
+  boundary the merge runs on its own stage first."""
+  prompts = helpers.prompts((40, 33, 17, 1))  # Windows of 40..56 rows: head rows at f = 0.5.
+  ref = _engine("none", devices, placement="device").generate(prompts, NEW, keep_logits=True)
+  eng = _engine("layer", devices, split)
+  kv = dataclasses.replace(eng.config.kv, host_attention=True, host_attention_fraction=0.5)
+  eng = engine_lib.Engine(dataclasses.replace(eng.config, kv=kv), eng.mesh, eng.params, eng.layout)
+  res = eng.generate(prompts, NEW, keep_logits=True)
+  assert res.tokens == ref.tokens
+  np.testing.assert_allclose(res.logits, ref.logits, rtol=0, atol=1e-5)  # As in test_host_attention_engine.
