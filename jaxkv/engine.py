@@ -473,9 +473,10 @@ class Engine:
 
 def host_thread_ms(times: collections.Counter) -> dict:
   """Host attention, ms per decode step in each part of the split layers. The dispatching thread: dispatching the
-  query (and handing it to the worker), dispatching the tail's partial (it waits for the tail's delivery), waiting
-  for the host's partial, handing it back (its put to pinned host memory and the merge's dispatch). The kernel's
-  worker, meanwhile: waiting for the query, the kernel."""
+  query (with the previous split layer's merge, when it carries one) and handing it to the worker, dispatching the
+  tail's partial (it waits for the tail's delivery), waiting for the host's partial, dispatching the merges that no
+  query carries (the pass's last split layer's, one before a plain layer or at a stage boundary). The kernel's
+  worker, meanwhile: waiting for the query, the kernel with the write of its partial."""
   steps = max(times["steps"], 1)
   return {f"{k}_ms_per_step": 1e3 * times[k] / steps for k in HOST_THREAD_PARTS}
 

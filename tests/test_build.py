@@ -20,6 +20,11 @@ DEVICE_FLAG = "--xla_force_host_platform_device_count="
 CONFTEST = "tests/conftest.py"
 # Deps that no import statement shows: experiments/tiny.py is jaxkv/cli.py's default --config file, loaded by path.
 NON_IMPORT_DEPS = {"jaxkv/cli.py": {"experiments/tiny.py"}}
+# Tests that load a script of tools/ by path (a data file): the script's imports are the test's deps too.
+RUN_BY_PATH = {
+    "tests/test_host_attention.py": "tools/probe_host_attention.py",
+    "tests/test_host_attention_engine.py": "tools/probe_held_merge.py",
+}
 
 
 def load_build(root: pathlib.Path) -> dict[str, dict]:
@@ -112,7 +117,7 @@ def suggested_name(path: str) -> str:
 def expected_dep_paths(root: pathlib.Path, target: dict) -> set[str]:
   srcs = [s for s in target.get("srcs", []) if s != PYTEST_MAIN]
   deps = set()
-  for src in srcs:
+  for src in srcs + [RUN_BY_PATH[s] for s in srcs if s in RUN_BY_PATH]:
     deps |= first_party_imports(root, src) | NON_IMPORT_DEPS.get(src, set())
   if target["kind"] == "py_test" and (root / CONFTEST).is_file():
     deps.add(CONFTEST)  # pytest loads it into every test of tests/.
@@ -221,7 +226,7 @@ def test_build_matches_the_tree(check):
 @pytest.fixture
 def tree_copy(tmp_path):
   """The files the checks read, copied."""
-  for rel in ["BUILD", "pyproject.toml", PYTEST_MAIN, *modules(ROOT), *pytest_files(ROOT)]:
+  for rel in ["BUILD", "pyproject.toml", PYTEST_MAIN, *modules(ROOT), *pytest_files(ROOT), *RUN_BY_PATH.values()]:
     if (ROOT / rel).is_file():
       (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
       shutil.copyfile(ROOT / rel, tmp_path / rel)

@@ -7,6 +7,8 @@ observed <= 3e-6). The mode is deterministic (two runs bitwise equal) and delive
 """
 
 import dataclasses
+import importlib.util
+import pathlib
 
 import helpers
 import numba
@@ -19,6 +21,7 @@ from jaxkv import host_attention
 from jaxkv import host_split
 from jaxkv import serving
 
+ROOT = pathlib.Path(__file__).absolute().parent.parent
 PROMPTS = helpers.prompts((40, 33, 17, 1))  # Windows of 40..56 rows (block 8): splits at 16 and 24 with f = 0.5.
 NEW = 20
 FRACTION = 0.5
@@ -100,6 +103,16 @@ def test_slots_serve_with_host_attention():
   got = serving.Server(split_engine(2), 2).serve(reqs)
   assert got.transport["insertions"] >= 1 and got.transport["host_attention"]["kernel_ms_per_step"] > 0
   assert [r.tokens for r in got.results] == [r.tokens for r in want.results]
+
+
+def test_the_held_merge_probe_compares_the_same_tokens():
+  spec = importlib.util.spec_from_file_location("probe", ROOT / "tools" / "probe_held_merge.py")
+  probe = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(probe)
+  rows = probe.run([(2, 0.5)], ctx=40, new=6, rounds=2, threads=0)
+  assert [r["variant"] for r in rows] == ["carried", "alone", "alone", "carried"]
+  assert len({r["tokens_sha256"] for r in rows}) == 1 and all(r["ms_per_step"] > 0 for r in rows)
+  assert engine_lib.Engine._decode_split is probe._CARRIED  # Restored.
 
 
 @pytest.mark.parametrize(
