@@ -101,8 +101,8 @@ def markdown(out: dict) -> str:
         "step): above 1 only because the CPU attends part of the rows. Thread ms/step, per decode step in the split "
         "layers (last sample): the dispatching thread dispatching the query (with the previous split layer's merge) "
         "/ the tail's partial (it waits for the tail's delivery) / waiting for the host's partial / the merges no "
-        "query carries (the last split layer's, one at a stage boundary); the kernel's worker meanwhile waiting for "
-        "the query / running the kernel and writing its partial.",
+        "query carries (the last split layer's, one before a plain layer or at a stage boundary); the kernel's worker "
+        "meanwhile waiting for the query / running the kernel and writing its partial.",
         "",
         "| context | batch | arm | f (source) | cpu GB/s | link GB/s/device | tok/s | ms/step | x link bound "
         "| thread ms/step: query / tail / wait host / merge; worker: wait q / kernel |",

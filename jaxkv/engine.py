@@ -118,8 +118,9 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
     return model.decode_merge(p, x, o, lse, host_part[..., :-1], host_part[..., -1], cfg=cfg)
 
   def merge_query(p_prev, x, o, lse, host_part, p, open_page, meta):
-    """A split layer's merge, then the next split layer's query: one dispatch where there were two."""
-    x = merge(p_prev, x, o, lse, host_part)
+    """A split layer's merge, then the next split layer's query: one dispatch where there were two. The barrier
+    keeps x as the merge returns it (in the model dtype) for the query, so the bits are those of the two calls."""
+    x = jax.lax.optimization_barrier(merge(p_prev, x, o, lse, host_part))
     return (x, *query(p, x, open_page, meta))
 
   def flush(window, open_page):
@@ -339,8 +340,9 @@ class Engine:
     if held is None:
       q, q_host, cache.opens[l] = fns.query(p, x, cache.opens[l], meta)  # q f32[B, K, G, Dh], twice.
     else:  # The held merge reads the hand-back array before this query, hence before the worker writes it again.
-      h = held
-      x, q, q_host, cache.opens[l] = fns.merge_query(h.p, x, h.o, h.lse, h.hand_back.array, p, cache.opens[l], meta)
+      x, q, q_host, cache.opens[l] = fns.merge_query(
+          held.p, x, held.o, held.lse, held.hand_back.array, p, cache.opens[l], meta
+      )
     host = host_attention.WORKER.submit(self._host_part, cache, l, q_host, start, hand_back)
     try:
       t1 = time.perf_counter()

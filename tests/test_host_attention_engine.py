@@ -105,10 +105,24 @@ def test_slots_serve_with_host_attention():
   assert [r.tokens for r in got.results] == [r.tokens for r in want.results]
 
 
-def test_the_held_merge_probe_compares_the_same_tokens():
+def held_merge_probe():
   spec = importlib.util.spec_from_file_location("probe", ROOT / "tools" / "probe_held_merge.py")
   probe = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(probe)
+  return probe
+
+
+def test_a_carried_merge_gives_the_bits_of_merge_then_query(monkeypatch):
+  """bf16, where fusing the merge into the query's program could otherwise keep x wider than the merge returns."""
+  eng = split_engine(1, cfg=helpers.tiny_config(dtype="bfloat16"))
+  carried = eng.generate(PROMPTS, NEW, keep_logits=True)
+  monkeypatch.setattr(engine_lib.Engine, "_decode_split", held_merge_probe()._alone)
+  alone = eng.generate(PROMPTS, NEW, keep_logits=True)
+  assert carried.logits_sha256 == alone.logits_sha256 and carried.tokens == alone.tokens
+
+
+def test_the_held_merge_probe_compares_the_same_tokens():
+  probe = held_merge_probe()
   rows = probe.run([(2, 0.5)], ctx=40, new=6, rounds=2, threads=0)
   assert [r["variant"] for r in rows] == ["carried", "alone", "alone", "carried"]
   assert len({r["tokens_sha256"] for r in rows}) == 1 and all(r["ms_per_step"] > 0 for r in rows)
