@@ -11,12 +11,16 @@ import functools
 import importlib.util
 import json
 import math
+import os
 import pathlib
+import subprocess
+import sys
 
 import helpers
 import jax
 import jax.numpy as jnp
 import numba
+import numba.core.codegen
 import numpy as np
 import pytest
 
@@ -107,6 +111,26 @@ def test_rows_are_widened_exactly(name):
   o, _ = host_attention.attend(kv, np.ones((1, len(v), 1, dh), np.float32), np.zeros(1, np.int32), 0, 1, fmt)
   want = fmt.unpack(jnp.asarray(stored)) if fmt.quantized else jnp.asarray(stored)
   np.testing.assert_array_equal(o[0, :, 0], np.asarray(want.astype(jnp.float32)))
+
+
+def test_numba_may_use_512_bit_vectors_where_the_cpu_has_them():
+  features = numba.core.codegen.get_host_cpu_features()
+  if "NUMBA_CPU_FEATURES" in os.environ:
+    assert numba.config.CPU_FEATURES == os.environ["NUMBA_CPU_FEATURES"]
+  elif "+avx512f" in features.split(","):
+    assert numba.config.CPU_FEATURES == features + ",-prefer-256-bit"
+  else:
+    assert numba.config.CPU_FEATURES is None
+  codegen = numba.core.registry.cpu_target.target_context.codegen()
+  assert codegen.magic_tuple()[2] == (numba.config.CPU_FEATURES or features)
+
+
+def test_cpu_features_the_user_gave_numba_win():
+  mine = numba.core.codegen.get_host_cpu_features()
+  code = "import numba; from jaxkv import host_attention; print(numba.config.CPU_FEATURES)"
+  env = dict(os.environ, NUMBA_CPU_FEATURES=mine, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == mine
 
 
 def test_exp_is_accurate():
@@ -279,8 +303,18 @@ def test_the_probe_runs_and_writes_its_json(tmp_path):
   probe = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(probe)
   out = tmp_path / "probe.json"
-  rows = probe.run(batches=(1,), contexts=(512,), dtypes=("bfloat16", "int8"), threads=(1,), stream_mib=8, repeats=2)
+  rows = probe.run(
+      batches=(1,),
+      contexts=(512,),
+      dtypes=("bfloat16", "int8"),
+      threads=(1,),
+      stream_mib=8,
+      repeats=2,
+      kernels=("attend", "read"),
+  )
   probe.write(rows, str(out))
   assert json.loads(out.read_text()) == rows
-  assert {r["kv_dtype"] for r in rows} == {"bfloat16", "int8"}
+  assert {(r["kv_dtype"], r["kernel"]) for r in rows} == {
+      (d, k) for d in ("bfloat16", "int8") for k in ("attend", "read")
+  }
   assert all(r["alone_gbps"] > 0 and r["streaming_gbps"] > 0 for r in rows)

@@ -7,10 +7,13 @@ kv head, in place (zero-copy views), layer after layer as a decode step would. G
 --repeats passes). Then the same while a thread loops `jax.device_put` of a --stream_mib pinned host array to the
 device; the link's GB/s is measured alone and during the kernel. split = C / (C + L) is the host share at which
 both sides finish together (C = kernel GB/s while streaming, L = link GB/s during), and bound_x = (C + L) / L the
-resulting speedup over the link-bound step, ignoring per-layer latencies.
+resulting speedup over the link-bound step, ignoring per-layer latencies. --kernels=read measures a bare parallel
+read (a sum of the same bytes, one contiguous range per thread) instead: the host memory's ceiling for the kernel.
 
   PYTHONPATH=. python3 tools/probe_host_attention.py --threads=0,14,8 --out=host_attention.json  # 16k, 32k; B 1, 4
   PYTHONPATH=. python3 tools/probe_host_attention.py --contexts=512 --stream_mib=8 --min_gib=0.01  # CPU: a smoke run
+  PYTHONPATH=. python3 tools/probe_host_attention.py --batches=1 --contexts=32768 --kv_dtypes=bfloat16 \
+      --threads=8,16,24 --kernels=attend,read  # The kernel against the bare read, bf16 at 32k
 
 With GNU OpenMP (numba's "omp" layer) a thread that loses its core makes the others spin at the barrier; on a busy
 2-core machine "workqueue" kept 2-thread scaling where "omp" lost it, so compare --threading_layer=workqueue.
@@ -18,6 +21,8 @@ With GNU OpenMP (numba's "omp" layer) a thread that loses its core makes the oth
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import os
 import statistics
@@ -40,6 +45,7 @@ BATCHES = flags.DEFINE_list("batches", ["1", "4"], "Batch sizes.")
 CONTEXTS = flags.DEFINE_list("contexts", ["16384", "32768"], "Window rows W.")
 KV_DTYPES = flags.DEFINE_list("kv_dtypes", ["bfloat16", "int8"], "Stored formats (jaxkv.kv_quant).")
 THREADS = flags.DEFINE_list("threads", ["0"], "numba thread counts; 0 = all cores.")
+KERNELS = flags.DEFINE_list("kernels", ["attend"], "attend (jaxkv.host_attention) and/or read (a bare read).")
 STREAM_MIB = flags.DEFINE_integer("stream_mib", 512, "Size of each streamed device_put.")
 MIN_GIB = flags.DEFINE_float("min_gib", 2.0, "Host bytes of windows per measurement, at least (layers cycle).")
 REPEATS = flags.DEFINE_integer("repeats", 5, "Passes over the layers per measurement.")
@@ -94,15 +100,33 @@ def _windows(batch: int, rows: int, fmt: KVFormat, min_bytes: float) -> list[jax
   return layers
 
 
-def _pass_seconds(layers, q, start, rows, fmt, threads) -> float:
+@numba.njit(parallel=True, nogil=True)
+def _read(words, parts):
+  """The sum of u64 words, each of `parts` tasks reading one contiguous range."""
+  n = words.shape[0]
+  sums = np.zeros(parts, np.uint64)
+  for t in numba.prange(parts):
+    total = np.uint64(0)
+    for i in range(n * t // parts, n * (t + 1) // parts):
+      total += words[i]
+    sums[t] = total
+  return sums.sum()
+
+
+def _pass_seconds(kernel, layers, q, start, rows, fmt, threads) -> float:
   t0 = time.perf_counter()
   for w in layers:
-    host_attention.attend_array(w, q, start, 0, rows, fmt, threads=threads)
+    if kernel == "read":
+      numba.set_num_threads(threads)
+      for _, view in host_attention.shard_views(w):
+        _read(view.reshape(-1).view(np.uint64), threads)
+    else:
+      host_attention.attend_array(w, q, start, 0, rows, fmt, threads=threads)
   return time.perf_counter() - t0
 
 
-def run(batches, contexts, dtypes, threads, stream_mib, repeats, min_gib=0.0) -> list[dict]:
-  """Measures every combination; returns one dict per (batch, context, kv dtype, threads)."""
+def run(batches, contexts, dtypes, threads, stream_mib, repeats, min_gib=0.0, kernels=("attend",)) -> list[dict]:
+  """Measures every combination; returns one dict per (batch, context, kv dtype, threads, kernel)."""
   out = []
   with _Stream(stream_mib) as stream:  # The link alone, once.
     t0 = time.perf_counter()
@@ -116,13 +140,14 @@ def run(batches, contexts, dtypes, threads, stream_mib, repeats, min_gib=0.0) ->
         q = np.random.default_rng(0).standard_normal((batch, KV_HEADS, GROUP, HEAD_DIM)).astype(np.float32)
         start = np.zeros(batch, np.int32)
         nbytes = layers[0].nbytes * len(layers)
-        for t in threads:
+        for t, kernel in itertools.product(threads, kernels):
           t = t or numba.config.NUMBA_NUM_THREADS
-          _pass_seconds(layers, q, start, rows, fmt, t)  # Compiles (or loads the cache) and warms.
-          alone = statistics.median(_pass_seconds(layers, q, start, rows, fmt, t) for _ in range(repeats))
+          measure = functools.partial(_pass_seconds, kernel, layers, q, start, rows, fmt, t)
+          measure()  # Compiles (or loads the cache) and warms.
+          alone = statistics.median(measure() for _ in range(repeats))
           with _Stream(stream_mib) as stream:
             t0 = time.perf_counter()
-            during = statistics.median(_pass_seconds(layers, q, start, rows, fmt, t) for _ in range(repeats))
+            during = statistics.median(measure() for _ in range(repeats))
             link_during = stream.gbps(t0, time.perf_counter())
           c = nbytes / during / 1e9
           out.append(
@@ -131,6 +156,7 @@ def run(batches, contexts, dtypes, threads, stream_mib, repeats, min_gib=0.0) ->
                   context=rows,
                   kv_dtype=name,
                   threads=t,
+                  kernel=kernel,
                   threading_layer=numba.threading_layer(),
                   layers=len(layers),
                   layer_mib=layers[0].nbytes / 2**20,
@@ -166,10 +192,11 @@ def main(argv):
       STREAM_MIB.value,
       REPEATS.value,
       MIN_GIB.value,
+      KERNELS.value,
   )
   if OUT.value:
     write(rows, OUT.value)
-  cols = "batch context kv_dtype threads threading_layer layer_mib alone_gbps streaming_gbps link_alone_gbps"
+  cols = "batch context kv_dtype threads kernel threading_layer layer_mib alone_gbps streaming_gbps link_alone_gbps"
   cols += " link_during_gbps split"
   print("\n" + cols + " bound_x")
   for r in rows:
