@@ -182,6 +182,8 @@ def write(rows: list[dict], path: str) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if set(KERNELS.value) - {"attend", "read"}:
+    raise app.UsageError(f"--kernels takes attend and read, got {KERNELS.value}")
   numba.config.THREADING_LAYER = LAYER.value  # Before the first parallel call.
   print("jax", jax.__version__, jax.devices(), "numba", numba.__version__, "cores", os.cpu_count(), flush=True)
   rows = run(
