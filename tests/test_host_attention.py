@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 
 from jaxkv import cache as cache_lib
-from jaxkv import engine as engine_lib
 from jaxkv import host_attention
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
@@ -252,21 +251,6 @@ def split_generate(prompts, new, host_rows, cfg, kv_dtype="model"):
   for b in range(len(prompts)):
     out[b].append(int(tok[b]))
   return out
-
-
-@pytest.mark.parametrize("cores, polls", [(4, 3), (3, 0)])
-def test_the_engine_polls_its_waits_only_with_a_core_to_spare(monkeypatch, cores, polls):
-  """Two kernel threads, the dispatching thread and the feeder fit 4 cores: _poll polls until ready (the third
-  poll). On 3 it does not poll and leaves the wait to the caller's blocking call."""
-  monkeypatch.setattr(engine_lib, "_cores", lambda: cores)
-  calls = []
-
-  def ready():
-    calls.append(None)
-    return len(calls) == 3
-
-  engine_lib._poll(ready, threads=2)
-  assert len(calls) == polls
 
 
 @pytest.mark.parametrize("kv_dtype, host_rows", [("model", 8), ("model", 1000), ("int8", 16)])

@@ -72,6 +72,21 @@ def test_split_decoding_is_deterministic_and_delivers_the_tails(monkeypatch):
   assert FRACTION - 0.1 < saved <= FRACTION, saved
 
 
+@pytest.mark.parametrize("cores, polls", [(4, 3), (3, 0)])
+def test_the_engine_polls_its_waits_only_with_a_core_to_spare(monkeypatch, cores, polls):
+  """Two kernel threads, the dispatching thread and the feeder fit 4 cores: _poll polls until ready (the third
+  poll). On 3 it does not poll and leaves the wait to the caller's blocking call."""
+  monkeypatch.setattr(engine_lib, "_cores", lambda: cores)
+  calls = []
+
+  def ready():
+    calls.append(None)
+    return len(calls) == 3
+
+  engine_lib._poll(ready, threads=2)
+  assert len(calls) == polls
+
+
 def test_the_split_is_chosen_from_rates_measured_together():
   assert host_split.choose(40.0, 50.0) == pytest.approx(40 / 90)
   assert host_split.choose(1000.0, 1.0) == host_split.MAX_FRACTION
