@@ -17,13 +17,13 @@ import dataclasses
 import functools
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numba
 import numpy as np
 from absl import logging
 
@@ -89,18 +89,14 @@ class _HeldMerge(NamedTuple):
   hand_back: host_attention.HandBack
 
 
-@functools.cache
-def _cores() -> int:
-  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
 def _poll(ready: Callable[[], bool], threads: int) -> None:
   """Polls ready() until it holds, releasing the GIL between polls, where a core is spare beside the kernel's
-  `threads`, the dispatching thread and the feeder; elsewhere returns at once (the caller then blocks: a poller
-  without a core of its own slows the kernel down). The two waits on the path from one host-attention kernel to the
-  next use it: a blocked thread's core idles and is slow to wake; on the H200 host decode steps at 32k, batch 1 ran
-  0-9% faster polled (medians, two machine starts; docs/kv-transport-pipelining.md)."""
-  if threads + 2 <= _cores():
+  `threads`, the dispatching thread and the feeder (cores: numba's count of the CPUs this process may run on);
+  elsewhere returns at once (the caller then blocks: a poller without a core of its own slows the kernel down). The
+  two waits on the path from one host-attention kernel to the next use it: a blocked thread's core idles and is slow
+  to wake; on the H200 host decode steps at 32k, batch 1 ran 0-9% faster polled (medians, two machine starts;
+  docs/kv-transport-pipelining.md)."""
+  if threads + 2 <= numba.config.NUMBA_DEFAULT_NUM_THREADS:
     while not ready():
       time.sleep(0)
 

@@ -55,7 +55,7 @@ def test_split_decoding_is_deterministic_and_delivers_the_tails(monkeypatch):
   a, b = split_engine(1, debug=1).generate(PROMPTS, NEW), split_engine(1, debug=1).generate(PROMPTS, NEW)
   assert a.logits_sha256 == b.logits_sha256 and a.tokens == b.tokens
   with monkeypatch.context() as m:  # Polled waits, as where cores are spare (engine._poll): the same bits.
-    m.setattr(engine_lib, "_cores", lambda: 1024)
+    m.setattr(numba.config, "NUMBA_DEFAULT_NUM_THREADS", 1024)
     assert split_engine(1, debug=1).generate(PROMPTS, NEW).logits_sha256 == a.logits_sha256
   # The setting reaches the kernel (the split measurement and decode), and the bits do not depend on it.
   threads = min(2, numba.config.NUMBA_NUM_THREADS)
@@ -76,7 +76,7 @@ def test_split_decoding_is_deterministic_and_delivers_the_tails(monkeypatch):
 def test_the_engine_polls_its_waits_only_with_a_core_to_spare(monkeypatch, cores, polls):
   """Two kernel threads, the dispatching thread and the feeder fit 4 cores: _poll polls until ready (the third
   poll). On 3 it does not poll and leaves the wait to the caller's blocking call."""
-  monkeypatch.setattr(engine_lib, "_cores", lambda: cores)
+  monkeypatch.setattr(numba.config, "NUMBA_DEFAULT_NUM_THREADS", cores)
   calls = []
 
   def ready():
