@@ -134,19 +134,30 @@ def attend(
   of kv's rows. threads: sets numba's thread count for the calling thread (a per-thread setting) first; None keeps
   it. Blocks the calling thread, not the GIL.
   """
+  return _run(_raw(kv, fmt), q, start, r0, r1, fmt, row0, threads)
+
+
+def _raw(kv: np.ndarray, fmt: KVFormat) -> np.ndarray:
+  """kv's bytes as the kernel reads them: a read-only uint8 view of the same memory (ValueError if kv is not
+  C-contiguous rows of `fmt`)."""
   if fmt.name not in _CODES:
     raise ValueError(f"host attention does not read KV format {fmt.name!r}; it reads {sorted(_CODES)}")
-  _, b, k, rows, e = kv.shape
-  if e != fmt.width or kv.dtype != fmt.storage_dtype:
-    raise ValueError(f"kv {kv.dtype}[..., {e}] is not stored as {fmt.name} [..., {fmt.width}]")
-  if q.shape[:2] != (b, k) or q.shape[3] != fmt.head_dim:
-    raise ValueError(f"q {q.shape} does not match kv {kv.shape} (q must be [B, K, G, {fmt.head_dim}])")
-  if not 0 <= r0 <= r1 <= rows:
-    raise ValueError(f"rows [{r0}, {r1}) are not within the array's {rows} rows")
+  if kv.ndim != 5 or kv.shape[4] != fmt.width or kv.dtype != fmt.storage_dtype:
+    raise ValueError(f"kv {kv.dtype}{list(kv.shape)} is not stored as {fmt.name} [2, B, K, R, {fmt.width}]")
   if not kv.flags.c_contiguous:
     raise ValueError("kv must be C-contiguous: pass the whole array and a row range")
   raw = kv.view(np.uint8)
   raw.flags.writeable = False  # One compiled signature: views of host arrays are read-only.
+  return raw
+
+
+def _run(raw, q, start, r0, r1, fmt, row0, threads) -> tuple[np.ndarray, np.ndarray]:
+  """The kernel over rows [r0, r1) of raw (from _raw) after checks that cost microseconds."""
+  _, b, k, rows, _ = raw.shape
+  if q.shape[:2] != (b, k) or q.shape[3] != fmt.head_dim:
+    raise ValueError(f"q {q.shape} does not match kv [2, {b}, {k}, ...] (q must be [B, K, G, {fmt.head_dim}])")
+  if not 0 <= r0 <= r1 <= rows:
+    raise ValueError(f"rows [{r0}, {r1}) are not within the array's {rows} rows")
   if threads is not None:
     numba.set_num_threads(threads)
   return _attend(
@@ -163,6 +174,42 @@ def attend(
   )
 
 
+def kernel_views(window: jax.Array, fmt: KVFormat) -> list[tuple[slice, np.ndarray]]:
+  """What the kernel reads of a host (or CPU) array: [(the shard's heads, its bytes)] for each distinct addressable
+  head shard (replicas once), zero-copy and checked once, so that `attend_views` over them costs no more JAX calls.
+
+  window: stored [2, B, K, W, E] jax.Array of `fmt` rows, sharded on K (jaxkv.cache). The views hold the shards (as
+  `shard_views` does): the caller drops them before `window` is deleted or donated (jaxkv.cache.KVCache.set_head).
+  """
+  views, done = [], set()
+  for index, view in shard_views(window):
+    heads = index[2]
+    if heads.indices(window.shape[2]) not in done:
+      done.add(heads.indices(window.shape[2]))
+      views.append((heads, _raw(view, fmt)))
+  return views
+
+
+def attend_views(
+    views: list[tuple[slice, np.ndarray]],
+    q: np.ndarray,
+    start: np.ndarray,
+    r0: int,
+    r1: int,
+    fmt: KVFormat,
+    threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+  """`attend` over rows [r0, r1) of each of `views` (from kernel_views) for q f32[B, K, G, Dh] of all K heads.
+
+  Returns o f32[B, K, G, Dh] and lse f32[B, K, G]; heads no view holds are left 0 / -inf.
+  """
+  o = np.zeros(q.shape, np.float32)
+  lse = np.full(q.shape[:3], -np.inf, np.float32)
+  for heads, raw in views:
+    o[:, heads], lse[:, heads] = _run(raw, q[:, heads], start, r0, r1, fmt, 0, threads)
+  return o, lse
+
+
 def attend_array(
     window: jax.Array, q: np.ndarray, start: np.ndarray, r0: int, r1: int, fmt: KVFormat, threads: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -171,15 +218,7 @@ def attend_array(
   window: stored [2, B, K, W, E] jax.Array, sharded on K (jaxkv.cache); q f32[B, K, G, Dh] for all K heads.
   Returns o f32[B, K, G, Dh] and lse f32[B, K, G]; heads of shards this process does not hold are left 0 / -inf.
   """
-  o = np.zeros(q.shape, np.float32)
-  lse = np.full(q.shape[:3], -np.inf, np.float32)
-  done = set()
-  for index, view in shard_views(window):
-    heads = index[2]
-    if heads.indices(q.shape[1]) not in done:  # Replicas of a shard are attended once.
-      done.add(heads.indices(q.shape[1]))
-      o[:, heads], lse[:, heads] = attend(view, q[:, heads], start, r0, r1, fmt, threads=threads)
-  return o, lse
+  return attend_views(kernel_views(window, fmt), q, start, r0, r1, fmt, threads)
 
 
 class HandBack:

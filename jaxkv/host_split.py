@@ -11,7 +11,7 @@ layer's worth of rows (SAMPLE_BYTES per device, zeros: the rate does not depend 
 (shardings, format); with several processes, process 0's rates decide for all. The serial work of each layer (the
 query's round trip, the merge, the MLP) is not in the model, so the measured f is an upper bound on the best one: on
 the H200 the measured share (0.61) was slower than streaming alone, while f = 0.4 ran 1.43-1.57x the link-bound
-tokens/s at 32k batch 4 and f = 0.3-0.35 ran 0.98-1.37x it at 32k batch 1, by machine
+tokens/s at 32k batch 4 and f = 0.3-0.35 ran 0.97-1.39x it at 32k batch 1, by machine and process
 (docs/kv-transport-pipelining.md).
 """
 

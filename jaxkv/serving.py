@@ -322,7 +322,9 @@ class _Run:
         r1 = cache.head_rows(l)  # Host attention: rows [0, r1) go to the layer's head, the rest to its tail.
         if r1:
           host_rows, head = cache_lib.split_rows(head, r1, cache.device_shardings[l])
-          cache.heads[l] = insert(cache.heads[l], host_rows, b)
+          old = cache.heads[l]
+          cache.set_head(l, None)  # Drops the host kernel's views of the head before the insert donates it.
+          cache.set_head(l, insert(old, host_rows, b))
         cache.windows[l] = insert(cache.windows[l], head, b)
       cache.opens[l] = layer_fns[l].insert_device(cache.opens[l], open_page, b)
       return 0

@@ -264,7 +264,8 @@ def test_greedy_tokens_match_the_device_placement(kv_dtype, host_rows):
 def test_views_alias_the_shards_of_a_host_array():
   mesh = helpers.mesh(2)
   fmt, stored, values = stored_rows("bfloat16", (2, 2, 4, 50))
-  window = jax.device_put(stored, mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "pinned_host"))
+  window_sharding = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "pinned_host")
+  window = jax.device_put(stored, window_sharding)
   views = host_attention.shard_views(window)
   assert len(views) == 2
   for (index, view), shard in zip(views, window.addressable_shards):
@@ -279,6 +280,19 @@ def test_views_alias_the_shards_of_a_host_array():
   want_o, want_lse = host_attention.attend(stored, q, start, 10, 50, fmt)
   np.testing.assert_array_equal(o, want_o)
   np.testing.assert_array_equal(lse, want_lse)
+  # The kernel's views (made once, then read every step): each head shard's bytes, in place and read-only.
+  raws = host_attention.kernel_views(jax.device_put(stored, window_sharding), fmt)
+  assert [heads.indices(4) for heads, _ in raws] == [(0, 2, 1), (2, 4, 1)]
+  for (heads, raw), (_, view) in zip(raws, views):
+    assert raw.dtype == np.uint8 and raw.shape == (2, 2, 2, 50, 128) and not raw.flags.writeable
+    np.testing.assert_array_equal(raw, stored[:, :, heads].view(np.uint8))
+  o, lse = host_attention.attend_views(raws, q, start, 10, 50, fmt)
+  np.testing.assert_array_equal(o, want_o)
+  np.testing.assert_array_equal(lse, want_lse)
+  with pytest.raises(ValueError, match="not within"):
+    host_attention.attend_views(raws, q, start, 10, 51, fmt)
+  with pytest.raises(ValueError, match="not stored as"):
+    host_attention.kernel_views(jax.device_put(stored, window_sharding), stored_rows("float32", (1, 1, 1, 1))[0])
 
 
 @pytest.mark.parametrize("devices", [1, 2, 4])

@@ -11,10 +11,12 @@ import importlib.util
 import pathlib
 
 import helpers
+import jax
 import numba
 import numpy as np
 import pytest
 
+from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import host_attention
@@ -113,6 +115,27 @@ def test_auto_placement_splits_only_the_streamed_layers():
   split_half = helpers.with_kv(half, host_attention=True, host_attention_fraction=FRACTION).generate(PROMPTS, NEW)
   assert split_half.transport["residency"]["resident_layers"] == 3 and split_half.tokens == want.tokens
   assert decode_h2d(split_half) < 0.6 * decode_h2d(plain_half)
+
+
+def test_the_cache_makes_the_kernel_views_once_per_head():
+  eng = split_engine(2)
+  cfg = eng.config
+  cache = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, 2, cfg.engine.capacity)
+  pointers = lambda: [s.data.unsafe_buffer_pointer() for s in cache.heads[0].addressable_shards]
+
+  def store(rows):  # Layer 0's window of `rows` rows, split at r1 = floor(0.5 rows / 8) 8.
+    shape = (2, 2, cfg.model.num_kv_heads, rows, cache.row_width)
+    cache.store(0, jax.device_put(np.ones(shape, cache.dtype), cache.device_sharding))
+
+  store(32)
+  views = cache.head_views(0)
+  assert cache.head_views(0) is views  # Made once, then read every decode step.
+  assert [raw.ctypes.data for _, raw in views] == pointers() and views[0][1].shape[3] == 16
+  store(48)  # r1 moves: a new head, new views.
+  moved = cache.head_views(0)
+  assert moved is not views and [raw.ctypes.data for _, raw in moved] == pointers() and moved[0][1].shape[3] == 24
+  cache.set_head(0, None)
+  assert cache.head_rows(0) == 0 and cache._head_views[0] is None  # The old head's views are let go with it.
 
 
 def test_slots_serve_with_host_attention():
