@@ -356,8 +356,8 @@ class Engine:
       x, q, q_host, cache.opens[l] = fns.merge_query(
           held.p, x, held.o, held.lse, held.hand_back.array, p, cache.opens[l], meta
       )
-    head = (cache.head_views(l), cache.head_rows(l))  # Made here: the worker does not touch the cache's state.
-    host = host_attention.WORKER.submit(self._host_part, cache, head, q_host, start, hand_back)
+    views, rows = cache.head_views(l), cache.head_rows(l)  # Read here: the worker does not touch the cache's state.
+    host = host_attention.WORKER.submit(self._host_part, cache, views, rows, q_host, start, hand_back)
     try:
       t1 = time.perf_counter()
       o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
@@ -381,10 +381,9 @@ class Engine:
     return x
 
   @staticmethod
-  def _host_part(cache, head, q_host, start, hand_back) -> dict:
-    """On the kernel's worker: waits for q f32[B, K, G, Dh] in pinned host memory, attends the head (its kernel
-    views and r1: rows [0, r1) of the layer) and writes o and lse into `hand_back`; returns this thread's seconds per
-    part."""
+  def _host_part(cache, views, rows, q_host, start, hand_back) -> dict:
+    """On the kernel's worker: waits for q f32[B, K, G, Dh] in pinned host memory, attends rows [0, rows) of the
+    layer's head (its kernel views) and writes o and lse into `hand_back`; returns this thread's seconds per part."""
     t0 = time.perf_counter()
     _poll(q_host.is_ready, cache.host_threads)
     if q_host.is_fully_addressable:  # One call: on the H200 host ~0.05 ms a layer less than a view per shard.
@@ -394,7 +393,6 @@ class Engine:
       for index, view in host_attention.shard_views(q_host):
         q[index] = view
     t1 = time.perf_counter()
-    views, rows = head
     o, lse = host_attention.attend_views(views, q, start, 0, rows, cache.format, threads=cache.host_threads)
     hand_back.write(o, lse)
     return dict(wait_query=t1 - t0, kernel=time.perf_counter() - t1)

@@ -184,8 +184,9 @@ def kernel_views(window: jax.Array, fmt: KVFormat) -> list[tuple[slice, np.ndarr
   views, done = [], set()
   for index, view in shard_views(window):
     heads = index[2]
-    if heads.indices(window.shape[2]) not in done:
-      done.add(heads.indices(window.shape[2]))
+    key = heads.indices(window.shape[2])
+    if key not in done:
+      done.add(key)
       views.append((heads, _raw(view, fmt)))
   return views
 
