@@ -39,6 +39,7 @@ import numpy as np
 from jaxkv import distributed
 from jaxkv import host_attention
 from jaxkv import host_split as host_split_lib
+from jaxkv import host_wait
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv.config import KVConfig, ModelConfig
@@ -120,6 +121,8 @@ class KVCache:
     # (jaxkv.engine.host_thread_ms).
     self.host_times: collections.Counter = collections.Counter()
     self._hand_backs: dict[jax.sharding.Sharding, host_attention.HandBack] = {}
+    self.device_wait = False  # With host attention: the devices wait for the host's partials (jaxkv.host_wait).
+    self.host_pending: collections.deque = collections.deque()  # The kernel's futures not yet collected (engine).
     if kv.host_attention and any(self.streamed):
       self.host_threads = host_attention.engine_threads(kv.host_attention_threads)
       self.host_split = host_split_lib.split(
@@ -130,6 +133,9 @@ class KVCache:
           model.num_heads // model.num_kv_heads,
           self.host_threads,
       )
+      self.device_wait = kv.host_attention_wait == "device"
+      if self.device_wait and not host_wait.available():
+        raise ValueError("kv.host_attention_wait device needs jaxkv.host_wait's ops, which did not build (see the log)")
     self.windows: list[jax.Array | None] = [None] * model.num_layers
     self.heads: list[jax.Array | None] = [None] * model.num_layers  # Host-attended rows [0, r1); set with set_head.
     self._head_views: list[list | None] = [None] * model.num_layers  # host_attention.kernel_views of heads[l].
@@ -142,7 +148,7 @@ class KVCache:
     if sharding not in self._hand_backs:
       m = self.model
       shape = (self.batch, m.num_kv_heads, m.num_heads // m.num_kv_heads, m.head_dim + 1)
-      self._hand_backs[sharding] = host_attention.HandBack(shape, sharding)
+      self._hand_backs[sharding] = host_attention.HandBack(shape, sharding, self.device_wait)
     return self._hand_backs[sharding]
 
   def rows_bound(self) -> int:

@@ -81,6 +81,14 @@ KV_HOST_ATTENTION_THREADS = flags.DEFINE_integer(
     "With --kv_host_attention: the CPU kernel's threads (default: config kv.host_attention_threads, 0 = numba's "
     "pool, by default the cores, minus two, at most 16).",
 )
+KV_HOST_ATTENTION_WAIT = flags.DEFINE_enum(
+    "kv_host_attention_wait",
+    None,
+    list(config_lib.HOST_ATTENTION_WAITS),
+    "With --kv_host_attention: what waits for the host's partial before the device merges it: thread (the "
+    "dispatching thread) or device (experimental: the devices wait in pinned host memory; a C++ op built at first "
+    "use). Default: config kv.host_attention_wait, thread.",
+)
 SPLIT_MODE = flags.DEFINE_enum(
     "split_mode",
     None,
@@ -107,6 +115,7 @@ _KV_FLAGS = {
     "host_attention": KV_HOST_ATTENTION,
     "host_attention_fraction": KV_HOST_ATTENTION_FRACTION,
     "host_attention_threads": KV_HOST_ATTENTION_THREADS,
+    "host_attention_wait": KV_HOST_ATTENTION_WAIT,
 }
 
 

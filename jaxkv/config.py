@@ -11,6 +11,7 @@ from typing import Any
 
 PLACEMENTS = ("device", "host", "auto")
 SPLIT_MODES = ("none", "layer", "tensor")
+HOST_ATTENTION_WAITS = ("thread", "device")
 # KV cache storage: "model" = the model dtype; two float dtypes; two quantized ones (see jaxkv.kv_quant).
 KV_DTYPES = ("model", "bfloat16", "float32", "int8", "float8_e4m3fn")
 INT8_BLOCK = 32  # int8 KV: values per scale along head_dim (llama.cpp q8_0).
@@ -92,6 +93,11 @@ class KVConfig:
   host_attention_threads: with host_attention, the CPU kernel's threads: 0 = numba's pool (by default the
     cores) minus two, at most 16 (jaxkv.host_attention.ENGINE_THREADS); ignored without it (in a bench it affects
     only the host attention arms).
+  host_attention_wait: with host_attention, what waits for the host's partial of a layer before the device merges
+    it: "thread" (the dispatching thread waits, then dispatches the merge) or "device" (experimental: the merge is
+    dispatched at once and the devices wait in pinned host memory for the host's signal, and q reaches the host the
+    same way; jaxkv.host_wait, which builds a small C++ op at first use). The same bits either way; on the H200
+    "device" was not faster (docs/kv-transport-pipelining.md).
   """
 
   placement: str = "device"
@@ -105,6 +111,7 @@ class KVConfig:
   host_attention: bool = False
   host_attention_fraction: float = 0.0
   host_attention_threads: int = 0
+  host_attention_wait: str = "thread"
 
   def __post_init__(self):
     if self.placement not in PLACEMENTS:
@@ -129,6 +136,10 @@ class KVConfig:
       )
     if self.host_attention_threads < 0:
       raise ValueError(f"kv.host_attention_threads must be >= 0 (0 = automatic), got {self.host_attention_threads}")
+    if self.host_attention_wait not in HOST_ATTENTION_WAITS:
+      raise ValueError(
+          f"kv.host_attention_wait must be one of {HOST_ATTENTION_WAITS}, got {self.host_attention_wait!r}"
+      )
     if self.host_attention and self.placement == "device":
       raise ValueError("kv.host_attention needs kv.placement host or auto (the host attends rows it holds)")
 

@@ -12,7 +12,6 @@ chunk; during decode the head computes the next step's meta on the device.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -30,6 +29,7 @@ from absl import logging
 from jaxkv import cache as cache_lib
 from jaxkv import distributed
 from jaxkv import host_attention
+from jaxkv import host_wait
 from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
@@ -73,20 +73,40 @@ class _Fns:
   embed: object
   last_row: object
   query: object
+  query_published: object  # With kv.host_attention_wait "device": q reaches the host through jaxkv.host_wait.
   tail_partial: object
   merge: object
   merge_query: object
+  merge_query_published: object
   pinned_heads: jax.sharding.Sharding  # q's copy for the host and the host's partial (host_attention.HandBack).
 
 
 class _HeldMerge(NamedTuple):
-  """A split layer's merge, not dispatched yet: merge(p, x, o, lse, hand_back.array) on the stage of `fns`."""
+  """A split layer's merge, not dispatched yet: merge(p, x, o, lse, *hand_back_args(hand_back)) on the stage of
+  `fns`."""
 
   fns: _Fns
   p: dict
   o: jax.Array  # f32[B, K, G, Dh], the device's partial.
   lse: jax.Array  # f32[B, K, G].
   hand_back: host_attention.HandBack
+
+
+def _hand_back_args(hand_back: host_attention.HandBack) -> tuple[jax.Array | None, int | None]:
+  """The merge's host_part and slot: the pinned array itself, or the slot the devices wait on (jaxkv.host_wait)."""
+  if not hand_back.device_wait:
+    return hand_back.array, None
+  return None, hand_back.array_slot.id
+
+
+def _host_query(q_host: jax.Array) -> np.ndarray:
+  """q f32[B, K, G, Dh] from pinned host memory: this process's heads (zeros elsewhere)."""
+  if q_host.is_fully_addressable:  # One call: on the H200 host ~0.05 ms a layer less than a view per shard.
+    return np.asarray(q_host)
+  q = np.zeros(q_host.shape, np.float32)
+  for index, view in host_attention.shard_views(q_host):
+    q[index] = view
+  return q
 
 
 def _poll(ready: Callable[[], bool], threads: int) -> None:
@@ -120,21 +140,27 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
   def tail_partial(q, tail, open_page, meta):
     return model.decode_tail_partial(q, tail, open_page, meta[:-3], meta[-3], kv_format=fmt)
 
-  def query(p, x, open_page, meta):
+  def query(p, x, open_page, meta, q_slot=None):
     q, open_page = model.decode_query(p, x, open_page, meta[:-3], meta[-3], cfg=cfg, kv_format=fmt)
-    return q, q, open_page  # The second lands in pinned host memory when the call ends, for the host's kernel.
+    if q_slot is None:
+      return q, q, open_page  # The second lands in pinned host memory when the call ends, for the host's kernel.
+    return host_wait.publish(q, q_slot, heads), open_page  # The devices write q to the host themselves.
 
-  def merge(p, x, o, lse, host_part):
-    # host_part f32[B, K, G, Dh + 1] (the host's o, then its lse) comes in pinned host memory and moves here, inside
-    # the call, not by a put of its own on the copy stream behind the queued deliveries (docs/design.md).
-    host_part = jax.device_put(host_part, jax.memory.Space.Device)
+  def merge(p, x, o, lse, host_part, slot=None):
+    # The host's partial f32[B, K, G, Dh + 1] (its o, then its lse) moves here, inside the call, not by a put of its
+    # own on the copy stream behind the queued deliveries (docs/design.md): host_part (pinned host memory), or with
+    # a slot of the host-wait op, copied on the devices once the host signals it (host_part None; jaxkv.host_wait).
+    if slot is None:
+      host_part = jax.device_put(host_part, jax.memory.Space.Device)
+    else:
+      host_part = host_wait.wait(slot, (*o.shape[:-1], o.shape[-1] + 1), heads)
     return model.decode_merge(p, x, o, lse, host_part[..., :-1], host_part[..., -1], cfg=cfg)
 
-  def merge_query(p_prev, x, o, lse, host_part, p, open_page, meta):
+  def merge_query(p_prev, x, o, lse, host_part, p, open_page, meta, slot=None, q_slot=None):
     """A split layer's merge, then the next split layer's query: one dispatch where there were two. The barrier
     keeps x as the merge returns it (in the model dtype) for the query, so the bits are those of the two calls."""
-    x = jax.lax.optimization_barrier(merge(p_prev, x, o, lse, host_part))
-    return (x, *query(p, x, open_page, meta))
+    x = jax.lax.optimization_barrier(merge(p_prev, x, o, lse, host_part, slot))
+    return (x, *query(p, x, open_page, meta, q_slot))
 
   def flush(window, open_page):
     return cache_lib.grow(window, open_page), jnp.zeros_like(open_page)
@@ -157,9 +183,21 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
       embed=jax.jit(model.embed, out_shardings=rep),
       last_row=jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), out_shardings=rep),
       query=jax.jit(query, out_shardings=(heads, pinned_heads, kv), donate_argnums=(2,)),
+      query_published=jax.jit(
+          query,
+          out_shardings=(heads, kv),
+          donate_argnums=(2,),
+          static_argnames=("q_slot",),
+      ),
       tail_partial=jax.jit(tail_partial, out_shardings=(heads, lse_heads)),
-      merge=jax.jit(merge, out_shardings=rep),
+      merge=jax.jit(merge, out_shardings=rep, static_argnames=("slot",)),
       merge_query=jax.jit(merge_query, out_shardings=(rep, heads, pinned_heads, kv), donate_argnums=(6,)),
+      merge_query_published=jax.jit(
+          merge_query,
+          out_shardings=(rep, heads, kv),
+          donate_argnums=(6,),
+          static_argnames=("slot", "q_slot"),
+      ),
       pinned_heads=pinned_heads,
   )
 
@@ -325,8 +363,13 @@ class Engine:
         grown, cache.opens[l] = fns.flush(window, cache.opens[l])
         d2h += cache.store_tail(l, grown) if split and cache.streamed[l] else cache.store(l, grown)
 
-    transport.run_pass(compute, next_pass=next_pass)
-    x = self._merge_held(cache, held, x)
+    try:
+      transport.run_pass(compute, next_pass=next_pass)
+      x = self._merge_held(cache, held, x)
+    except BaseException:
+      self._collect(cache, raise_error=False)  # The kernels read the heads in place: none may run on past the pass.
+      raise
+    self._collect(cache)
     if full:
       cache.rows += block
     return x, d2h
@@ -343,31 +386,41 @@ class Engine:
     its partial in place into the stage's hand-back array, while this thread dispatches the device's partial over the
     tail (dispatching a call that consumes a delivery in flight blocks this thread until it lands, so on one thread
     the kernel and that wait would add up). The feeder keeps issuing the next layers' deliveries meanwhile.
-    (docs/design.md: why on the host's threads and not in a device callback.)"""
+    (docs/design.md: why on the host's threads and not in a device callback.)
+
+    With device waits (cache.device_wait, jaxkv.host_wait) the devices publish q to the worker themselves, and this
+    thread does not wait for the worker: the merge it holds waits on the devices for the worker's signal. The
+    workers' futures are collected as they end and at the end of the pass (decode_pass)."""
     if held is not None and held.fns is not fns:  # Held on another stage: merged there first.
       x, held = self._merge_held(cache, held, x), None
     x = self.to_layer(x, l)
     p = self.params["layers"][l]
     hand_back = cache.hand_back(fns.pinned_heads)
     times, t0 = cache.host_times, time.perf_counter()
-    if held is None:
-      q, q_host, cache.opens[l] = fns.query(p, x, cache.opens[l], meta)  # q f32[B, K, G, Dh], twice.
-    else:  # The held merge reads the hand-back array before this query, hence before the worker writes it again.
-      x, q, q_host, cache.opens[l] = fns.merge_query(
-          held.p, x, held.o, held.lse, held.hand_back.array, p, cache.opens[l], meta
-      )
+    q_host = None  # q f32[B, K, G, Dh] in pinned host memory; with device waits the devices publish it instead.
+    if not hand_back.device_wait and held is None:
+      q, q_host, cache.opens[l] = fns.query(p, x, cache.opens[l], meta)
+    elif not hand_back.device_wait:  # The held merge reads the hand-back array before this query, hence before the
+      # worker writes it again.
+      args = (held.p, x, held.o, held.lse, held.hand_back.array, p, cache.opens[l], meta)
+      x, q, q_host, cache.opens[l] = fns.merge_query(*args)
+    elif held is None:
+      q, cache.opens[l] = fns.query_published(p, x, cache.opens[l], meta, q_slot=hand_back.query_slot.id)
+    else:  # The held merge waits on the devices for the host's partial (jaxkv.host_wait).
+      args = (held.p, x, held.o, held.lse, None, p, cache.opens[l], meta)
+      slots = dict(slot=held.hand_back.array_slot.id, q_slot=hand_back.query_slot.id)
+      x, q, cache.opens[l] = fns.merge_query_published(*args, **slots)
     views, rows = cache.head_views(l), cache.head_rows(l)  # Read here: the worker does not touch the cache's state.
-    host = host_attention.WORKER.submit(self._host_part, cache, views, rows, q_host, start, hand_back)
-    try:
-      t1 = time.perf_counter()
-      o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
-      t2 = time.perf_counter()
-    except BaseException:
-      concurrent.futures.wait([host])  # It reads the head in place: it must end before the cache can go.
-      raise
-    _poll(host.done, cache.host_threads)
-    worker_times = host.result()
-    times.update(query=t1 - t0, tail=t2 - t1, wait_host=time.perf_counter() - t2, **worker_times)
+    cache.host_pending.append(
+        host_attention.WORKER.submit(self._host_part, cache, views, rows, q_host, start, hand_back)
+    )
+    t1 = time.perf_counter()
+    o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
+    times.update(query=t1 - t0, tail=time.perf_counter() - t1)
+    if not hand_back.device_wait:  # The merge takes the partial from this thread: wait for it.
+      self._collect(cache)
+    while cache.host_pending and cache.host_pending[0].done():  # A kernel's error surfaces here, not at the end.
+      times.update(cache.host_pending.popleft().result())
     return x, _HeldMerge(fns, p, o, lse, hand_back)
 
   @staticmethod
@@ -376,25 +429,45 @@ class Engine:
     if held is None:
       return x
     t0 = time.perf_counter()
-    x = held.fns.merge(held.p, x, held.o, held.lse, held.hand_back.array)
+    host_part, slot = _hand_back_args(held.hand_back)
+    x = held.fns.merge(held.p, x, held.o, held.lse, host_part, slot=slot)
     cache.host_times["merge"] += time.perf_counter() - t0
     return x
 
   @staticmethod
+  def _collect(cache, raise_error: bool = True) -> None:
+    """Waits for the kernels submitted and not collected yet (cache.host_pending), adds their times, and raises the
+    first one's error."""
+    t0, error = time.perf_counter(), None
+    if cache.host_pending:  # One worker: the last ends last.
+      _poll(cache.host_pending[-1].done, cache.host_threads)
+    while cache.host_pending:
+      try:
+        cache.host_times.update(cache.host_pending.popleft().result())
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        error = error or e
+    cache.host_times["wait_host"] += time.perf_counter() - t0
+    if error is not None and raise_error:
+      raise error
+
+  @staticmethod
   def _host_part(cache, views, rows, q_host, start, hand_back) -> dict:
     """On the kernel's worker: waits for q f32[B, K, G, Dh] in pinned host memory, attends rows [0, rows) of the
-    layer's head (its kernel views) and writes o and lse into `hand_back`; returns this thread's seconds per part."""
-    t0 = time.perf_counter()
-    _poll(q_host.is_ready, cache.host_threads)
-    if q_host.is_fully_addressable:  # One call: on the H200 host ~0.05 ms a layer less than a view per shard.
-      q = np.asarray(q_host)
-    else:  # This process's heads; the kernel reads only those.
-      q = np.zeros(q_host.shape, np.float32)
-      for index, view in host_attention.shard_views(q_host):
-        q[index] = view
-    t1 = time.perf_counter()
-    o, lse = host_attention.attend_views(views, q, start, 0, rows, cache.format, threads=cache.host_threads)
-    hand_back.write(o, lse)
+    layer's head (its kernel views) and writes o and lse into `hand_back`, then signals the devices where they wait
+    for it (even on an error: else they would wait forever); returns this thread's seconds per part."""
+    try:
+      t0 = time.perf_counter()
+      if q_host is None:  # Published by the devices (jaxkv.host_wait).
+        q = hand_back.read_query()
+      else:
+        _poll(q_host.is_ready, cache.host_threads)
+        q = _host_query(q_host)
+      t1 = time.perf_counter()
+      o, lse = host_attention.attend_views(views, q, start, 0, rows, cache.format, threads=cache.host_threads)
+      hand_back.write(o, lse)
+    finally:
+      if hand_back.device_wait:
+        hand_back.signal()
     return dict(wait_query=t1 - t0, kernel=time.perf_counter() - t1)
 
   def prefill_prompts(self, cache, transport, prompts, seed, *, next_pass, shapes, counters, zero_rows=0):
@@ -493,9 +566,10 @@ class Engine:
 def host_thread_ms(times: collections.Counter) -> dict:
   """Host attention, ms per decode step in each part of the split layers. The dispatching thread: dispatching the
   query (with the previous split layer's merge, when it carries one) and handing it to the worker, dispatching the
-  tail's partial (it waits for the tail's delivery), waiting for the host's partial, dispatching the merges that no
-  query carries (the pass's last split layer's, one before a plain layer or at a stage boundary). The kernel's
-  worker, meanwhile: waiting for the query, the kernel with the write of its partial."""
+  tail's partial (it waits for the tail's delivery), waiting for the host's partial (with device waits: for the
+  kernels still running at the end of the pass), dispatching the merges that no query carries (the pass's last split
+  layer's, one before a plain layer or at a stage boundary). The kernel's worker, meanwhile: waiting for the query,
+  the kernel with the write of its partial."""
   steps = max(times["steps"], 1)
   return {f"{k}_ms_per_step": 1e3 * times[k] / steps for k in HOST_THREAD_PARTS}
 

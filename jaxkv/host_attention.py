@@ -37,6 +37,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from jaxkv import distributed
+from jaxkv import host_wait
 from jaxkv.kv_quant import INT8_BLOCK, KVFormat
 
 
@@ -231,17 +232,43 @@ class HandBack:
   The caller orders the two: a write must not start before the last call that reads the array has read it. In the
   engine the reader is the merge of the previous split layer on the array's stage, and layer l's partial is written
   once layer l's q is on the host: the call that made q contains that merge or takes an x made from its output.
+
+  With device_wait, the devices and the host meet through jaxkv.host_wait instead: the reader waits on the devices
+  (on `array_slot`) for the writer's `signal()` after `write`, and q comes the other way: the devices publish it into
+  `query` (f32[B, K, G, Dh], pinned host, same sharding) through `query_slot`, and `read_query()` reads it.
   """
 
-  def __init__(self, shape: tuple[int, ...], sharding: jax.sharding.Sharding):
+  def __init__(self, shape: tuple[int, ...], sharding: jax.sharding.Sharding, device_wait: bool = False):
     self.array = distributed.put_host(np.zeros(shape, np.float32), sharding)
     self._views = shard_views(self.array, writable=True)
+    self.device_wait = device_wait
+    self.array_slot = self.query = self.query_slot = None
+    if device_wait:
+      self.array_slot = host_wait.Slot(self.array)
+      self.query = distributed.put_host(np.zeros((*shape[:-1], shape[-1] - 1), np.float32), sharding)
+      self._query_views = shard_views(self.query)
+      self.query_slot = host_wait.Slot(self.query)
 
   def write(self, o: np.ndarray, lse: np.ndarray) -> None:
     """o f32[B, K, G, Dh], lse f32[B, K, G] (all heads; each shard takes its own)."""
     for index, view in self._views:
       view[..., :-1] = o[index[:3]]
       view[..., -1] = lse[index[:3]]
+
+  def signal(self) -> None:
+    """With device_wait: the partial is written; the devices' merge may copy it."""
+    self.array_slot.signal()
+
+  def read_query(self) -> np.ndarray:
+    """With device_wait: waits for the devices to publish the next q, then copies it out: f32[B, K, G, Dh], this
+    process's heads (zeros elsewhere)."""
+    self.query_slot.wait()
+    if len(self._query_views) == 1 and self.query.is_fully_addressable:
+      return self._query_views[0][1].copy()
+    q = np.zeros(self.query.shape, np.float32)
+    for index, view in self._query_views:
+      q[index] = view
+    return q
 
 
 @intrinsic

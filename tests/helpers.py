@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import shutil
 
 import jax
+import pytest
 
 from experiments import tiny
 from jaxkv import cache as cache_lib
@@ -16,6 +19,11 @@ from jaxkv import mesh as mesh_lib
 from jaxkv import model
 
 MESH_SIZES = (1, 2, 4, 8)
+# jaxkv.host_wait's ops are C++ built at first use: their tests need the compiler that kv.host_attention_wait "device"
+# needs (g++ or $CXX).
+NEEDS_CXX = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler (g++ or $CXX) for jaxkv.host_wait"
+)
 
 
 @functools.lru_cache(maxsize=None)

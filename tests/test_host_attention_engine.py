@@ -3,7 +3,8 @@
 Greedy tokens equal the device placement's; logits agree to 1e-5 (the tiny model is f32 and its logits are of
 magnitude <= ~4: the split sums each softmax in another order, host blocks of 256 rows merged by exp(lse - max),
 which changes each attention output by a few f32 ulps, ~1e-7 relative, carried through 6 layers and the head;
-observed <= 3e-6). The mode is deterministic (two runs bitwise equal) and delivers only the tails.
+observed <= 3e-6). The mode is deterministic (two runs bitwise equal) and delivers only the tails; the devices
+waiting for the host's partials themselves (kv.host_attention_wait "device") gives the same bits.
 """
 
 import dataclasses
@@ -138,10 +139,45 @@ def test_the_cache_makes_the_kernel_views_once_per_head():
   assert cache.head_rows(0) == 0 and cache._head_views[0] is None  # The old head's views are let go with it.
 
 
-def test_slots_serve_with_host_attention():
+@helpers.NEEDS_CXX
+@pytest.mark.parametrize("tensor, depth", [(1, 0), (2, 1), (4, 2)])
+def test_device_waits_give_the_bits_of_thread_waits(tensor, depth):
+  """The devices wait for the host's partial and publish q themselves (jaxkv.host_wait): the same values reach the
+  same computations."""
+  thread = split_engine(tensor, depth=depth)
+  want = thread.generate(PROMPTS, NEW)
+  got = helpers.with_kv(thread, host_attention_wait="device").generate(PROMPTS, NEW)
+  assert got.logits_sha256 == want.logits_sha256 and got.tokens == want.tokens
+  split = got.transport["host_attention"]
+  assert all(split[f"{p}_ms_per_step"] > 0 for p in engine_lib.HOST_THREAD_PARTS), split
+
+
+@pytest.mark.parametrize("wait", ["thread", pytest.param("device", marks=helpers.NEEDS_CXX)])
+def test_a_failing_kernel_raises_and_the_next_run_is_clean(monkeypatch, wait):
+  """With device waits the worker still signals a failed layer (the devices would wait forever otherwise), and the
+  dispatching thread raises the kernel's error."""
+  eng = helpers.with_kv(split_engine(2), host_attention_wait=wait)
+  want = eng.generate(PROMPTS, 6)
+  attend, calls = host_attention.attend_views, []
+
+  def failing(*args, **kwargs):
+    calls.append(None)
+    if len(calls) == 9:
+      raise RuntimeError("the kernel failed")
+    return attend(*args, **kwargs)
+
+  with monkeypatch.context() as m:
+    m.setattr(host_attention, "attend_views", failing)
+    with pytest.raises(RuntimeError, match="the kernel failed"):
+      eng.generate(PROMPTS, 6)
+  assert eng.generate(PROMPTS, 6).logits_sha256 == want.logits_sha256
+
+
+@pytest.mark.parametrize("wait", ["thread", pytest.param("device", marks=helpers.NEEDS_CXX)])
+def test_slots_serve_with_host_attention(wait):
   reqs = [serving.Request(tuple(p), n) for p, n in zip(helpers.prompts((5, 12, 20, 3, 9, 30)), (6, 3, 9, 4, 7, 5))]
   want = serving.Server(helpers.engine(2), 2).serve(reqs)
-  got = serving.Server(split_engine(2), 2).serve(reqs)
+  got = serving.Server(helpers.with_kv(split_engine(2), host_attention_wait=wait), 2).serve(reqs)
   assert got.transport["insertions"] >= 1 and got.transport["host_attention"]["kernel_ms_per_step"] > 0
   assert [r.tokens for r in got.results] == [r.tokens for r in want.results]
 
@@ -178,6 +214,7 @@ def test_the_held_merge_probe_compares_the_same_tokens():
         (dict(placement="host", host_attention=True, host_attention_fraction=1.0), r"must be in \[0, 1\)"),
         (dict(placement="host", host_attention=True, host_attention_fraction=-0.1), r"must be in \[0, 1\)"),
         (dict(placement="host", host_attention=True, host_attention_threads=-1), "must be >= 0"),
+        (dict(placement="host", host_attention=True, host_attention_wait="gpu"), "must be one of"),
     ],
 )
 def test_bad_settings_are_refused(fields, message):
