@@ -82,8 +82,8 @@ class _Fns:
 
 
 class _HeldMerge(NamedTuple):
-  """A split layer's merge, not dispatched yet: merge(p, x, o, lse, *hand_back_args(hand_back)) on the stage of
-  `fns`."""
+  """A split layer's merge, not dispatched yet: merge(p, x, o, lse, host_part, slot=slot) on the stage of `fns`, with
+  host_part, slot = _hand_back_args(hand_back)."""
 
   fns: _Fns
   p: dict
@@ -97,16 +97,6 @@ def _hand_back_args(hand_back: host_attention.HandBack) -> tuple[jax.Array | Non
   if not hand_back.device_wait:
     return hand_back.array, None
   return None, hand_back.array_slot.id
-
-
-def _host_query(q_host: jax.Array) -> np.ndarray:
-  """q f32[B, K, G, Dh] from pinned host memory: this process's heads (zeros elsewhere)."""
-  if q_host.is_fully_addressable:  # One call: on the H200 host ~0.05 ms a layer less than a view per shard.
-    return np.asarray(q_host)
-  q = np.zeros(q_host.shape, np.float32)
-  for index, view in host_attention.shard_views(q_host):
-    q[index] = view
-  return q
 
 
 def _poll(ready: Callable[[], bool], threads: int) -> None:
@@ -397,19 +387,23 @@ class Engine:
     p = self.params["layers"][l]
     hand_back = cache.hand_back(fns.pinned_heads)
     times, t0 = cache.host_times, time.perf_counter()
-    q_host = None  # q f32[B, K, G, Dh] in pinned host memory; with device waits the devices publish it instead.
-    if not hand_back.device_wait and held is None:
-      q, q_host, cache.opens[l] = fns.query(p, x, cache.opens[l], meta)
-    elif not hand_back.device_wait:  # The held merge reads the hand-back array before this query, hence before the
-      # worker writes it again.
-      args = (held.p, x, held.o, held.lse, held.hand_back.array, p, cache.opens[l], meta)
-      x, q, q_host, cache.opens[l] = fns.merge_query(*args)
-    elif held is None:
-      q, cache.opens[l] = fns.query_published(p, x, cache.opens[l], meta, q_slot=hand_back.query_slot.id)
-    else:  # The held merge waits on the devices for the host's partial (jaxkv.host_wait).
-      args = (held.p, x, held.o, held.lse, None, p, cache.opens[l], meta)
-      slots = dict(slot=held.hand_back.array_slot.id, q_slot=hand_back.query_slot.id)
-      x, q, cache.opens[l] = fns.merge_query_published(*args, **slots)
+    # The held merge reads the hand-back array before this query, hence before the worker writes it again (with
+    # device waits it waits on the devices for the worker's signal). q f32[B, K, G, Dh] also lands in pinned host
+    # memory as q_host, or with device waits the devices publish it to hand_back.query.
+    q_host, q_slot = None, None if hand_back.query_slot is None else hand_back.query_slot.id
+    if held is None:
+      args = (p, x, cache.opens[l], meta)
+      if q_slot is None:
+        q, q_host, cache.opens[l] = fns.query(*args)
+      else:
+        q, cache.opens[l] = fns.query_published(*args, q_slot=q_slot)
+    else:
+      host_part, slot = _hand_back_args(held.hand_back)
+      args = (held.p, x, held.o, held.lse, host_part, p, cache.opens[l], meta)
+      if q_slot is None:
+        x, q, q_host, cache.opens[l] = fns.merge_query(*args)
+      else:
+        x, q, cache.opens[l] = fns.merge_query_published(*args, slot=slot, q_slot=q_slot)
     views, rows = cache.head_views(l), cache.head_rows(l)  # Read here: the worker does not touch the cache's state.
     cache.host_pending.append(
         host_attention.WORKER.submit(self._host_part, cache, views, rows, q_host, start, hand_back)
@@ -461,7 +455,10 @@ class Engine:
         q = hand_back.read_query()
       else:
         _poll(q_host.is_ready, cache.host_threads)
-        q = _host_query(q_host)
+        if q_host.is_fully_addressable:  # One call: on the H200 host ~0.05 ms a layer less than a view per shard.
+          q = np.asarray(q_host)
+        else:  # This process's heads; the kernel reads only those.
+          q = host_attention.gather(host_attention.shard_views(q_host), q_host.shape)
       t1 = time.perf_counter()
       o, lse = host_attention.attend_views(views, q, start, 0, rows, cache.format, threads=cache.host_threads)
       hand_back.write(o, lse)

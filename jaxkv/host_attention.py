@@ -119,6 +119,16 @@ def shard_views(arr: jax.Array, writable: bool = False) -> list[tuple[tuple[slic
   return views
 
 
+def gather(views: list[tuple[tuple[slice, ...], np.ndarray]], shape: tuple[int, ...]) -> np.ndarray:
+  """A host copy of an array of `shape` from its shard views (`shard_views`): this process's shards, zeros elsewhere."""
+  if len(views) == 1 and views[0][1].shape == tuple(shape):
+    return views[0][1].copy()
+  out = np.zeros(shape, views[0][1].dtype)
+  for index, view in views:
+    out[index] = view
+  return out
+
+
 def attend(
     kv: np.ndarray,
     q: np.ndarray,
@@ -263,12 +273,7 @@ class HandBack:
     """With device_wait: waits for the devices to publish the next q, then copies it out: f32[B, K, G, Dh], this
     process's heads (zeros elsewhere)."""
     self.query_slot.wait()
-    if len(self._query_views) == 1 and self.query.is_fully_addressable:
-      return self._query_views[0][1].copy()
-    q = np.zeros(self.query.shape, np.float32)
-    for index, view in self._query_views:
-      q[index] = view
-    return q
+    return gather(self._query_views, self.query.shape)
 
 
 @intrinsic

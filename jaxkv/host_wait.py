@@ -74,9 +74,14 @@ def _cache_dir() -> pathlib.Path:
   return pathlib.Path(tempfile.gettempdir())
 
 
+def compiler() -> str | None:
+  """The C++ compiler that builds the ops: $CXX, else g++ (its path; None where there is none)."""
+  return shutil.which(os.environ.get("CXX", "g++"))
+
+
 def _build() -> pathlib.Path:
   """The ops' shared library, compiled once per source, jaxlib and compiler (atomically: concurrent processes)."""
-  cxx = shutil.which(os.environ.get("CXX", "g++"))
+  cxx = compiler()
   if cxx is None:
     raise RuntimeError("no C++ compiler (g++, or $CXX) to build them")
   include = jax.ffi.include_dir()

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import shutil
 
 import jax
 import pytest
@@ -15,15 +13,14 @@ from experiments import tiny
 from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
+from jaxkv import host_wait
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
 
 MESH_SIZES = (1, 2, 4, 8)
 # jaxkv.host_wait's ops are C++ built at first use: their tests need the compiler that kv.host_attention_wait "device"
 # needs (g++ or $CXX).
-NEEDS_CXX = pytest.mark.skipif(
-    shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler (g++ or $CXX) for jaxkv.host_wait"
-)
+NEEDS_CXX = pytest.mark.skipif(host_wait.compiler() is None, reason="no C++ compiler (g++ or $CXX) for jaxkv.host_wait")
 
 
 @functools.lru_cache(maxsize=None)
