@@ -12,6 +12,7 @@ chunk; during decode the head computes the next step's meta on the device.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -327,14 +328,20 @@ class Engine:
       counters(transport, d2h, (c + 1) * chunk)
     return self.fns.last_row(x, distributed.put_host(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
 
-  def decode_pass(self, cache, transport, x, meta, end: int, next_pass: bool, shapes) -> tuple[jax.Array, int]:
+  def decode_pass(
+      self, cache, transport, x, meta, start: np.ndarray, end: int, next_pass: bool, shapes, run_ahead: bool = False
+  ) -> tuple[jax.Array, int]:
     """One decode pass over every layer writing row `end` (== meta's end); returns x [B, D] before the head and
-    the D2H bytes. When the open page fills, each layer's window grows by it and cache.rows by a block."""
+    the D2H bytes. When the open page fills, each layer's window grows by it and cache.rows by a block.
+
+    start: i32[B] on the host, meta's starts (the host kernel's mask; read from meta, it would wait for the last
+    pass). run_ahead (with device waits): the pass returns without waiting for its host kernels, so this thread
+    dispatches the next pass while they run; the caller collects them (`_kernels_collected`) before it changes the
+    heads in place or ends."""
     block, layers, stage_of = self.config.kv.block, self.params["layers"], self.layout.stage_of
     full = end - cache.rows == block - 1
     metas = self.to_stages(meta)
     split = cache.host_split is not None
-    start = np.asarray(meta.addressable_data(0))[:-3] if split else None  # i32[B], for the host's mask.
     if split:
       cache.host_times["steps"] += 1
     d2h = 0
@@ -353,13 +360,9 @@ class Engine:
         grown, cache.opens[l] = fns.flush(window, cache.opens[l])
         d2h += cache.store_tail(l, grown) if split and cache.streamed[l] else cache.store(l, grown)
 
-    try:
+    with self._kernels_collected(cache, wait=not (run_ahead and cache.device_wait)):
       transport.run_pass(compute, next_pass=next_pass)
       x = self._merge_held(cache, held, x)
-    except BaseException:
-      self._collect(cache, raise_error=False)  # The kernels read the heads in place: none may run on past the pass.
-      raise
-    self._collect(cache)
     if full:
       cache.rows += block
     return x, d2h
@@ -380,7 +383,8 @@ class Engine:
 
     With device waits (cache.device_wait, jaxkv.host_wait) the devices publish q to the worker themselves, and this
     thread does not wait for the worker: the merge it holds waits on the devices for the worker's signal. The
-    workers' futures are collected as they end and at the end of the pass (decode_pass)."""
+    workers' futures are collected as they end, and all of them at the end of the pass or, with run-ahead, where
+    the caller says (decode_pass)."""
     if held is not None and held.fns is not fns:  # Held on another stage: merged there first.
       x, held = self._merge_held(cache, held, x), None
     x = self.to_layer(x, l)
@@ -427,6 +431,19 @@ class Engine:
     x = held.fns.merge(held.p, x, held.o, held.lse, host_part, slot=slot)
     cache.host_times["merge"] += time.perf_counter() - t0
     return x
+
+  @classmethod
+  @contextlib.contextmanager
+  def _kernels_collected(cls, cache, wait: bool = True):
+    """Collects the host kernels submitted in the block: on an error always (they read the heads in place: none
+    may run on past it), else if `wait`."""
+    try:
+      yield
+    except BaseException:
+      cls._collect(cache, raise_error=False)
+      raise
+    if wait:
+      cls._collect(cache)
 
   @staticmethod
   def _collect(cache, raise_error: bool = True) -> None:
@@ -526,18 +543,21 @@ class Engine:
     # are discarded.
     meta = self._meta(start, longest, 1, seed)
     pending: collections.deque = collections.deque()
-    for t in range(1, 1 if finished else max_new_tokens):
-      x, d2h = self.decode_pass(cache, transport, x, meta, longest + t - 1, t < max_new_tokens - 1, shapes)
-      lg, tok, x, meta = fns.head(self.top_last, x, meta)
-      lg.copy_to_host_async()
-      tok.copy_to_host_async()
-      rec.counters("decode", transport, d2h, cache.rows)
-      pending.append((t, lg, tok))
-      if len(pending) > _LAG and self._take(rec, pending.popleft(), on_step, cache):
-        finished = True
-        break
-    while pending and not finished:  # Steps still in flight; none after every sequence ended.
-      finished = self._take(rec, pending.popleft(), on_step, cache)
+    with self._kernels_collected(cache):  # The passes run ahead of their host kernels; all end here.
+      for t in range(1, 1 if finished else max_new_tokens):
+        x, d2h = self.decode_pass(
+            cache, transport, x, meta, start, longest + t - 1, t < max_new_tokens - 1, shapes, run_ahead=True
+        )
+        lg, tok, x, meta = fns.head(self.top_last, x, meta)
+        lg.copy_to_host_async()
+        tok.copy_to_host_async()
+        rec.counters("decode", transport, d2h, cache.rows)
+        pending.append((t, lg, tok))
+        if len(pending) > _LAG and self._take(rec, pending.popleft(), on_step, cache):
+          finished = True
+          break
+      while pending and not finished:  # Steps still in flight; none after every sequence ended.
+        finished = self._take(rec, pending.popleft(), on_step, cache)
     t_end = time.perf_counter()
     telemetry = dict(transport.summary(), compiled_shapes=len(shapes), **rec.totals())
     if cache.host_split is not None:

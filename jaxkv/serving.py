@@ -275,10 +275,11 @@ class _Run:
         x, meta, keys, entry = self._insert(cache, x, meta, keys, b, r, end, step, epoch)
         slots[b] = _Slot(r, end + req.max_new_tokens - 2)
         self.where[r] = (b, epoch, end - len(req.prompt))
+        start[b] = end - len(req.prompt)
         pending.append(entry)
       need = max((s.last_row for s in slots if s is not None and not self.done[s.request]), default=-1)
       if end <= need:
-        x, d2h = eng.decode_pass(cache, transport, x, meta, end, end + 1 <= need, self.shapes)
+        x, d2h = eng.decode_pass(cache, transport, x, meta, start, end, end + 1 <= need, self.shapes)
         lg, tok, x, meta = fns.head(eng.top_last, x, meta, keys)
         lg.copy_to_host_async()
         tok.copy_to_host_async()

@@ -152,6 +152,25 @@ def test_device_waits_give_the_bits_of_thread_waits(tensor, depth):
   assert all(split[f"{p}_ms_per_step"] > 0 for p in engine_lib.HOST_THREAD_PARTS), split
 
 
+@helpers.NEEDS_CXX
+def test_with_device_waits_generate_waits_for_the_kernels_once(monkeypatch):
+  """A pass returns without waiting for its host kernels, so the dispatching thread runs on into the next pass;
+  generate waits for them at its end. The thread's wait waits for each layer's kernel."""
+  waits, collect = [], engine_lib.Engine._collect
+
+  def counted(cache, raise_error=True):
+    waits.append(len(cache.host_pending))
+    collect(cache, raise_error)
+
+  monkeypatch.setattr(engine_lib.Engine, "_collect", staticmethod(counted))
+  thread = split_engine(2)
+  want = thread.generate(PROMPTS, NEW)
+  assert len(waits) > NEW
+  waits.clear()
+  got = helpers.with_kv(thread, host_attention_wait="device").generate(PROMPTS, NEW)
+  assert len(waits) == 1 and got.logits_sha256 == want.logits_sha256
+
+
 @pytest.mark.parametrize("wait", ["thread", pytest.param("device", marks=helpers.NEEDS_CXX)])
 def test_a_failing_kernel_raises_and_the_next_run_is_clean(monkeypatch, wait):
   """With device waits the worker still signals a failed layer (the devices would wait forever otherwise), and the
