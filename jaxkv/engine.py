@@ -335,9 +335,9 @@ class Engine:
     the D2H bytes. When the open page fills, each layer's window grows by it and cache.rows by a block.
 
     start: i32[B] on the host, meta's starts (the host kernel's mask; read from meta, it would wait for the last
-    pass). run_ahead (with device waits): the pass returns without waiting for its host kernels, so this thread
-    dispatches the next pass while they run; the caller collects them (`_kernels_collected`) before it changes the
-    heads in place or ends."""
+    pass). run_ahead: the pass returns without waiting for its host kernels (with device waits; the thread's wait
+    has waited for each already), so this thread dispatches the next pass while they run; the caller collects them
+    (`_kernels_collected`) before it changes the heads in place or ends."""
     block, layers, stage_of = self.config.kv.block, self.params["layers"], self.layout.stage_of
     full = end - cache.rows == block - 1
     metas = self.to_stages(meta)
@@ -360,7 +360,7 @@ class Engine:
         grown, cache.opens[l] = fns.flush(window, cache.opens[l])
         d2h += cache.store_tail(l, grown) if split and cache.streamed[l] else cache.store(l, grown)
 
-    with self._kernels_collected(cache, wait=not (run_ahead and cache.device_wait)):
+    with self._kernels_collected(cache, wait=not run_ahead):
       transport.run_pass(compute, next_pass=next_pass)
       x = self._merge_held(cache, held, x)
     if full:
@@ -584,9 +584,9 @@ def host_thread_ms(times: collections.Counter) -> dict:
   """Host attention, ms per decode step in each part of the split layers. The dispatching thread: dispatching the
   query (with the previous split layer's merge, when it carries one) and handing it to the worker, dispatching the
   tail's partial (it waits for the tail's delivery), waiting for the host's partial (with device waits: for the
-  kernels still running at the end of the pass), dispatching the merges that no query carries (the pass's last split
-  layer's, one before a plain layer or at a stage boundary). The kernel's worker, meanwhile: waiting for the query,
-  the kernel with the write of its partial."""
+  kernels still running at the end of the pass, or of the generate whose passes run ahead), dispatching the merges
+  that no query carries (the pass's last split layer's, one before a plain layer or at a stage boundary). The
+  kernel's worker, meanwhile: waiting for the query, the kernel with the write of its partial."""
   steps = max(times["steps"], 1)
   return {f"{k}_ms_per_step": 1e3 * times[k] / steps for k in HOST_THREAD_PARTS}
 

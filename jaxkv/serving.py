@@ -274,8 +274,8 @@ class _Run:
         jax.block_until_ready((x, cache.windows, cache.heads))
         x, meta, keys, entry = self._insert(cache, x, meta, keys, b, r, end, step, epoch)
         slots[b] = _Slot(r, end + req.max_new_tokens - 2)
-        self.where[r] = (b, epoch, end - len(req.prompt))
         start[b] = end - len(req.prompt)
+        self.where[r] = (b, epoch, int(start[b]))
         pending.append(entry)
       need = max((s.last_row for s in slots if s is not None and not self.done[s.request]), default=-1)
       if end <= need:
