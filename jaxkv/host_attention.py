@@ -14,8 +14,9 @@ R = rows of the array, E = stored width of a head row, jaxkv.kv_quant):
 
 The kernel (numba, nopython, parallel, GIL released) splits [r0, r1) into blocks of ROW_BLOCK rows and runs one task
 per (sequence, head, block): scores of the block's K rows for the G heads, block max and sum, then the V rows
-weighted by exp(score - max), all in f32. A second, serial loop merges each (sequence, head)'s blocks in block
-order. Tasks never share an accumulator and the block size does not depend on the thread count, so the result is
+weighted by exp(score - max), all in f32, into per-block partials (a scratch buffer of the calling thread, reused
+from call to call). A second parallel loop, one task per query head, merges that head's blocks in block order.
+Tasks never share an accumulator and the block size does not depend on the thread count, so the result is
 bitwise the same for every run and every thread count (on one machine: the vector width of the compiled code may
 differ elsewhere). Rows are widened to f32 in chunks of _CHUNK rows (an L1-resident scratch), exactly: bf16 by a
 16-bit shift, float16 and the f16 scales by re-biasing the exponent, fp8 by a 256-entry table, int8 times its block's
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -61,8 +63,12 @@ _wide_vectors()  # Before any function of this module compiles.
 # peak at 16 threads (63 GB/s on 16 cores).
 ENGINE_THREADS = max(1, min(numba.config.NUMBA_NUM_THREADS - 2, 16))
 
-# The engine's kernel thread (jaxkv.engine): a split layer's kernel runs here while the dispatching thread dispatches
-# the device's side; one per process, so the engines' kernels run one at a time.
+# The process's kernel thread: a split layer's kernel runs here while the dispatching thread dispatches the device's
+# side (jaxkv.engine), and so does the split's measurement (jaxkv.host_split); one per process, so the kernels run
+# one at a time. Run the kernel from no other thread in a process that decodes: with numba's OpenMP layer each thread
+# that starts parallel loops keeps a team of threads of its own, and one kernel call on the main thread of the H200
+# host (24 threads) slowed decode steps at 32k, batch 1 from 44-46 to 52-53 ms (two processes each; likely GNU
+# OpenMP's spin throttled once its threads outnumber the cores, so every loop wakes sleeping threads).
 WORKER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxkv-host-attention")
 
 ROW_BLOCK = 256  # Rows per task; fixed, so that the reduction order never depends on the threads.
@@ -182,6 +188,27 @@ def _run(raw, q, start, r0, r1, fmt, row0, threads) -> tuple[np.ndarray, np.ndar
       np.float32(1.0 / math.sqrt(fmt.head_dim)),
       ROW_BLOCK,
       _FP8_VALUES,
+      *_partials(q.shape, -(-(r1 - r0) // ROW_BLOCK)),
+  )
+
+
+_scratch = threading.local()
+
+
+def _partials(q_shape: tuple[int, ...], nblk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The kernel's per-block partials for q [B, K, G, Dh] over nblk blocks: m, l f32[B, K, nblk, G] and
+  o f32[B, K, nblk, G, Dh], uninitialized, in a buffer of the calling thread that grows as needed and is reused by
+  its later calls. Allocating and zeroing them on every call (~1 MB at 32k rows) cost the H200 host ~0.2 ms a call:
+  15% of a layer's kernel in the engine at batch 1."""
+  b, k, g, dh = q_shape
+  n = b * k * nblk * g
+  buf = getattr(_scratch, "buf", None)
+  if buf is None or buf.size < n * (dh + 2):
+    buf = _scratch.buf = np.empty(n * (dh + 2), np.float32)
+  return (
+      buf[:n].reshape(b, k, nblk, g),
+      buf[n : 2 * n].reshape(b, k, nblk, g),
+      buf[2 * n : n * (dh + 2)].reshape(b, k, nblk, g, dh),
   )
 
 
@@ -372,20 +399,19 @@ def _widen(rows, first, n, code, out, out_bits, scale, scale_bits, fp8):
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc", "contract"})
-def _attend(kv, code, q, start, r0, r1, row0, scale, block, fp8):
-  """kv u8[2, B, K, R, row bytes]; the rest as in `attend`. Returns (o, lse).
+def _attend(kv, code, q, start, r0, r1, row0, scale, block, fp8, m_part, l_part, o_part):
+  """kv u8[2, B, K, R, row bytes]; the rest as in `attend`; m_part, l_part, o_part: scratch for the blocks' partials
+  (`_partials`), written in full before they are read. Returns (o, lse).
 
   Per task: s f32[G, rows] scores, widened in chunks of _CHUNK rows (K: 4 rows per pass over q; V: 8 rows per
   update of the accumulator, the padding rows weighted 0)."""
   nb, nk, ng, dh = q.shape
   nblk = (r1 - r0 + block - 1) // block
-  m_part = np.empty((nb, nk, nblk, ng), np.float32)
-  l_part = np.empty((nb, nk, nblk, ng), np.float32)
-  o_part = np.zeros((nb, nk, nblk, ng, dh), np.float32)
   for task in numba.prange(nb * nk * nblk):
     b, k, j = task // (nk * nblk), task // nblk % nk, task % nblk
     lo = max(r0 + j * block, start[b] - row0)
     n = min(r0 + (j + 1) * block, r1) - lo
+    o_part[b, k, j] = 0.0
     if n <= 0:  # Every row of the block is padding.
       m_part[b, k, j] = -np.inf
       l_part[b, k, j] = 0.0
@@ -443,21 +469,21 @@ def _attend(kv, code, q, start, r0, r1, row0, scale, block, fp8):
           )
   o = np.zeros((nb, nk, ng, dh), np.float32)
   lse = np.full((nb, nk, ng), -np.inf, np.float32)
-  for bk in range(nb * nk):  # A few microseconds of work: a second parallel region would cost more to start.
-    b, k = bk // nk, bk % nk
-    for g in range(ng):
-      m = np.float32(-np.inf)
-      for j in range(nblk):
-        m = max(m, m_part[b, k, j, g])
-      if m == -np.inf:
-        continue
-      total = np.float32(0.0)
-      for j in range(nblk):  # In block order.
-        w = np.exp(m_part[b, k, j, g] - m)
-        total += w * l_part[b, k, j, g]
-        for d in range(dh):
-          o[b, k, g, d] += w * o_part[b, k, j, g, d]
+  # The blocks' merge, one task per query head: serial, it took ~0.06 ms of a 1 ms call on the H200 host.
+  for bkg in numba.prange(nb * nk * ng):
+    b, k, g = bkg // (nk * ng), bkg // ng % nk, bkg % ng
+    m = np.float32(-np.inf)
+    for j in range(nblk):
+      m = max(m, m_part[b, k, j, g])
+    if m == -np.inf:
+      continue
+    total = np.float32(0.0)
+    for j in range(nblk):  # In block order.
+      w = np.exp(m_part[b, k, j, g] - m)
+      total += w * l_part[b, k, j, g]
       for d in range(dh):
-        o[b, k, g, d] /= total
-      lse[b, k, g] = m + np.log(total)
+        o[b, k, g, d] += w * o_part[b, k, j, g, d]
+    for d in range(dh):
+      o[b, k, g, d] /= total
+    lse[b, k, g] = m + np.log(total)
   return o, lse

@@ -9,10 +9,10 @@ where cpu is the kernel's rate over stored rows and link the pinned host -> devi
 measured TOGETHER (each slows the other: they share the host's memory). `measure` runs them side by side on one
 layer's worth of rows (SAMPLE_BYTES per device, zeros: the rate does not depend on the values), once per process and
 (shardings, format); with several processes, process 0's rates decide for all. The serial work of each layer (the
-query's round trip, the merge, the MLP) is not in the model, so the measured f is an upper bound on the best one: on
-the H200 the measured share (0.61) was slower than streaming alone, while f = 0.4 ran 1.43-1.57x the link-bound
-tokens/s at 32k batch 4 and f = 0.3-0.35 ran 0.97-1.39x it at 32k batch 1, by machine and process
-(docs/kv-transport-pipelining.md).
+query's round trip, the merge, the MLP) is not in the model, so the measured f is an upper bound on the best one, near
+it where a layer's kernel is long: on the H200 host (32 cores, 24 threads, device waits) the measured share (0.54-0.57)
+ran 2.01x the link-bound tokens/s at 32k batch 4 (f = 0.48: 1.80x) but 1.39x at 32k batch 1, where f = 0.48 ran
+1.66-1.77x (docs/kv-transport-pipelining.md).
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ def measure(
   start = np.zeros(1, np.int32)
   per_device = window.nbytes // t
 
-  def attend():
-    host_attention.attend_array(window, q, start, 0, rows, fmt, threads=threads)
+  def attend():  # On the engine's kernel thread: see host_attention.WORKER.
+    host_attention.WORKER.submit(host_attention.attend_array, window, q, start, 0, rows, fmt, threads).result()
 
   def stream(n):
     return [distributed.move(window, device) for _ in range(n)]

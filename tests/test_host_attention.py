@@ -7,6 +7,7 @@ magnitude <= 4 agree with the f64 reference to 2e-6 (observed: 2e-7) and lse to 
 reference attends over the values jaxkv.kv_quant unpacks, so no quantization error enters the comparison.
 """
 
+import concurrent.futures
 import functools
 import importlib.util
 import json
@@ -150,6 +151,24 @@ def test_the_kernel_is_deterministic_across_runs_and_thread_counts():
     np.testing.assert_array_equal(o, runs[0][0])
     np.testing.assert_array_equal(lse, runs[0][1])
   numba.set_num_threads(most)
+
+
+def test_a_call_does_not_see_an_earlier_calls_scratch():
+  """The blocks' partials live in a scratch buffer of the calling thread: a call whose V rows are inf leaves inf
+  partials there, and a later call on that thread whose first blocks are all padding must match a fresh thread's."""
+  fmt, stored, _ = stored_rows("float32", (2, 1, 2, 4 * BLOCK))
+  poison = stored.copy()
+  poison[1] = np.inf
+  q, start = query(1, 2, 4, 64), np.array([2 * BLOCK + 3], np.int32)
+  with concurrent.futures.ThreadPoolExecutor(1) as fresh:
+    want = fresh.submit(host_attention.attend, stored, q, start, 0, 4 * BLOCK, fmt).result()
+  with concurrent.futures.ThreadPoolExecutor(1) as used:
+    o, _ = used.submit(host_attention.attend, poison, q, np.zeros(1, np.int32), 0, 4 * BLOCK, fmt).result()
+    assert np.isinf(o).all()  # The scratch holds inf partials now.
+    got = used.submit(host_attention.attend, stored, q, start, 0, 4 * BLOCK, fmt).result()
+  assert np.isfinite(got[0]).all()
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_merge_of_partials_equals_single_pass():

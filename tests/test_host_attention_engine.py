@@ -10,6 +10,7 @@ waiting for the host's partials themselves (kv.host_attention_wait "device") giv
 import dataclasses
 import importlib.util
 import pathlib
+import threading
 
 import helpers
 import jax
@@ -22,7 +23,9 @@ from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import host_attention
 from jaxkv import host_split
+from jaxkv import mesh as mesh_lib
 from jaxkv import serving
+from jaxkv.kv_quant import KVFormat
 
 ROOT = pathlib.Path(__file__).absolute().parent.parent
 PROMPTS = helpers.prompts((40, 33, 17, 1))  # Windows of 40..56 rows (block 8): splits at 16 and 24 with f = 0.5.
@@ -100,6 +103,25 @@ def test_the_split_is_chosen_from_rates_measured_together():
   assert split["source"] == "measured" and split["cpu_gbps"] > 0 and split["link_gbps"] > 0
   assert split["fraction"] == host_split.choose(split["cpu_gbps"], 2 * split["link_gbps"])  # Two links, in parallel.
   assert res.tokens == helpers.engine(2).generate(PROMPTS, NEW).tokens
+
+
+def test_the_split_is_measured_on_the_kernels_thread(monkeypatch):
+  """Only host_attention.WORKER runs the kernel: another thread starting numba's parallel loops would keep a second
+  team of threads beside the engine's."""
+  threads = []
+  attend = host_attention.attend_array
+
+  def recorded(*args, **kw):
+    threads.append(threading.current_thread().name)
+    return attend(*args, **kw)
+
+  monkeypatch.setattr(host_attention, "attend_array", recorded)
+  monkeypatch.setattr(host_split, "SAMPLE_BYTES", 2**20)
+  mesh = mesh_lib.make_mesh((("tensor", 2),), jax.devices()[:2])
+  host, device = (mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, kind) for kind in ("pinned_host", "device"))
+  split = host_split.measure.__wrapped__(host, device, KVFormat("bfloat16", 64, "float32"), 4, 1)
+  assert split.source == "measured" and threads
+  assert all(name.startswith("jaxkv-host-attention") for name in threads), threads
 
 
 def test_auto_placement_splits_only_the_streamed_layers():
