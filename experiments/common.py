@@ -39,7 +39,7 @@ def base_config() -> ml_collections.ConfigDict:
           host_attention=False,  # placement "host" or "auto": attend a share of each window on the host CPU.
           host_attention_fraction=0.0,  # With host_attention: that share; 0 = from rates measured at start.
           host_attention_threads=0,  # With host_attention: the CPU kernel's threads; 0 = numba's pool - 2, at most 16.
-          host_attention_wait="thread",  # With host_attention: "thread" or "device" (C++ op) waits for its partial.
+          host_attention_wait="auto",  # With host_attention: who waits for its partial: "thread", "device" or "auto".
       )
   )
   c.engine = ml_collections.ConfigDict(dict(capacity=4096, prefill_chunk=1024))

@@ -102,17 +102,18 @@ def markdown(out: dict) -> str:
         "layers (last sample): the dispatching thread dispatching the query (with the previous split layer's merge) "
         "/ the tail's partial (it waits for the tail's delivery) / waiting for the host's partial / the merges no "
         "query carries (the last split layer's, one before a plain layer or at a stage boundary); the kernel's worker "
-        "meanwhile waiting for the query / running the kernel and writing its partial.",
+        "meanwhile waiting for the query / running the kernel and writing its partial. wait: what waited for the "
+        "host's partials (kv.host_attention_wait as resolved: thread or device).",
         "",
-        "| context | batch | arm | f (source) | cpu GB/s | link GB/s/device | tok/s | ms/step | x link bound "
+        "| context | batch | arm | f (source) | wait | cpu GB/s | link GB/s/device | tok/s | ms/step | x link bound "
         "| thread ms/step: query / tail / wait host / merge; worker: wait q / kernel |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell, name, a in split:
       ha = a["transport"]["host_attention"]
       lines.append(
           f"| {cell['context']} | {cell['batch']} | {name} | {ha['fraction']:.3f} ({ha['source']}) "
-          f"| {_num(ha['cpu_gbps'], '.1f')} | {_num(ha['link_gbps'], '.1f')} "
+          f"| {ha.get('wait', '—')} | {_num(ha['cpu_gbps'], '.1f')} | {_num(ha['link_gbps'], '.1f')} "
           f"| {_num((a['tok_s'] or {}).get('median'), '.2f')} | {_num((a['ms_per_step'] or {}).get('median'), '.2f')} "
           f"| {_num(a['x_link_bound'], '.2f')} | "
           + " / ".join(_num(ha.get(f"{p}_ms_per_step"), ".2f") for p in ("query", "tail", "wait_host", "merge"))

@@ -87,6 +87,18 @@ def _zeros_fn(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
   return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
+def devices_wait(wait: str, devices: set[jax.Device]) -> bool:
+  """Whether the devices wait for the host's partials (kv.host_attention_wait, over the cache's devices): "device"
+  (ValueError if jaxkv.host_wait's ops did not build), "thread", or "auto": "device" where it was measured faster (on
+  the H200 host: one GPU in one process) and the ops build, "thread" elsewhere."""
+  if wait == "auto":
+    one_gpu = len(devices) == 1 and next(iter(devices)).platform == "gpu" and jax.process_count() == 1
+    return one_gpu and host_wait.available()
+  if wait == "device" and not host_wait.available():
+    raise ValueError("kv.host_attention_wait device needs jaxkv.host_wait's ops, which did not build (see the log)")
+  return wait == "device"
+
+
 class KVCache:
   """Holds the per-layer windows and open pages; see the module docstring for the layout."""
 
@@ -133,9 +145,7 @@ class KVCache:
           model.num_heads // model.num_kv_heads,
           self.host_threads,
       )
-      self.device_wait = kv.host_attention_wait == "device"
-      if self.device_wait and not host_wait.available():
-        raise ValueError("kv.host_attention_wait device needs jaxkv.host_wait's ops, which did not build (see the log)")
+      self.device_wait = devices_wait(kv.host_attention_wait, {d for m in meshes for d in m.devices.flat})
     self.windows: list[jax.Array | None] = [None] * model.num_layers
     self.heads: list[jax.Array | None] = [None] * model.num_layers  # Host-attended rows [0, r1); set with set_head.
     self._head_views: list[list | None] = [None] * model.num_layers  # host_attention.kernel_views of heads[l].

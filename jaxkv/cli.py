@@ -87,8 +87,8 @@ KV_HOST_ATTENTION_WAIT = flags.DEFINE_enum(
     list(config_lib.HOST_ATTENTION_WAITS),
     "With --kv_host_attention: what waits for the host's partial before the device merges it: thread (the "
     "dispatching thread) or device (the devices wait in pinned host memory and decode passes run ahead of the "
-    "host's kernels; a C++ op built at first use; faster on the H200). "
-    "Default: config kv.host_attention_wait, thread.",
+    "host's kernels; a C++ op built at first use; faster on the H200); auto: device on one GPU in one process where "
+    "the op builds, else thread. Default: config kv.host_attention_wait, auto.",
 )
 SPLIT_MODE = flags.DEFINE_enum(
     "split_mode",

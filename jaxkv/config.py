@@ -11,7 +11,7 @@ from typing import Any
 
 PLACEMENTS = ("device", "host", "auto")
 SPLIT_MODES = ("none", "layer", "tensor")
-HOST_ATTENTION_WAITS = ("thread", "device")
+HOST_ATTENTION_WAITS = ("auto", "thread", "device")
 # KV cache storage: "model" = the model dtype; two float dtypes; two quantized ones (see jaxkv.kv_quant).
 KV_DTYPES = ("model", "bfloat16", "float32", "int8", "float8_e4m3fn")
 INT8_BLOCK = 32  # int8 KV: values per scale along head_dim (llama.cpp q8_0).
@@ -97,7 +97,9 @@ class KVConfig:
     it: "thread" (the dispatching thread waits, then dispatches the merge) or "device" (the merge is dispatched at once
     and the devices wait in pinned host memory for the host's signal, q reaches the host the same way, and a
     generate's passes run ahead of their host kernels; jaxkv.host_wait, which builds a small C++ op at first use).
-    The same bits either way; on the H200 "device" took 10-28% less time a step (docs/kv-transport-pipelining.md).
+    The same bits either way; on the H200 "device" took 10-28% less time a step at 32k batch 1
+    (docs/kv-transport-pipelining.md). "auto" (the default): "device" where it was measured, one GPU in one
+    process, when its op builds; "thread" elsewhere (jaxkv.cache.devices_wait).
   """
 
   placement: str = "device"
@@ -111,7 +113,7 @@ class KVConfig:
   host_attention: bool = False
   host_attention_fraction: float = 0.0
   host_attention_threads: int = 0
-  host_attention_wait: str = "thread"
+  host_attention_wait: str = "auto"
 
   def __post_init__(self):
     if self.placement not in PLACEMENTS:

@@ -23,6 +23,7 @@ from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import host_attention
 from jaxkv import host_split
+from jaxkv import host_wait
 from jaxkv import mesh as mesh_lib
 from jaxkv import serving
 from jaxkv.kv_quant import KVFormat
@@ -172,6 +173,29 @@ def test_device_waits_give_the_bits_of_thread_waits(tensor, depth):
   assert got.logits_sha256 == want.logits_sha256 and got.tokens == want.tokens
   split = got.transport["host_attention"]
   assert all(split[f"{p}_ms_per_step"] > 0 for p in engine_lib.HOST_THREAD_PARTS), split
+  assert (want.transport["host_attention"]["wait"], split["wait"]) == ("thread", "device")  # "auto" on CPU: thread.
+
+
+class _Device:
+
+  def __init__(self, platform):
+    self.platform = platform
+
+
+def test_the_auto_wait_is_the_devices_on_one_gpu_in_one_process(monkeypatch):
+  gpu = _Device("gpu")
+  monkeypatch.setattr(host_wait, "available", lambda: True)
+  assert cache_lib.devices_wait("auto", {gpu})
+  assert not cache_lib.devices_wait("auto", {gpu, _Device("gpu")})  # Not measured on several GPUs.
+  assert not cache_lib.devices_wait("auto", {_Device("cpu")})
+  assert not cache_lib.devices_wait("thread", {gpu}) and cache_lib.devices_wait("device", {_Device("cpu")})
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  assert not cache_lib.devices_wait("auto", {gpu})
+  monkeypatch.setattr(jax, "process_count", lambda: 1)
+  monkeypatch.setattr(host_wait, "available", lambda: False)  # The ops did not build (no C++ compiler).
+  assert not cache_lib.devices_wait("auto", {gpu})
+  with pytest.raises(ValueError, match="did not build"):
+    cache_lib.devices_wait("device", {gpu})
 
 
 @helpers.NEEDS_CXX
