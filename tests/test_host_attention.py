@@ -344,10 +344,13 @@ def test_the_probe_runs_and_writes_its_json(tmp_path):
       stream_mib=8,
       repeats=2,
       kernels=("attend", "read"),
+      fractions=(1.0, 0.6),
   )
   probe.write(rows, str(out))
   assert json.loads(out.read_text()) == rows
-  assert {(r["kv_dtype"], r["kernel"]) for r in rows} == {
-      (d, k) for d in ("bfloat16", "int8") for k in ("attend", "read")
+  assert {(r["kv_dtype"], r["kernel"], r["rows_per_call"]) for r in rows} == {
+      (d, k, n) for d in ("bfloat16", "int8") for k in ("attend", "read") for n in (512, 256)  # 0.6 x 512, in blocks.
   }
   assert all(r["alone_gbps"] > 0 and r["streaming_gbps"] > 0 for r in rows)
+  words = np.arange(7 * 40, dtype=np.uint64).reshape(7, 40)[:, :25]  # The read's segments: the first rows of each.
+  assert probe._read(words, 3) == words.sum()  # pylint: disable=protected-access

@@ -9,11 +9,15 @@ device; the link's GB/s is measured alone and during the kernel. split = C / (C 
 both sides finish together (C = kernel GB/s while streaming, L = link GB/s during), and bound_x = (C + L) / L the
 resulting speedup over the link-bound step, ignoring per-layer latencies. --kernels=read measures a bare parallel
 read (a sum of the same bytes, one contiguous range per thread) instead: the host memory's ceiling for the kernel.
+--fractions attends only rows [0, f W) of each window (rounded down to a ROW_BLOCK), as the engine calls the kernel
+for a host share f: a call's fixed cost weighs more there (ms_per_call; the read reads the same bytes).
 
   PYTHONPATH=. python3 tools/probe_host_attention.py --threads=0,14,8 --out=host_attention.json  # 16k, 32k; B 1, 4
   PYTHONPATH=. python3 tools/probe_host_attention.py --contexts=512 --stream_mib=8 --min_gib=0.01  # CPU: a smoke run
   PYTHONPATH=. python3 tools/probe_host_attention.py --batches=1 --contexts=32768 --kv_dtypes=bfloat16 \
       --threads=8,16,24 --kernels=attend,read  # The kernel against the bare read, bf16 at 32k
+  PYTHONPATH=. python3 tools/probe_host_attention.py --batches=1 --contexts=32768 --kv_dtypes=bfloat16 \
+      --threads=24 --fractions=1,0.84,0.42,0.21,0.09  # Per call, at the engine's sizes
 
 With GNU OpenMP (numba's "omp" layer) a thread that loses its core makes the others spin at the barrier; on a busy
 2-core machine "workqueue" kept 2-thread scaling where "omp" lost it, so compare --threading_layer=workqueue.
@@ -46,6 +50,7 @@ CONTEXTS = flags.DEFINE_list("contexts", ["16384", "32768"], "Window rows W.")
 KV_DTYPES = flags.DEFINE_list("kv_dtypes", ["bfloat16", "int8"], "Stored formats (jaxkv.kv_quant).")
 THREADS = flags.DEFINE_list("threads", ["0"], "numba thread counts; 0 = all cores.")
 KERNELS = flags.DEFINE_list("kernels", ["attend"], "attend (jaxkv.host_attention) and/or read (a bare read).")
+FRACTIONS = flags.DEFINE_list("fractions", ["1"], "Shares f in (0, 1] of each window's rows attended per call.")
 STREAM_MIB = flags.DEFINE_integer("stream_mib", 512, "Size of each streamed device_put.")
 MIN_GIB = flags.DEFINE_float("min_gib", 2.0, "Host bytes of windows per measurement, at least (layers cycle).")
 REPEATS = flags.DEFINE_integer("repeats", 5, "Passes over the layers per measurement.")
@@ -102,31 +107,38 @@ def _windows(batch: int, rows: int, fmt: KVFormat, min_bytes: float) -> list[jax
 
 @numba.njit(parallel=True, nogil=True)
 def _read(words, parts):
-  """The sum of u64 words, each of `parts` tasks reading one contiguous range."""
-  n = words.shape[0]
+  """The sum of u64 words [S, N] (S segments, each contiguous), each of `parts` tasks reading one range of the words
+  in row-major order."""
+  s, n = words.shape
   sums = np.zeros(parts, np.uint64)
   for t in numba.prange(parts):
     total = np.uint64(0)
-    for i in range(n * t // parts, n * (t + 1) // parts):
-      total += words[i]
+    lo, hi = s * n * t // parts, s * n * (t + 1) // parts
+    for seg in range(lo // n, (hi + n - 1) // n):
+      for i in range(max(lo - seg * n, 0), min(hi - seg * n, n)):
+        total += words[seg, i]
     sums[t] = total
   return sums.sum()
 
 
 def _pass_seconds(kernel, layers, q, start, rows, fmt, threads) -> float:
+  """One pass over the layers, rows [0, rows) of each."""
   t0 = time.perf_counter()
   for w in layers:
     if kernel == "read":
       numba.set_num_threads(threads)
-      for _, view in host_attention.shard_views(w):
-        _read(view.reshape(-1).view(np.uint64), threads)
+      for _, view in host_attention.shard_views(w):  # [2, B, K, W, E]: rows [0, rows) of each (K or V, b, head).
+        raw = view.view(np.uint8).reshape(-1, view[0, 0, 0].nbytes)
+        _read(raw[:, : raw.shape[1] * rows // view.shape[3]].view(np.uint64), threads)
     else:
       host_attention.attend_array(w, q, start, 0, rows, fmt, threads=threads)
   return time.perf_counter() - t0
 
 
-def run(batches, contexts, dtypes, threads, stream_mib, repeats, min_gib=0.0, kernels=("attend",)) -> list[dict]:
-  """Measures every combination; returns one dict per (batch, context, kv dtype, threads, kernel)."""
+def run(
+    batches, contexts, dtypes, threads, stream_mib, repeats, min_gib=0.0, kernels=("attend",), fractions=(1.0,)
+) -> list[dict]:
+  """Measures every combination; returns one dict per (batch, context, kv dtype, threads, kernel, fraction)."""
   out = []
   with _Stream(stream_mib) as stream:  # The link alone, once.
     t0 = time.perf_counter()
@@ -139,10 +151,11 @@ def run(batches, contexts, dtypes, threads, stream_mib, repeats, min_gib=0.0, ke
         layers = _windows(batch, rows, fmt, min_gib * 2**30)
         q = np.random.default_rng(0).standard_normal((batch, KV_HEADS, GROUP, HEAD_DIM)).astype(np.float32)
         start = np.zeros(batch, np.int32)
-        nbytes = layers[0].nbytes * len(layers)
-        for t, kernel in itertools.product(threads, kernels):
+        for t, kernel, f in itertools.product(threads, kernels, fractions):
           t = t or numba.config.NUMBA_NUM_THREADS
-          measure = functools.partial(_pass_seconds, kernel, layers, q, start, rows, fmt, t)
+          r1 = max(int(f * rows) // host_attention.ROW_BLOCK * host_attention.ROW_BLOCK, host_attention.ROW_BLOCK)
+          nbytes = layers[0].nbytes * len(layers) * r1 // rows
+          measure = functools.partial(_pass_seconds, kernel, layers, q, start, r1, fmt, t)
           measure()  # Compiles (or loads the cache) and warms.
           alone = statistics.median(measure() for _ in range(repeats))
           with _Stream(stream_mib) as stream:
@@ -157,10 +170,12 @@ def run(batches, contexts, dtypes, threads, stream_mib, repeats, min_gib=0.0, ke
                   kv_dtype=name,
                   threads=t,
                   kernel=kernel,
+                  fraction=f,
+                  rows_per_call=r1,
                   threading_layer=numba.threading_layer(),
                   layers=len(layers),
                   layer_mib=layers[0].nbytes / 2**20,
-                  alone_ms_per_layer=1e3 * alone / len(layers),
+                  alone_ms_per_call=1e3 * alone / len(layers),
                   alone_gbps=nbytes / alone / 1e9,
                   streaming_gbps=c,
                   link_alone_gbps=link_alone,
@@ -184,6 +199,12 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if set(KERNELS.value) - {"attend", "read"}:
     raise app.UsageError(f"--kernels takes attend and read, got {KERNELS.value}")
+  try:
+    fractions = [float(f) for f in FRACTIONS.value]
+  except ValueError as e:
+    raise app.UsageError(f"--fractions takes numbers, got {FRACTIONS.value}") from e
+  if not all(0 < f <= 1 for f in fractions):
+    raise app.UsageError(f"--fractions must be in (0, 1], got {FRACTIONS.value}")
   numba.config.THREADING_LAYER = LAYER.value  # Before the first parallel call.
   print("jax", jax.__version__, jax.devices(), "numba", numba.__version__, "cores", os.cpu_count(), flush=True)
   rows = run(
@@ -195,10 +216,13 @@ def main(argv):
       REPEATS.value,
       MIN_GIB.value,
       KERNELS.value,
+      fractions,
   )
   if OUT.value:
     write(rows, OUT.value)
-  cols = "batch context kv_dtype threads kernel threading_layer layer_mib alone_gbps streaming_gbps link_alone_gbps"
+  cols = (
+      "batch context kv_dtype threads kernel rows_per_call alone_ms_per_call alone_gbps streaming_gbps link_alone_gbps"
+  )
   cols += " link_during_gbps split"
   print("\n" + cols + " bound_x")
   for r in rows:
