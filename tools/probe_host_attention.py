@@ -8,7 +8,7 @@ kv head, in place (zero-copy views), layer after layer as a decode step would. G
 device; the link's GB/s is measured alone and during the kernel. split = C / (C + L) is the host share at which
 both sides finish together (C = kernel GB/s while streaming, L = link GB/s during), and bound_x = (C + L) / L the
 resulting speedup over the link-bound step, ignoring per-layer latencies. --kernels=read measures a bare parallel
-read (a sum of the same bytes, one contiguous range per thread) instead: the host memory's ceiling for the kernel.
+read (a sum of the same bytes, one range of them per thread) instead: the host memory's ceiling for the kernel.
 --fractions attends only rows [0, f W) of each window (rounded down to a ROW_BLOCK), as the engine calls the kernel
 for a host share f: a call's fixed cost weighs more there (ms_per_call; the read reads the same bytes).
 
