@@ -242,15 +242,25 @@ def decode_layer(p, x, window, open_page, start, end, *, cfg: ModelConfig, kv_fo
   rows [W, W + P), on device; start i32[B]; end i32[] with W <= end < W + P; kv_format: how rows are stored
   (default: the model dtype).
   Returns x [B, D] and the open page with the new row written (packed).
+
+  The window and the open page are attended apart and their softmax partials merged (merge_partials): no copy of
+  the window is made to append the page to it.
   """
   fmt = kv_format or KVFormat.of(cfg)
   w_rows, page = (0 if window is None else window.shape[3]), open_page.shape[3]
   q, open_page = _query_and_write(p, x, open_page, start, end, end - w_rows, cfg, fmt)
-  kv = fmt.unpack(open_page if window is None else jnp.concatenate([window, open_page], axis=3))
-  key_rows = jnp.arange(w_rows + page, dtype=jnp.int32)
-  mask = (key_rows[None, :] >= start[:, None]) & (key_rows[None, :] <= end)  # [B, R]
-  o = attention(q, kv, mask[:, None, :])
-  return attn_out_and_mlp(p, x[:, None, :], o, cfg)[:, 0, :], open_page
+  b, _, h, dh = q.shape
+  k = open_page.shape[2]
+  qg = q[:, 0].reshape(b, k, h // k, dh)
+  page_rows = w_rows + jnp.arange(page, dtype=jnp.int32)
+  valid = lambda rows: (rows[None, :] >= start[:, None]) & (rows[None, :] <= end)  # [B, R]
+  page_kv = fmt.unpack(open_page)
+  qg = qg.astype(page_kv.dtype)
+  o, lse = partial_attention(qg, page_kv, valid(page_rows))  # Row `end` is in the page: never empty.
+  if window is not None:
+    o_w, lse_w = partial_attention(qg, fmt.unpack(window), valid(jnp.arange(w_rows, dtype=jnp.int32)))
+    o, _ = merge_partials(o_w, lse_w, o, lse)
+  return attn_out_and_mlp(p, x[:, None, :], o.reshape(b, 1, h, dh).astype(x.dtype), cfg)[:, 0, :], open_page
 
 
 def _query_and_write(p, x, open_page, start, end, page_row, cfg: ModelConfig, fmt: KVFormat):
@@ -284,18 +294,20 @@ def decode_query(p, x, open_page, start, end, *, cfg: ModelConfig, kv_format: KV
 
 
 def partial_attention(q, kv, mask):
-  """q [B, K, G, Dh]; kv [2, B, K, R, Dh] values (unpacked); mask bool[B, R] (True = attend), at least one True per
-  sequence -> o f32[B, K, G, Dh], the attention output normalized over these rows, and lse f32[B, K, G], the
-  log-sum-exp of their scaled scores. Scores and softmax in f32, the weights and V products in kv's dtype with f32
-  accumulation."""
+  """q [B, K, G, Dh]; kv [2, B, K, R, Dh] values (unpacked); mask bool[B, R] (True = attend) -> o f32[B, K, G, Dh],
+  the attention output normalized over these rows, and lse f32[B, K, G], the log-sum-exp of their scaled scores
+  (o = 0 and lse = -inf for a sequence with no True). Scores and softmax in f32, the weights and V products in kv's
+  dtype with f32 accumulation."""
   s = jnp.einsum("bkgd,bkrd->bkgr", q, kv[0], preferred_element_type=jnp.float32)
   s = s * (1.0 / math.sqrt(q.shape[-1]))
   s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
   m = jnp.max(s, axis=-1)
+  m = jnp.where(m == -jnp.inf, 0.0, m)  # No valid row: every e below is 0.
   e = jnp.exp(s - m[..., None])
   total = jnp.sum(e, axis=-1)
   o = jnp.einsum("bkgr,bkrd->bkgd", e.astype(kv.dtype), kv[1], preferred_element_type=jnp.float32)
-  return o / total[..., None], m + jnp.log(total)
+  some = total > 0
+  return jnp.where(some[..., None], o / jnp.where(some, total, 1.0)[..., None], 0.0), m + jnp.log(total)
 
 
 def merge_partials(o1, lse1, o2, lse2):
