@@ -71,8 +71,8 @@ def main(argv):
 
 def _run_separate(arms, args) -> dict:
   """Runs this app with `--arms=<arm> <args>` for each arm, one process after the other (so that they share the
-  compilation cache, as separate runs of the apps do), and merges their reports. Raises RuntimeError, with the end
-  of its output, when a process writes no report."""
+  compilation cache, as separate runs of the apps do), and merges their reports. Exits, with the end of its
+  output, when a process writes no report."""
   from jaxkv import gate_suite  # pylint: disable=g-import-not-at-top
 
   reports = {}
@@ -83,10 +83,8 @@ def _run_separate(arms, args) -> dict:
       t0 = time.perf_counter()
       proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
       wall = time.perf_counter() - t0
-      if not os.path.exists(path):
-        raise RuntimeError(
-            f"gates process of arm {arm} wrote no report (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
-        )
+      if not os.path.exists(path):  # Its own error (a bad flag, a crash) ends this run too.
+        raise SystemExit(f"{proc.stderr[-4000:]}\ngates process of arm {arm} wrote no report (exit {proc.returncode})")
       with open(path) as f:
         reports[arm] = dict(json.load(f), wall_s=wall)
       c = reports[arm].get("compilation") or {}
