@@ -1,7 +1,7 @@
 """Flags shared by the absl apps (generate, bench, gates), and their resolution.
 
-`--cpu_devices=N` and the jax.distributed settings must act before JAX creates its backends: apps call
-`setup_platform()` first thing in main(), before any JAX call.
+`--cpu_devices=N`, the jax.distributed settings and `--compilation_cache_dir` must act before JAX creates its
+backends and compiles: apps call `setup_platform()` first thing in main(), before any JAX call.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from jaxkv import compile_cache
 from jaxkv import config as config_lib
 from jaxkv import distributed
 
@@ -39,6 +40,13 @@ NUM_PROCESSES = flags.DEFINE_integer(
 )
 PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "Multi-process: this process's id in [0, num_processes) (default: $JAX_PROCESS_ID)."
+)
+COMPILATION_CACHE_DIR = flags.DEFINE_string(
+    "compilation_cache_dir",
+    None,
+    "Persistent compilation cache (compiled programs and GPU autotuning, which separate processes then share: the "
+    f"same bits in each), in a subfolder per jax version. Default: ${compile_cache.ENV}, else $XDG_CACHE_HOME/jaxkv "
+    "or ~/.cache/jaxkv ($JAX_COMPILATION_CACHE_DIR as it is, when set). Empty = off.",
 )
 KV_PLACEMENT = flags.DEFINE_enum(
     "kv_placement", None, list(config_lib.PLACEMENTS), "KV cache placement (default: config kv.placement)."
@@ -121,8 +129,8 @@ _KV_FLAGS = {
 
 
 def setup_platform() -> None:
-  """Applies --cpu_devices (per process) and joins jax.distributed when it is set up. Must run before the first
-  JAX call."""
+  """Applies --cpu_devices (per process) and --compilation_cache_dir, and joins jax.distributed when it is set up.
+  Must run before the first JAX call."""
   n = CPU_DEVICES.value
   if n < 0:
     raise flags.ValidationError(f"--cpu_devices must be >= 0, got {n}")
@@ -142,6 +150,7 @@ def setup_platform() -> None:
     import jax  # pylint: disable=g-import-not-at-top
 
     jax.config.update("jax_platforms", "cpu")
+  compile_cache.configure(compile_cache.resolve(COMPILATION_CACHE_DIR.value))
   if args is not None:
     distributed.initialize(args, cpu=bool(n))
 

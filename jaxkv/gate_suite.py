@@ -7,12 +7,17 @@ configured ring, and the process's device memory peak where the backend reports 
 
 The parallel gate serves `sequences` requests (prompt lengths and max_new_tokens drawn from the seed) on
 `parallel` slots with slot reuse (jaxkv.serving) and passes when every arm gives the same transcript hash.
+
+With `python -m jaxkv.gates --separate_processes` each arm runs in a process of its own (`child_args` are the flags
+it passes on) and `merge` compares their reports as `run` compares arms: the bits must not depend on the process
+either.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -105,9 +110,54 @@ def run(
           sequences=sequences,
           prompt_lengths=[len(r.prompt) for r in requests],
           max_new_tokens=[r.max_new_tokens for r in requests],
-          insertions=served.transport["insertions"],
+          insertions=served.transport.get("insertions", 0),  # A Counter's key: absent when no slot was reused.
           epochs=served.transport["epochs"],
           transcripts=transcripts,
       ),
       passed=exact and mem and par,
   )
+
+
+def merge(reports: dict[str, dict]) -> dict:
+  """One report from per-arm reports of separate processes ({arm: run(..., arms=(arm,))}), the gates applied across
+  them: a task's hash, and the transcript, must be the same in every process."""
+  arms = list(reports)
+  first = reports[arms[0]]
+  tasks = []
+  for i, t in enumerate(first["exactness"]["tasks"]):
+    hashes = {arm: reports[arm]["exactness"]["tasks"][i]["hashes"][arm] for arm in arms}
+    tasks.append(dict(prompt_length=t["prompt_length"], hashes=hashes, passed=len(set(hashes.values())) == 1))
+  memory = {arm: reports[arm]["memory"]["arms"][arm] for arm in arms}
+  transcripts = {arm: reports[arm]["parallel"]["transcripts"][arm] for arm in arms}
+  exact = all(t["passed"] for t in tasks)
+  mem = all(m["passed"] for m in memory.values())
+  par = len(set(transcripts.values())) == 1
+  return dict(
+      {k: v for k, v in first.items() if k not in ("compilation", "wall_s")},
+      arms=arms,
+      separate_processes=True,
+      processes={arm: dict(compilation=r.get("compilation"), wall_s=r.get("wall_s")) for arm, r in reports.items()},
+      exactness=dict(passed=exact, tasks=tasks),
+      memory=dict(passed=mem, arms=memory),
+      parallel=dict(first["parallel"], passed=par, transcripts=transcripts),
+      passed=exact and mem and par,
+  )
+
+
+def child_args(argv: Sequence[str]) -> list[str]:
+  """The gates' command-line flags to pass on to a per-arm process: all but --separate_processes, --arms and
+  --json_out (in their `--f=v` and `--f v` forms)."""
+  drop = ("arms", "json_out")
+  out, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+      continue
+    name = a.lstrip("-").split("=", 1)[0]
+    if name in ("separate_processes", "noseparate_processes"):
+      continue
+    if name in drop:
+      skip = "=" not in a
+      continue
+    out.append(a)
+  return out

@@ -1,7 +1,9 @@
 """Run the gates: `python -m jaxkv.gates` (tiny model, 4 simulated CPU devices by default).
 
-Exits non-zero when a gate fails. Over several processes (--coordinator_address, --num_processes, --process_id)
-every process runs the gates and process 0 prints and writes the report. On the GPU, e.g.:
+Exits non-zero when a gate fails. With --separate_processes each arm runs in a process of its own, one after the
+other, with the same flags, and the gates compare the hashes across the processes. Over several processes
+(--coordinator_address, --num_processes, --process_id) every process runs the gates and process 0 prints and writes
+the report. On the GPU, e.g.:
 
   python -m jaxkv.gates --cpu_devices=0 --config=experiments/llama3_8b.py --config.engine.capacity=4096 \
       --config.engine.prefill_chunk=1024 --json_out=gates.json
@@ -9,11 +11,18 @@ every process runs the gates and process 0 prints and writes the report. On the 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
 
 from absl import app
 from absl import flags
 
 from jaxkv import cli
+from jaxkv import compile_cache
 from jaxkv import distributed
 
 ARMS = flags.DEFINE_list("arms", ["device", "host_d0", "host_d1", "host_d4"], "Arms that must agree bit for bit.")
@@ -22,24 +31,68 @@ PARALLEL = flags.DEFINE_integer("parallel", 8, "Parallel gate: slots.")
 SEQUENCES = flags.DEFINE_integer("sequences", 16, "Parallel gate: requests served on the slots.")
 SEED = flags.DEFINE_integer("seed", 0, "Seeds the weights and the prompt ids.")
 JSON_OUT = flags.DEFINE_string("json_out", None, "Write the gate report here.")
+SEPARATE = flags.DEFINE_bool(
+    "separate_processes",
+    False,
+    "Run each arm in a process of its own, one after the other (sharing the compilation cache), with the same "
+    "flags, and compare the hashes across the processes.",
+)
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  cli.setup_platform()
   from jaxkv import gate_suite  # pylint: disable=g-import-not-at-top
+
+  if SEPARATE.value:
+    if distributed.settings(cli.COORDINATOR_ADDRESS.value, cli.NUM_PROCESSES.value, cli.PROCESS_ID.value):
+      raise app.UsageError("--separate_processes runs on one host: drop the multi-process flags and JAX_* variables")
+    report = _run_separate(ARMS.value, gate_suite.child_args(sys.argv[1:]))
+    print("(each arm in its own process)")
+    _report(report, JSON_OUT.value)
+    if not report["passed"]:
+      raise SystemExit(1)
+    return
+  cli.setup_platform()
   from jaxkv import run  # pylint: disable=g-import-not-at-top
 
   config = cli.resolved_config()
-  mesh, params, _ = run.build(config, SEED.value)
-  report = gate_suite.run(
-      config, mesh, params, tuple(ARMS.value), NEW_TOKENS.value, SEED.value, PARALLEL.value, SEQUENCES.value
-  )
+  with compile_cache.CompileCounter() as counter:
+    mesh, params, _ = run.build(config, SEED.value)
+    report = gate_suite.run(
+        config, mesh, params, tuple(ARMS.value), NEW_TOKENS.value, SEED.value, PARALLEL.value, SEQUENCES.value
+    )
+  report["compilation"] = run.compilation(counter)
   if distributed.is_main():
     _report(report, JSON_OUT.value)
   if not report["passed"]:
     raise SystemExit(1)
+
+
+def _run_separate(arms, args) -> dict:
+  """Runs this app with `--arms=<arm> <args>` for each arm, one process after the other (so that they share the
+  compilation cache, as separate runs of the apps do), and merges their reports. Exits, with the end of its
+  output, when a process writes no report."""
+  from jaxkv import gate_suite  # pylint: disable=g-import-not-at-top
+
+  reports = {}
+  with tempfile.TemporaryDirectory(prefix="jaxkv-gates-") as tmp:
+    for arm in arms:
+      path = os.path.join(tmp, f"{arm}.json")
+      cmd = [sys.executable, "-m", __spec__.name, f"--arms={arm}", f"--json_out={path}", *args]
+      t0 = time.perf_counter()
+      proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+      wall = time.perf_counter() - t0
+      if not os.path.exists(path):  # Its own error (a bad flag, a crash) ends this run too.
+        raise SystemExit(f"{proc.stderr[-4000:]}\ngates process of arm {arm} wrote no report (exit {proc.returncode})")
+      with open(path) as f:
+        reports[arm] = dict(json.load(f), wall_s=wall)
+      c = reports[arm].get("compilation") or {}
+      print(
+          f"process {arm:>8}: exit {proc.returncode}, {wall:.1f} s, programs compiled {c.get('programs_compiled')}, "
+          f"from the cache {c.get('programs_from_cache')}"
+      )
+  return gate_suite.merge(reports)
 
 
 def _report(report: dict, json_out: str | None) -> None:

@@ -117,6 +117,7 @@ def _report_served(out: dict, json_out: str | None) -> None:
       f"kv placement {t['placement']}, depth {t['depth']}, {out['timing']['decode_steps']} decode steps, "
       f"{t['insertions']} slot reuses, {t['epochs']} epochs"
   )
+  print(_compilation_line(out["compilation"]))
   cli.write_json(out, json_out)
 
 
@@ -133,7 +134,16 @@ def _report(out: dict, json_out: str | None) -> None:
       f"kv placement {t['placement']}, depth {t['depth']}, h2d {t['h2d_bytes']} B, d2h {t['d2h_bytes']} B, "
       f"compiled shapes {t['compiled_shapes']}"
   )
+  print(_compilation_line(out["compilation"]))
   cli.write_json(out, json_out)
+
+
+def _compilation_line(c: dict) -> str:
+  line = f"programs compiled {c['programs_compiled']}, from the cache {c['programs_from_cache']}"
+  if "during_decode" in c:
+    d = c["during_decode"]
+    line += f" (in the decode: {d['programs_compiled']} compiled, {d['programs_from_cache']} from the cache)"
+  return line + f"; cache {c['cache_dir'] or 'off'}"
 
 
 if __name__ == "__main__":

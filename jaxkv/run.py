@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
 from jaxkv import checkpoint
+from jaxkv import compile_cache
 from jaxkv import config as config_lib
 from jaxkv import distributed
 from jaxkv import engine as engine_lib
@@ -53,11 +55,21 @@ def random_prompts(vocab_size: int, lengths, seed: int) -> list[list[int]]:
 
 
 def _generate(engine: engine_lib.Engine, prompts, max_new_tokens: int, seed: int):
-  """engine.generate, and the bytes of KV windows that this process holds in the cache's memory at the end (0 when
-  no decode step ran)."""
+  """engine.generate; the bytes of KV windows that this process holds in the cache's memory at the end (0 when no
+  decode step ran); and when its decode started (time.perf_counter())."""
   last = {}
   res = engine.generate(prompts, max_new_tokens, seed=seed, on_step=lambda _, cache: last.update(cache=cache))
-  return res, distributed.process_bytes(last["cache"].windows) if last else 0
+  decode_start = time.perf_counter() - res.timing["decode_s"]
+  return res, distributed.process_bytes(last["cache"].windows) if last else 0, decode_start
+
+
+def compilation(counter: compile_cache.CompileCounter, decode_start: float | None = None) -> dict:
+  """The JSON's `compilation`: programs compiled and loaded from the persistent cache (`cache_dir`, None = off),
+  and with `decode_start`, those of the timed decode (`during_decode`)."""
+  out = dict(counter.counts(), cache_dir=jax.config.jax_compilation_cache_dir)
+  if decode_start is not None:
+    out["during_decode"] = counter.counts(since=decode_start)
+  return out
 
 
 def _result(
@@ -82,9 +94,13 @@ def generate_random(config_dict, lengths, max_new_tokens: int, seed: int) -> dic
   """Generates from random prompts of the given lengths; returns a JSON-ready dict."""
   config = config_lib.from_config_dict(config_dict)
   prompts = random_prompts(config.model.vocab_size, lengths, seed)
-  _, _, engine = build(config, seed)
-  res, kv_bytes = _generate(engine, prompts, max_new_tokens, seed)
-  return _result(res, kv_bytes, config_dict, lengths, max_new_tokens, seed)
+  with compile_cache.CompileCounter() as counter:
+    _, _, engine = build(config, seed)
+    res, kv_bytes, decode_start = _generate(engine, prompts, max_new_tokens, seed)
+  return dict(
+      _result(res, kv_bytes, config_dict, lengths, max_new_tokens, seed),
+      compilation=compilation(counter, decode_start),
+  )
 
 
 def serve_random(config_dict, sequences: int, parallel: int, max_length: int, max_new_tokens: int, seed: int) -> dict:
@@ -96,9 +112,11 @@ def serve_random(config_dict, sequences: int, parallel: int, max_length: int, ma
   news = rng.integers(max(1, max_new_tokens // 2), max_new_tokens + 1, size=sequences).tolist()
   prompts = random_prompts(config.model.vocab_size, lengths, seed)
   requests = [serving.Request(tuple(p), n, seed=seed + i) for i, (p, n) in enumerate(zip(prompts, news))]
-  _, _, engine = build(config, seed)
-  res = serving.Server(engine, parallel).serve(requests)
+  with compile_cache.CompileCounter() as counter:
+    _, _, engine = build(config, seed)
+    res = serving.Server(engine, parallel).serve(requests)
   return dict(
+      compilation=compilation(counter),
       requests=[
           dict(prompt_length=len(r.prompt), max_new_tokens=r.max_new_tokens, **dataclasses.asdict(o))
           for r, o in zip(requests, res.results)
@@ -133,14 +151,19 @@ def generate_checkpoint(
   if not prompts and not lengths:
     raise ValueError("give text prompts or random prompt lengths")
   tok = tokenizer_lib.Tokenizer.from_dir(checkpoint_dir) if prompts else None  # Before the weights: fails fast.
-  config, _, _, engine = build_from_checkpoint(config_lib.from_config_dict(config_dict), checkpoint_dir, dtype)
-  if tok is not None:
-    ids = [tok.encode(p) for p in prompts]
-  else:
-    ids = random_prompts(config.model.vocab_size, lengths, seed)
-  res, kv_bytes = _generate(engine, ids, max_new_tokens, seed)
+  with compile_cache.CompileCounter() as counter:
+    config, _, _, engine = build_from_checkpoint(config_lib.from_config_dict(config_dict), checkpoint_dir, dtype)
+    if tok is not None:
+      ids = [tok.encode(p) for p in prompts]
+    else:
+      ids = random_prompts(config.model.vocab_size, lengths, seed)
+    res, kv_bytes, decode_start = _generate(engine, ids, max_new_tokens, seed)
   out = _result(res, kv_bytes, config_dict, [len(p) for p in ids], max_new_tokens, seed)
-  out.update(checkpoint_dir=checkpoint_dir, model=dataclasses.asdict(config.model))
+  out.update(
+      checkpoint_dir=checkpoint_dir,
+      model=dataclasses.asdict(config.model),
+      compilation=compilation(counter, decode_start),
+  )
   if tok is not None:
     out.update(prompts=list(prompts), prompt_tokens=ids, text=[tok.decode(t) for t in res.tokens])
   return out

@@ -1,9 +1,16 @@
 """The gate suite: arms agree bit for bit on the fixed tasks, and a differing arm fails the gate."""
 
+import json
+import os
+import subprocess
+import sys
+
 import helpers
 import pytest
 
 from jaxkv import gate_suite
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(gate_suite.__file__)))  # Holds the jaxkv package.
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +51,59 @@ def test_capacity_too_small_for_the_tasks_is_a_clear_error():
   small = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, capacity=20))
   with pytest.raises(ValueError, match="too small for the gate tasks"):
     gate_suite.task_lengths(small, 6)
+
+
+def test_merge_compares_the_processes_hashes():
+  def report(arm, task_hash, transcript):
+    mem = dict(ring_high_water_bytes_per_device=0, ring_bytes_per_device_configured=0, passed=True)
+    tasks = [dict(prompt_length=n, hashes={arm: f"{task_hash}{n}"}, passed=True) for n in (1, 8)]
+    par = dict(passed=True, parallel=2, sequences=4, insertions=2, epochs=1, transcripts={arm: transcript})
+    return dict(
+        arms=[arm],
+        exactness=dict(passed=True, tasks=tasks),
+        memory=dict(passed=True, arms={arm: mem}),
+        parallel=par,
+        passed=True,
+        compilation=dict(programs_compiled=3, programs_from_cache=0),
+    )
+
+  same = gate_suite.merge({"device": report("device", "a", "t"), "host_d1": report("host_d1", "a", "t")})
+  assert same["passed"] and same["separate_processes"] and same["arms"] == ["device", "host_d1"]
+  assert [t["hashes"] for t in same["exactness"]["tasks"]] == [{"device": f"a{n}", "host_d1": f"a{n}"} for n in (1, 8)]
+  assert same["processes"]["host_d1"]["compilation"]["programs_compiled"] == 3 and "compilation" not in same
+  other = gate_suite.merge({"device": report("device", "a", "t"), "host_d1": report("host_d1", "b", "u")})
+  assert not other["passed"] and not other["exactness"]["passed"] and not other["parallel"]["passed"]
+
+
+def test_child_args_pass_on_everything_but_the_arms_the_output_and_the_mode():
+  argv = ["--separate_processes", "--arms", "device,host_d1", "--json_out=x.json", "--cpu_devices=2"]
+  argv += ["--config.model.num_layers=2", "--new_tokens", "4", "--json_out", "y.json", "--arms=device"]
+  assert gate_suite.child_args(argv) == ["--cpu_devices=2", "--config.model.num_layers=2", "--new_tokens", "4"]
+
+
+def _separate(tmp_path, arms):
+  """`python -m jaxkv.gates --separate_processes` on the tiny model, 2 devices, small gates."""
+  out = tmp_path / "gates.json"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  cmd = [sys.executable, "-m", "jaxkv.gates", "--separate_processes", f"--arms={arms}", "--cpu_devices=2"]
+  cmd += ["--new_tokens", "4", "--sequences=4", "--parallel=2", f"--json_out={out}"]
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  return proc, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_separate_processes_agree_and_share_the_compilation_cache(tmp_path):
+  proc, report = _separate(tmp_path, "device,host_d1")
+  assert proc.returncode == 0 and report["passed"], proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert report["separate_processes"] and report["arms"] == ["device", "host_d1"]
+  assert all(len(set(t["hashes"].values())) == 1 for t in report["exactness"]["tasks"])
+  assert report["parallel"]["sequences"] == 4 and report["new_tokens"] == 4  # The flags reached every process.
+  second = report["processes"]["host_d1"]["compilation"]
+  assert second["programs_from_cache"] > 0  # The same compiled layer functions serve both arms.
+  assert "exactness gate: PASS" in proc.stdout and "process  host_d1: exit 0" in proc.stdout
+
+
+def test_separate_processes_that_differ_fail_the_gate(tmp_path):
+  # A bfloat16 cache on the float32 tiny model changes the bits: the cross-process gate must catch it.
+  proc, report = _separate(tmp_path, "device,host_d1_bfloat16")
+  assert proc.returncode == 1 and not report["passed"] and not report["exactness"]["passed"], proc.stderr[-3000:]
+  assert "DIFF" in proc.stdout and "exactness gate: FAIL" in proc.stdout

@@ -1,0 +1,114 @@
+"""The persistent compilation cache: where it lives, what it sets, its counters, and a second process served by it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jaxlib
+import numpy as np
+import pytest
+
+from jaxkv import compile_cache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(compile_cache.__file__)))  # Holds the jaxkv package.
+VERSIONS = f"jax-{jax.__version__}-jaxlib-{jaxlib.__version__}"
+_OPTIONS = (
+    "jax_compilation_cache_dir",
+    "jax_enable_compilation_cache",
+    "jax_persistent_cache_min_compile_time_secs",
+    "jax_persistent_cache_min_entry_size_bytes",
+    "jax_persistent_cache_enable_xla_caches",
+)
+
+
+def test_the_folder_is_per_user_per_version_and_the_flag_moves_or_disables_it():
+  home = os.path.expanduser("~")
+  assert compile_cache.resolve(None, {}) == os.path.join(home, ".cache", "jaxkv", VERSIONS)
+  assert compile_cache.resolve(None, {"XDG_CACHE_HOME": "/x"}) == os.path.join("/x", "jaxkv", VERSIONS)
+  assert compile_cache.resolve(None, {compile_cache.ENV: "/e", "XDG_CACHE_HOME": "/x"}) == os.path.join("/e", VERSIONS)
+  assert compile_cache.resolve("/f", {compile_cache.ENV: "/e"}) == os.path.join("/f", VERSIONS)
+  assert compile_cache.resolve("", {compile_cache.ENV: "/e"}) is None
+  assert compile_cache.resolve(None, {compile_cache.ENV: ""}) is None
+  # A user's own JAX_COMPILATION_CACHE_DIR is kept as it is, unless the flag (or jaxkv's variable) says otherwise.
+  assert compile_cache.resolve(None, {"JAX_COMPILATION_CACHE_DIR": "/j"}) == "/j"
+  assert compile_cache.resolve("/f", {"JAX_COMPILATION_CACHE_DIR": "/j"}) == os.path.join("/f", VERSIONS)
+  assert compile_cache.resolve("", {"JAX_COMPILATION_CACHE_DIR": "/j"}) is None
+
+
+@pytest.fixture
+def jax_options():
+  """Restores the cache options after a test that configures them (nothing compiles meanwhile)."""
+  before = {k: jax.config.values[k] for k in _OPTIONS}
+  xla_flags = os.environ.get("XLA_FLAGS")
+  yield
+  for k, v in before.items():
+    jax.config.update(k, v)
+  assert os.environ.get("XLA_FLAGS") == xla_flags  # configure never touches XLA_FLAGS.
+
+
+def test_configure_caches_every_program_with_the_autotuning_beside_it(tmp_path, jax_options):
+  path = str(tmp_path / "cache")
+  compile_cache.configure(path, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  v = jax.config.values
+  assert v["jax_compilation_cache_dir"] == path and v["jax_enable_compilation_cache"] and os.path.isdir(path)
+  assert v["jax_persistent_cache_min_compile_time_secs"] == 0 and v["jax_persistent_cache_min_entry_size_bytes"] == -1
+  # JAX sets XLA's per-fusion autotuning cache to a subfolder of the cache (a compile option, not an XLA_FLAGS entry,
+  # so nothing GPU-only reaches XLA_FLAGS on the CPU).
+  assert v["jax_persistent_cache_enable_xla_caches"] == "xla_gpu_per_fusion_autotune_cache_dir"
+
+
+def test_a_users_own_autotune_cache_flag_wins(tmp_path, jax_options):
+  compile_cache.configure(str(tmp_path), {"XLA_FLAGS": f"{compile_cache.AUTOTUNE_FLAG}=/mine"})
+  assert jax.config.values["jax_persistent_cache_enable_xla_caches"] == ""  # JAX leaves the user's flag alone.
+
+
+def test_off_disables_the_cache(jax_options):
+  compile_cache.configure(None)
+  assert jax.config.values["jax_compilation_cache_dir"] is None
+  assert not jax.config.values["jax_enable_compilation_cache"]
+
+
+def test_the_counter_counts_compiles_while_open_and_after_a_time():
+  x = jax.device_put(np.arange(5.0))
+  with compile_cache.CompileCounter() as counter:
+    jax.jit(lambda a: a * 3 + 1)(x).block_until_ready()
+    import time  # pylint: disable=g-import-not-at-top
+
+    t = time.perf_counter()
+    jax.jit(lambda a: a - 7)(x).block_until_ready()
+    jax.jit(lambda a: a - 7)  # Traced nowhere: no compile.
+  jax.jit(lambda a: a / 2)(x).block_until_ready()  # Closed: not counted.
+  assert counter.counts() == dict(programs_compiled=2, programs_from_cache=0)  # This process runs with no cache.
+  assert counter.counts(since=t) == dict(programs_compiled=1, programs_from_cache=0)
+
+
+def _generate(tmp_path, name, cache):
+  out = tmp_path / f"{name}.json"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  cmd = [sys.executable, "-m", "jaxkv.generate", "--cpu_devices=2", "--prompt_len=5,12", "--max_new_tokens=6"]
+  proc = subprocess.run(
+      [*cmd, "--kv_placement=host", f"--compilation_cache_dir={cache}", f"--json_out={out}"],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout, json.loads(out.read_text())
+
+
+def test_a_second_process_loads_every_program_from_the_cache(tmp_path):
+  cache = tmp_path / "cache"
+  _, cold = _generate(tmp_path, "cold", cache)
+  out, warm = _generate(tmp_path, "warm", cache)
+  c, w = cold["compilation"], warm["compilation"]
+  assert c["cache_dir"] == w["cache_dir"] == str(cache / VERSIONS) and os.listdir(c["cache_dir"])
+  assert c["programs_compiled"] > 0 and c["programs_from_cache"] == 0
+  assert w == dict(c, programs_compiled=0, programs_from_cache=c["programs_compiled"], during_decode=w["during_decode"])
+  assert w["during_decode"]["programs_compiled"] == 0
+  assert sum(w["during_decode"].values()) == sum(c["during_decode"].values())  # The same programs, the same place.
+  assert (cold["tokens_sha256"], cold["logits_sha256"]) == (warm["tokens_sha256"], warm["logits_sha256"])
+  assert f"programs compiled 0, from the cache {c['programs_compiled']}" in out
