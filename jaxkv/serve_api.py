@@ -211,13 +211,8 @@ def make_app(model: Model) -> fastapi.FastAPI:
 
   @app.get("/v1/models")
   async def models():
-    card = {
-        "id": model.name,
-        "object": "model",
-        "created": created,
-        "owned_by": "jaxkv",
-        "max_model_len": model.capacity,
-    }
+    card = dict(id=model.name, object="model", created=created, owned_by="jaxkv", max_model_len=model.capacity)
+    card["vocab_size"] = model.loop.server.engine.config.model.vocab_size  # Token-id prompts stay below it.
     return {"object": "list", "data": [card]}
 
   @app.post("/v1/completions")
