@@ -7,7 +7,7 @@ chunk) carries its generated ids in `token_ids`; without a tokenizer prompts are
 
 Sampling fields left out take the config's sampling section (greedy by default), so a request with the same prompt
 and settings gets the tokens `python3 -m jaxkv.generate` prints. `stop` strings end a request at the first one and
-cut the text before it. Bad input is a 400 with a message; a full queue is a 429; the server keeps serving. A client
+cut the text before it; so does a checkpoint's end of sequence id (its id ends `token_ids`), unless "ignore_eos". Bad input is a 400 with a message; a full queue is a 429; the server keeps serving. A client
 that disconnects ends its request at the next decode step, freeing its slot.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import secrets
 import threading
@@ -41,12 +42,14 @@ _POLL_S = 0.5  # How often a non-streaming request checks that its client is sti
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-  """What the API serves: its name, the loop, and a checkpoint's tokenizer and chat template (None without)."""
+  """What the API serves: its name, the loop, and a checkpoint's tokenizer, chat template (None without) and end of
+  sequence ids (a request ends after one, unless it asks "ignore_eos")."""
 
   name: str
   loop: serving_loop.ServingLoop
   tokenizer: tokenizer_lib.Tokenizer | None = None
   chat_template: chat_template_lib.ChatTemplate | None = None
+  eos_ids: frozenset[int] = frozenset()
 
   @property
   def capacity(self) -> int:
@@ -69,6 +72,7 @@ class _Params(pydantic.BaseModel):
   stream: bool = False
   stream_options: dict | None = None
   n: Literal[1] = 1
+  ignore_eos: bool = False  # As vLLM: run past the checkpoint's end of sequence ids (the config's eos_id still ends).
 
 
 class CompletionRequest(_Params):
@@ -108,11 +112,12 @@ class _Output:
     self.ids: list[int] = []
     self.text, self.sent, self.stopped = "", 0, False
 
-  def add(self, ids: list[int], final: bool = False) -> str:
-    """Takes new ids (final: the request ended) and returns the text that may be sent now."""
+  def add(self, ids: list[int], final: bool = False, eos: bool = False) -> str:
+    """Takes new ids (final: the request ended; eos: with these end of sequence ids, which add no text) and returns
+    the text that may be sent now."""
     self.ids += ids
     if self.detok is not None:
-      self.text += self.detok.add(ids, final)
+      self.text += self.detok.add([] if eos else ids, final)
     hold = 0
     if self.stops:
       cuts = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0]
@@ -131,8 +136,10 @@ _FINISH = {"eos": "stop", "length": "length", "cancelled": "stop"}
 class _Generation:
   """One request in the loop, seen from the event loop: its tokens arrive on an asyncio queue."""
 
-  def __init__(self, model: Model, metrics: serve_metrics.Metrics, request: serving.Request, stops: list[str]):
-    self.model, self.metrics = model, metrics
+  def __init__(
+      self, model: Model, metrics: serve_metrics.Metrics, request: serving.Request, stops: list[str], eos: frozenset
+  ):
+    self.model, self.metrics, self.eos = model, metrics, eos
     self.out = _Output(model.tokenizer, stops)
     self.t0 = time.perf_counter()
     self.first = True
@@ -160,8 +167,8 @@ class _Generation:
       if self.first:
         self.first = False
         self.metrics.ttft.observe(time.perf_counter() - self.t0)
-      piece = self.out.add([event[1]])
-      if self.out.stopped:
+      piece = self.out.add([event[1]], final=event[1] in self.eos, eos=event[1] in self.eos)
+      if self.out.stopped or event[1] in self.eos:
         self.handle.cancel()
         self._end("stop")
       return [event[1]], piece
@@ -252,7 +259,7 @@ def make_app(model: Model) -> fastapi.FastAPI:
     if stops and model.tokenizer is None:
       raise ApiError(400, "stop strings need a checkpoint with a tokenizer.json")
     request = serving.Request(tuple(ids), max_tokens, seed=_seed(body.seed), sampling=_sampling(body, model))
-    gen = _Generation(model, metrics, request, stops)
+    gen = _Generation(model, metrics, request, stops, frozenset() if body.ignore_eos else model.eos_ids)
     rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
     head = {"id": rid, "created": int(time.time()), "model": model.name}
     if body.stream:
@@ -359,10 +366,12 @@ def build_model(
 
   config = config_lib.from_config_dict(config_dict)
   tokenizer = template = None
+  eos: frozenset[int] = frozenset()
   if checkpoint_dir:
     if os.path.isfile(os.path.join(checkpoint_dir, tokenizer_lib.TOKENIZER_FILE)):
       tokenizer = tokenizer_lib.Tokenizer.from_dir(checkpoint_dir)
       template = chat_template_lib.ChatTemplate.from_dir(checkpoint_dir)
+    eos = eos_ids(checkpoint_dir)
     _, _, _, engine = run.build_from_checkpoint(config, checkpoint_dir, dtype)
   else:
     _, _, engine = run.build(config, seed)
@@ -370,4 +379,17 @@ def build_model(
   done = threading.Event()
   loop.submit(serving.Request((0,), 2), lambda t: None, lambda why, err: done.set())
   done.wait()
-  return Model(name, loop, tokenizer, template)
+  return Model(name, loop, tokenizer, template, eos)
+
+
+def eos_ids(checkpoint_dir: str) -> frozenset[int]:
+  """A checkpoint's end of sequence ids: generation_config.json's eos_token_id (an id or a list, as Llama-3 Instruct
+  lists <|end_of_text|> and <|eot_id|>), else config.json's."""
+  for name in ("generation_config.json", "config.json"):
+    path = os.path.join(checkpoint_dir, name)
+    if os.path.isfile(path):
+      with open(path) as f:
+        ids = json.load(f).get("eos_token_id")
+      if ids is not None:
+        return frozenset([ids] if isinstance(ids, int) else ids)
+  return frozenset()

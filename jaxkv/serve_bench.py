@@ -1,8 +1,9 @@
 """Server benchmark: `python3 -m jaxkv.serve_bench`, request throughput and time to first token under load.
 
-Starts `python3 -m jaxkv.serve` with --server_flags on a free localhost port, waits for /health, sends --concurrency
-streamed requests once to compile the shapes (not measured), then --requests requests of --prompt_len random token
-ids and --max_tokens new tokens (greedy), at most --concurrency in flight, and SIGTERMs the server. Reports requests/s,
+Starts `python3 -m jaxkv.serve` with --server_flags on a free localhost port, waits for /health, then sends two
+rounds of --requests streamed requests of --prompt_len random token ids and --max_tokens new tokens (greedy), at most
+--concurrency in flight, and SIGTERMs the server. The first round compiles the shapes that the second, measured, one
+meets (the cache grows by kv.block rows at a time, a new shape each time). Reports requests/s,
 generated tokens/s, time to first token (TTFT: from sending to the first token's event) and end-to-end latency
 percentiles, time per output token after the first, and the server's transport counters from /metrics; prints a
 table last and writes JSON to --json_out.
@@ -124,10 +125,10 @@ def run(
     _wait_healthy(url, proc, startup_s)
     vocab = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["vocab_size"]
     rng = np.random.default_rng(seed)
-    prompts = rng.integers(0, vocab, size=(concurrency + requests, prompt_len)).tolist()
-    asyncio.run(_load(url, prompts[:concurrency], max_tokens, concurrency))  # Compiles; not measured.
+    prompts = rng.integers(0, vocab, size=(2 * requests, prompt_len)).tolist()
+    asyncio.run(_load(url, prompts[:requests], max_tokens, concurrency))  # Compiles; not measured.
     before = _metrics(url)
-    results, wall = asyncio.run(_load(url, prompts[concurrency:], max_tokens, concurrency))
+    results, wall = asyncio.run(_load(url, prompts[requests:], max_tokens, concurrency))
     after = _metrics(url)
   finally:
     proc.send_signal(signal.SIGTERM)

@@ -93,6 +93,8 @@ class ServingLoop:
     with self._lock:
       if self._closing:
         raise Closed("the server is shutting down")
+      if self._thread.ident is not None and not self._thread.is_alive():
+        raise Closed("the serving loop has stopped (its log says why)")
       if self.stats.waiting >= self.max_queue:
         raise QueueFull(f"{self.stats.waiting} requests already wait for a slot (the queue holds {self.max_queue})")
       self.stats.waiting += 1

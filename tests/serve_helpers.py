@@ -22,13 +22,14 @@ def running(
     name: str = "tiny",
     tokenizer=None,
     template=None,
+    eos_ids=frozenset(),
     start_loop: bool = True,
 ):
   """Serves `engine` on 127.0.0.1 (a port the OS picks); yields (base url, Model); stops the server and the loop."""
   loop = serving_loop.ServingLoop(serving.Server(engine, parallel), max_queue)
   if start_loop:
     loop.start()
-  model = serve_api.Model(name, loop, tokenizer, template)
+  model = serve_api.Model(name, loop, tokenizer, template, eos_ids)
   server = serve_api.uvicorn_server(serve_api.make_app(model), "127.0.0.1", 0)
   thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
   thread.start()

@@ -21,6 +21,7 @@ from jaxkv import chat_template as chat_template_lib
 from jaxkv import checkpoint
 from jaxkv import config as config_lib
 from jaxkv import run as run_lib
+from jaxkv import serve_api
 from jaxkv import tokenizer as tokenizer_lib
 
 # pylint: enable=g-import-not-at-top,g-bad-import-order
@@ -30,6 +31,7 @@ WORDS = {**{t: i for i, t in enumerate(SPECIAL)}, **{f"w{i}": i for i in range(l
 TEMPLATE = "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
 TEMPLATE += "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 TIMEOUT_S = 120.0
+EOS_PROMPT = "w40 w41 w42"
 
 
 def write_checkpoint(path) -> None:
@@ -83,13 +85,30 @@ def served(tmp_path_factory):
   _, _, _, engine = run_lib.build_from_checkpoint(config_lib.from_config_dict(cd), path)
   tok = tokenizer_lib.Tokenizer.from_dir(path)
   template = chat_template_lib.ChatTemplate.from_dir(path)
-  with serve_helpers.running(engine, parallel=4, tokenizer=tok, template=template) as (url, _):
+  eos = engine.generate([tok.encode(EOS_PROMPT)], 12).tokens[0][5]  # An end of sequence id that this prompt meets.
+  with open(os.path.join(path, "generation_config.json"), "w") as f:
+    json.dump(dict(eos_token_id=[eos, 255]), f)
+  eos_ids = serve_api.eos_ids(path)
+  assert eos_ids == {eos, 255}
+  with serve_helpers.running(engine, parallel=4, tokenizer=tok, template=template, eos_ids=eos_ids) as (url, _):
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
-    yield client, engine, tok
+    yield client, engine, tok, eos
+
+
+def test_the_checkpoint_s_end_of_sequence_ends_a_request(served):
+  client, engine, tok, eos = served
+  want = engine.generate([tok.encode(EOS_PROMPT)], 12).tokens[0]
+  cut = want[: want.index(eos) + 1]
+  out = client.completions.create(model="tiny", prompt=EOS_PROMPT, max_tokens=12, temperature=0).choices[0]
+  assert out.token_ids == cut and out.finish_reason == "stop" and out.text == tok.decode(cut[:-1])
+  on = client.completions.create(
+      model="tiny", prompt=EOS_PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+  ).choices[0]
+  assert on.token_ids == want and on.finish_reason == "length"
 
 
 def test_text_prompts_and_streamed_text(served):
-  client, engine, tok = served
+  client, engine, tok, _ = served
   out = client.completions.create(model="tiny", prompt="w7 w8 w9", max_tokens=10, temperature=0)
   ids = out.choices[0].token_ids
   assert ids == engine.generate([tok.encode("w7 w8 w9")], 10).tokens[0]
@@ -99,7 +118,7 @@ def test_text_prompts_and_streamed_text(served):
 
 
 def test_stop_strings_cut_the_text_and_end_the_request(served):
-  client, _, tok = served
+  client, _, tok, _ = served
   full = client.completions.create(model="tiny", prompt="w20 w21", max_tokens=12, temperature=0).choices[0]
   words = full.text.split(" ")
   stop = words[3]  # Its first occurrence may come earlier.
@@ -116,7 +135,7 @@ def test_stop_strings_cut_the_text_and_end_the_request(served):
 
 
 def test_chat_completions_use_the_template(served):
-  client, engine, tok = served
+  client, engine, tok, _ = served
   messages = [
       {"role": "user", "content": "w30 w31"},
       {"role": "assistant", "content": "w32"},
