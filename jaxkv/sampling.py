@@ -29,3 +29,22 @@ def sample(logits, key, cfg: SamplingConfig):
     keep = jnp.zeros_like(keep_sorted).at[jnp.arange(x.shape[0])[:, None], order].set(keep_sorted)
     x = jnp.where(keep, x, -jnp.inf)
   return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+
+
+def sample_traced(logits, key, temperature, top_k, top_p):
+  """`sample` with traced knobs (one jitted function serves requests with different settings): logits f32[B, V];
+  temperature f32[], top_k i32[], top_p f32[] -> i32[B], the same bits as `sample` with a SamplingConfig of these
+  values."""
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  x = logits / jnp.where(temperature == 0.0, 1.0, temperature)
+  k = jnp.clip(top_k, 1, x.shape[-1])
+  kth = jnp.take_along_axis(jnp.sort(x, axis=-1), jnp.broadcast_to(x.shape[-1] - k, (x.shape[0], 1)), axis=-1)
+  x = jnp.where((top_k > 0) & (x < kth), -jnp.inf, x)
+  order = jnp.argsort(-x, axis=-1)
+  sorted_x = jnp.take_along_axis(x, order, axis=-1)
+  cum = jnp.cumsum(jax.nn.softmax(sorted_x, axis=-1), axis=-1)
+  keep_sorted = (cum - jax.nn.softmax(sorted_x, axis=-1)) < top_p
+  keep = jnp.zeros_like(keep_sorted).at[jnp.arange(x.shape[0])[:, None], order].set(keep_sorted)
+  x = jnp.where(keep | (top_p >= 1.0), x, -jnp.inf)
+  drawn = jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+  return jnp.where(temperature == 0.0, greedy, drawn)

@@ -18,7 +18,11 @@ until every slot is free, and the next epoch starts a fresh cache with a batched
 Tokens are read `engine._LAG` steps late, so a slot frees that many steps after its last token.
 
 Sampling: request r's token i uses key fold_in(fold_in(key(seed_r), 0), i), whatever its slot or step, so
-sampled output does not depend on the neighbours either.
+sampled output does not depend on the neighbours either. Each request has its own temperature, top-k and top-p
+(`Request.sampling`, default the engine's), traced arguments of one compiled head.
+
+`_Run` serves a list given up front (`Server.serve`); its hooks (`arrivals`, `placed`, `emitted`) let
+jaxkv.serving_loop feed it requests as they arrive and report each token as it is read back.
 """
 
 from __future__ import annotations
@@ -48,11 +52,13 @@ from jaxkv.transport import Transport
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-  """prompt: token ids; max_new_tokens: tokens to generate (EOS ends it earlier); seed: its sampling seed."""
+  """prompt: token ids; max_new_tokens: tokens to generate (EOS ends it earlier); seed: its sampling seed;
+  sampling: its temperature, top_k and top_p (None = the engine's; the engine's eos_id applies to all)."""
 
   prompt: tuple[int, ...]
   max_new_tokens: int
   seed: int = 0
+  sampling: SamplingConfig | None = None
 
 
 @dataclasses.dataclass
@@ -88,29 +94,35 @@ class _SlotFns:
 
 
 @functools.lru_cache(maxsize=None)
-def _slot_functions(cfg, mesh: jax.sharding.Mesh, sampling: SamplingConfig) -> _SlotFns:
+def _slot_functions(cfg, mesh: jax.sharding.Mesh) -> _SlotFns:
   rep = mesh_lib.replicated(mesh)
   kv_device = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
   kv_host = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "pinned_host")
 
-  def head(top, x, meta, keys):
-    """x [B, D]; meta i32[B + 3]; keys i32[B, 2] (request seed, step of its token 0) -> logits, tokens, their
-    embeddings, next meta. Row b samples with its request's key for token index meta step - keys[b, 1]."""
+  def head(top, x, meta, keys, knobs):
+    """x [B, D]; meta i32[B + 3]; keys i32[B, 3] (request seed, step of its token 0, top_k); knobs f32[B, 2]
+    (temperature, top_p) -> logits, tokens, their embeddings, next meta. Row b samples with its request's key for
+    token index meta step - keys[b, 1]."""
     lg = model.logits(top, x, cfg)
 
-    def one(row, seed, index):
+    def one(row, seed, index, top_k, temperature, top_p):
       key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0), index)
-      return sampling_lib.sample(row[None], key, sampling)[0]
+      return sampling_lib.sample_traced(row[None], key, temperature, top_k, top_p)[0]
 
-    tok = jax.vmap(one)(lg, keys[:, 0], meta[-2] - keys[:, 1])
+    def drawn(lg):
+      return jax.vmap(one)(lg, keys[:, 0], meta[-2] - keys[:, 1], keys[:, 2], knobs[:, 0], knobs[:, 1])
+
+    greedy = lambda lg: jnp.argmax(lg, axis=-1).astype(jnp.int32)
+    tok = jax.lax.cond(jnp.all(knobs[:, 0] == 0.0), greedy, drawn, lg)
     step = jnp.zeros_like(meta).at[-3:-1].set(1)
     return lg, tok, model.embed(top, tok), meta + step
 
-  def enter(x, meta, keys, x_new, b, start_b, key_b):
-    """Slot b takes a new request: its hidden state, start row and sampling key."""
+  def enter(x, meta, keys, knobs, x_new, b, start_b, key_b, knobs_b):
+    """Slot b takes a new request: its hidden state, start row and sampling key and knobs."""
     x = jax.lax.dynamic_update_slice(x, x_new, (b, 0))
     meta = jax.lax.dynamic_update_slice(meta, start_b[None], (b,))
-    return x, meta, jax.lax.dynamic_update_slice(keys, key_b[None], (b, 0))
+    keys = jax.lax.dynamic_update_slice(keys, key_b[None], (b, 0))
+    return x, meta, keys, jax.lax.dynamic_update_slice(knobs, knobs_b[None], (b, 0))
 
   def insert(rows, new, b):
     """rows [2, B, K, R, E] (donated); new [2, 1, K, R, E] on the devices -> rows with slot b = new."""
@@ -121,7 +133,7 @@ def _slot_functions(cfg, mesh: jax.sharding.Mesh, sampling: SamplingConfig) -> _
 
   return _SlotFns(
       head=jax.jit(head, out_shardings=rep),
-      enter=jax.jit(enter, out_shardings=rep, donate_argnums=(0, 1, 2)),
+      enter=jax.jit(enter, out_shardings=rep, donate_argnums=(0, 1, 2, 3)),
       insert_device=jax.jit(insert, out_shardings=kv_device, donate_argnums=(0,)),
       insert_host=jax.jit(insert_host, out_shardings=kv_host, donate_argnums=(0,)),
   )
@@ -144,10 +156,14 @@ class Server:
       raise ValueError(f"parallel must be >= 1, got {parallel}")
     self.engine, self.parallel = engine, parallel
     cfg = engine.config
-    self.fns = _slot_functions(cfg.model, engine.layout.last, cfg.sampling)  # The head's stage.
-    self.layer_fns = [
-        _slot_functions(cfg.model, engine.layout.mesh(l), cfg.sampling) for l in range(len(engine.params["layers"]))
-    ]
+    self.fns = _slot_functions(cfg.model, engine.layout.last)  # The head's stage.
+    self.layer_fns = [_slot_functions(cfg.model, engine.layout.mesh(l)) for l in range(len(engine.params["layers"]))]
+
+  def sampling_of(self, request: Request | None) -> tuple[list[int], list[float]]:
+    """A slot's rows of the head's keys (seed, step of token 0 = 0, top_k) and knobs (temperature, top_p); an empty
+    slot (None) samples greedily."""
+    s = SamplingConfig() if request is None else request.sampling or self.engine.config.sampling
+    return [0 if request is None else request.seed, 0, s.top_k], [s.temperature, s.top_p]
 
   def validate(self, requests: Sequence[Request]) -> None:
     if not requests:
@@ -171,11 +187,13 @@ class Server:
 
 
 class _Run:
-  """The state of one serve(): the queue, the per-request records, telemetry."""
+  """The state of one serve(): the queue, the per-request records, telemetry. batch: the slots of an epoch's cache
+  (default as many as there are requests, at most `parallel`)."""
 
-  def __init__(self, server: Server, requests: Sequence[Request], on_step):
+  def __init__(self, server: Server, requests: Sequence[Request], on_step, batch: int | None = None):
     self.server, self.engine = server, server.engine
     self.requests, self.on_step = requests, on_step
+    self.batch = batch or min(server.parallel, len(requests))
     self.queue = collections.deque(range(len(requests)))
     self.tokens: list[list[int]] = [[] for _ in requests]
     self.hashes = [hashlib.sha256() for _ in requests]
@@ -187,6 +205,17 @@ class _Run:
     self.summary: dict = {}
     self.steps = 0
     self.t_progress = time.perf_counter()
+
+  # Hooks for a run fed while it serves (jaxkv.serving_loop); a list given up front needs none.
+  def arrivals(self) -> None:
+    """Called before each scheduling decision: may append requests to `requests` and `queue`, or end some."""
+
+  def placed(self, r: int, slot: int, epoch: int, first_row: int) -> None:
+    """Request r took a slot."""
+    self.where[r] = (slot, epoch, first_row)
+
+  def emitted(self, r: int, token: int, end: str | None) -> None:
+    """Request r's next token was read back; end: why it ended with it ("eos", "length") or None."""
 
   # Recording.
   def counters(self, transport, d2h, rows):
@@ -209,8 +238,9 @@ class _Run:
       t = int(tok[b])
       self.tokens[r].append(t)
       self.hashes[r].update(np.ascontiguousarray(lg[b]).astype("<f4").tobytes())
-      if t == eos or len(self.tokens[r]) >= self.requests[r].max_new_tokens:
-        self.done[r] = True
+      end = "eos" if t == eos else "length" if len(self.tokens[r]) >= self.requests[r].max_new_tokens else None
+      self.done[r] = end is not None
+      self.emitted(r, t, end)
 
   # One epoch: a fresh cache, a batched prefill of the first requests, then decode with slot reuse.
   def epoch(self, epoch: int) -> None:
@@ -222,10 +252,9 @@ class _Run:
       if any(longest + self.requests[r].max_new_tokens - 1 > cap for r in first + [self.queue[0]]):
         break
       first.append(self.queue.popleft())
-    batch = min(parallel, len(self.requests))
-    owners: list[int | None] = first + [None] * (batch - len(first))
+    owners: list[int | None] = first + [None] * (self.batch - len(first))
     prompts = [self.requests[r].prompt if r is not None else (0,) for r in owners]
-    cache = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, batch, cap, eng.layout)
+    cache = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, self.batch, cap, eng.layout)
     transport = Transport(cache, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
     try:
       self._epoch(epoch, owners, prompts, cache, transport)
@@ -243,21 +272,23 @@ class _Run:
     x_last, start, longest = eng.prefill_prompts(
         cache, transport, prompts, 0, next_pass=True, shapes=self.shapes, counters=self.counters
     )
-    keys = np.array([[self.requests[r].seed if r is not None else 0, 0] for r in owners], np.int32)
-    keys = distributed.put_host(keys, eng._rep)  # pylint: disable=protected-access
-    lg, tok, x, _ = fns.head(eng.top_last, x_last, eng._meta(start, longest, 0, 0), keys)  # pylint: disable=protected-access
+    keys, knobs = zip(*(self.server.sampling_of(None if r is None else self.requests[r]) for r in owners))
+    keys = distributed.put_host(np.array(keys, np.int32), eng._rep)  # pylint: disable=protected-access
+    knobs = distributed.put_host(np.array(knobs, np.float32), eng._rep)  # pylint: disable=protected-access
+    lg, tok, x, _ = fns.head(eng.top_last, x_last, eng._meta(start, longest, 0, 0), keys, knobs)  # pylint: disable=protected-access
     meta = eng._meta(start, longest, 1, 0)  # pylint: disable=protected-access
     slots: list[_Slot | None] = [
         None if r is None else _Slot(r, longest + self.requests[r].max_new_tokens - 2) for r in owners
     ]
     for b, r in enumerate(owners):
       if r is not None:
-        self.where[r] = (b, epoch, int(start[b]))
+        self.placed(r, b, epoch, int(start[b]))
     pending = collections.deque([(0, [None if s is None else s.request for s in slots], lg, tok)])
     end = longest  # The row the next decode step writes.
     step = 1
     while True:
       # Free slots take the next requests that fit.
+      self.arrivals()
       for b, s in enumerate(slots):
         if s is None or self.done[s.request]:
           slots[b] = None
@@ -272,15 +303,15 @@ class _Run:
         # The windows are overwritten in place below: no copy of the last step may still read them, and no
         # store may still write them (x depends on every delivery that step consumed).
         jax.block_until_ready((x, cache.windows, cache.heads))
-        x, meta, keys, entry = self._insert(cache, x, meta, keys, b, r, end, step, epoch)
+        x, meta, keys, knobs, entry = self._insert(cache, x, meta, keys, knobs, b, r, end, step)
         slots[b] = _Slot(r, end + req.max_new_tokens - 2)
         start[b] = end - len(req.prompt)
-        self.where[r] = (b, epoch, int(start[b]))
+        self.placed(r, b, epoch, int(start[b]))
         pending.append(entry)
       need = max((s.last_row for s in slots if s is not None and not self.done[s.request]), default=-1)
       if end <= need:
         x, d2h = eng.decode_pass(cache, transport, x, meta, start, end, end + 1 <= need, self.shapes)
-        lg, tok, x, meta = fns.head(eng.top_last, x, meta, keys)
+        lg, tok, x, meta = fns.head(eng.top_last, x, meta, keys, knobs)
         lg.copy_to_host_async()
         tok.copy_to_host_async()
         self.counters(transport, d2h, cache.rows)
@@ -303,7 +334,7 @@ class _Run:
       self.t_progress = time.perf_counter()
       logging.info("serve: %d of %d requests done", sum(self.done), len(self.requests))
 
-  def _insert(self, cache, x, meta, keys, b, r, end, step, epoch):
+  def _insert(self, cache, x, meta, keys, knobs, b, r, end, step):
     """Prefills request r alone as if its prompt ended at row `end` and puts it in slot b."""
     eng, fns, cfg = self.engine, self.server.fns, self.engine.config
     req = self.requests[r]
@@ -347,14 +378,17 @@ class _Run:
       )
     finally:
       transport.close()
-    key = np.array([[req.seed, 0]], np.int32)
-    lg, tok, x_new, _ = fns.head(eng.top_last, x_new, eng._meta(start, end, 0, 0), distributed.put_host(key, eng._rep))  # pylint: disable=protected-access
+    put = lambda v, dtype=np.int32: distributed.put_host(np.asarray(v, dtype), eng._rep)  # pylint: disable=protected-access
+    key, knob = self.server.sampling_of(req)
+    lg, tok, x_new, _ = fns.head(eng.top_last, x_new, eng._meta(start, end, 0, 0), put([key]), put([knob], np.float32))  # pylint: disable=protected-access
     lg.copy_to_host_async()
     tok.copy_to_host_async()
-    put = lambda v: distributed.put_host(np.asarray(v, np.int32), eng._rep)  # pylint: disable=protected-access
-    x, meta, keys = fns.enter(x, meta, keys, x_new, put(b), put(end - length), put([req.seed, step - 1]))
+    key[1] = step - 1
+    x, meta, keys, knobs = fns.enter(
+        x, meta, keys, knobs, x_new, put(b), put(end - length), put(key), put(knob, np.float32)
+    )
     self.totals["insertions"] += 1
-    return x, meta, keys, (step - 1, [r], lg, tok)
+    return x, meta, keys, knobs, (step - 1, [r], lg, tok)
 
   def result(self, wall_s: float, epochs: int) -> ServeResult:
     results = [

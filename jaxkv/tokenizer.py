@@ -39,9 +39,30 @@ class Tokenizer:
     """Ids in the vocabulary, added tokens included."""
     return self._tok.get_vocab_size(with_added_tokens=True)
 
-  def encode(self, text: str) -> list[int]:
-    """Token ids of `text`, with the special tokens (BOS) that the tokenizer's post-processor adds."""
-    return self._tok.encode(text, add_special_tokens=True).ids
+  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`, with the special tokens (BOS) that the tokenizer's post-processor adds unless
+    add_special_tokens=False (a rendered chat template writes its own)."""
+    return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
     return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+class Detokenizer:
+  """Text of a growing token sequence, piece by piece (for streaming): `add` returns the new text, held back while
+  the last tokens end inside a UTF-8 character. It decodes only the tokens since the last piece, with the token before
+  them for context, as the whole sequence would decode."""
+
+  def __init__(self, tokenizer: Tokenizer):
+    self._tok, self._ids = tokenizer, []
+    self._prefix = self._read = 0  # ids[prefix:read] decoded to the text already returned (context).
+
+  def add(self, ids: Sequence[int], final: bool = False) -> str:
+    """The text that `ids` add; `final`: the sequence ended, return what was held back too."""
+    self._ids.extend(ids)
+    before = self._tok.decode(self._ids[self._prefix : self._read])
+    text = self._tok.decode(self._ids[self._prefix :])
+    if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+      return ""
+    self._prefix, self._read = self._read, len(self._ids)
+    return text[len(before) :]

@@ -1,0 +1,395 @@
+"""The OpenAI-compatible HTTP API over a jaxkv.serving_loop.ServingLoop (FastAPI and uvicorn; `serve` extra).
+
+POST /v1/completions (prompt: text, or token ids), POST /v1/chat/completions (the checkpoint's chat template,
+jaxkv.chat_template), GET /v1/models, GET /health, GET /metrics (Prometheus text, jaxkv.serve_metrics). With
+"stream": true the choices come as server-sent events, one chunk per token, then `data: [DONE]`. Every choice (and
+chunk) carries its generated ids in `token_ids`; without a tokenizer prompts are token ids and `text` is empty.
+
+Sampling fields left out take the config's sampling section (greedy by default), so a request with the same prompt
+and settings gets the tokens `python3 -m jaxkv.generate` prints. `stop` strings end a request at the first one and
+cut the text before it; so does a checkpoint's end of sequence id (its id ends `token_ids`), unless "ignore_eos". Bad input is a 400 with a message; a full queue is a 429; the server keeps serving. A client
+that disconnects ends its request at the next decode step, freeing its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import secrets
+import threading
+import time
+import uuid
+from typing import Literal
+
+import fastapi
+import fastapi.exceptions
+import pydantic
+import uvicorn
+from fastapi import responses
+
+from jaxkv import chat_template as chat_template_lib
+from jaxkv import serve_metrics
+from jaxkv import serving
+from jaxkv import serving_loop
+from jaxkv import tokenizer as tokenizer_lib
+from jaxkv.config import SamplingConfig
+
+DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's.
+_POLL_S = 0.5  # How often a non-streaming request checks that its client is still there.
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """What the API serves: its name, the loop, and a checkpoint's tokenizer, chat template (None without) and end of
+  sequence ids (a request ends after one, unless it asks "ignore_eos")."""
+
+  name: str
+  loop: serving_loop.ServingLoop
+  tokenizer: tokenizer_lib.Tokenizer | None = None
+  chat_template: chat_template_lib.ChatTemplate | None = None
+  eos_ids: frozenset[int] = frozenset()
+
+  @property
+  def capacity(self) -> int:
+    return self.loop.server.engine.config.engine.capacity
+
+
+class _Params(pydantic.BaseModel):
+  """Fields of both endpoints. Unknown fields are ignored (OpenAI clients send more); known ones must have their
+  type (strict: "0.5" is not a number)."""
+
+  model_config = pydantic.ConfigDict(strict=True, extra="ignore")
+
+  model: str | None = None
+  max_tokens: int | None = pydantic.Field(None, ge=1)
+  temperature: float | None = pydantic.Field(None, ge=0.0)
+  top_p: float | None = pydantic.Field(None, gt=0.0, le=1.0)
+  top_k: int | None = pydantic.Field(None, ge=-1)  # -1 or 0: off.
+  seed: int | None = None
+  stop: str | list[str] | None = None
+  stream: bool = False
+  stream_options: dict | None = None
+  n: Literal[1] = 1
+  ignore_eos: bool = False  # As vLLM: run past the checkpoint's end of sequence ids (the config's eos_id still ends).
+
+
+class CompletionRequest(_Params):
+  prompt: str | list[pydantic.StrictInt] | list[str] | list[list[pydantic.StrictInt]]
+
+
+class _Message(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(strict=True, extra="allow")
+
+  role: str
+  content: str | list[dict] | None = None
+
+
+class ChatRequest(_Params):
+  messages: list[_Message] = pydantic.Field(min_length=1)
+  max_completion_tokens: int | None = pydantic.Field(None, ge=1)
+
+
+class ApiError(Exception):
+
+  def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+    super().__init__(message)
+    self.status, self.message, self.kind = status, message, kind
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> responses.JSONResponse:
+  return responses.JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
+
+
+class _Output:
+  """A choice's text and ids as tokens arrive: incremental detokenization, `stop` strings (the text is cut before
+  the first; while one could still complete, its possible start is held back)."""
+
+  def __init__(self, tokenizer, stops: list[str]):
+    self.detok = tokenizer_lib.Detokenizer(tokenizer) if tokenizer else None
+    self.stops = [s for s in stops if s]
+    self.ids: list[int] = []
+    self.text, self.sent, self.stopped = "", 0, False
+
+  def add(self, ids: list[int], final: bool = False, eos: bool = False) -> str:
+    """Takes new ids (final: the request ended; eos: with these end of sequence ids, which add no text) and returns
+    the text that may be sent now."""
+    self.ids += ids
+    if self.detok is not None:
+      self.text += self.detok.add([] if eos else ids, final)
+    hold = 0
+    if self.stops:
+      cuts = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0]
+      if cuts:
+        self.text, self.stopped = self.text[: min(cuts)], True
+      elif not final:
+        hold = max(len(s) for s in self.stops) - 1
+    upto = max(self.sent, len(self.text) - hold)
+    piece, self.sent = self.text[self.sent : upto], upto
+    return piece
+
+
+_FINISH = {"eos": "stop", "length": "length", "cancelled": "stop"}
+
+
+class _Generation:
+  """One request in the loop, seen from the event loop: its tokens arrive on an asyncio queue."""
+
+  def __init__(
+      self, model: Model, metrics: serve_metrics.Metrics, request: serving.Request, stops: list[str], eos: frozenset
+  ):
+    self.model, self.metrics, self.eos = model, metrics, eos
+    self.out = _Output(model.tokenizer, stops)
+    self.t0 = time.perf_counter()
+    self.first = True
+    self.finish: str | None = None
+    self._events: asyncio.Queue = asyncio.Queue()
+    aloop = asyncio.get_running_loop()
+
+    def put(*event):
+      if not aloop.is_closed():
+        aloop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    try:
+      self.handle = model.loop.submit(request, lambda t: put("token", t), lambda why, err: put("end", why, err))
+    except ValueError as e:
+      raise ApiError(400, str(e)) from e
+    except serving_loop.QueueFull as e:
+      raise ApiError(429, f"server busy: {e}; retry later", "rate_limit_error") from e
+    except serving_loop.Closed as e:
+      raise ApiError(503, str(e), "server_error") from e
+
+  async def next(self, timeout: float | None = None) -> tuple[list[int], str]:
+    """Waits for the next event: (new ids, the text to send); self.finish is set when the request ended."""
+    event = await asyncio.wait_for(self._events.get(), timeout)
+    if event[0] == "token":
+      if self.first:
+        self.first = False
+        self.metrics.ttft.observe(time.perf_counter() - self.t0)
+      piece = self.out.add([event[1]], final=event[1] in self.eos, eos=event[1] in self.eos)
+      if self.out.stopped or event[1] in self.eos:
+        self.handle.cancel()
+        self._end("stop")
+      return [event[1]], piece
+    _, why, err = event
+    if why == "error":
+      raise ApiError(500, f"the engine failed: {err}", "server_error")
+    self._end(_FINISH[why])
+    return [], self.out.add([], final=True)
+
+  def _end(self, finish: str) -> None:
+    self.finish = finish
+    self.metrics.duration.observe(time.perf_counter() - self.t0)
+
+
+def make_app(model: Model) -> fastapi.FastAPI:
+  """The FastAPI app; starting and stopping the loop is the caller's (jaxkv.serve)."""
+  app = fastapi.FastAPI(title="jaxkv", docs_url=None, redoc_url=None)
+  metrics = serve_metrics.Metrics(model.loop)
+  created = int(time.time())
+
+  @app.exception_handler(fastapi.exceptions.RequestValidationError)
+  async def invalid(_, exc: fastapi.exceptions.RequestValidationError):
+    parts = []
+    for e in exc.errors()[:3]:
+      if e["type"] == "json_invalid":
+        parts.append(f"malformed JSON ({e.get('ctx', {}).get('error', e['msg'])} at character {e['loc'][-1]})")
+        continue
+      where = ".".join(str(x) for x in e["loc"] if x != "body")
+      parts.append(f"{where}: {e['msg']}" if where else e["msg"])
+    metrics.rejected.labels("400").inc()
+    return _error(400, "invalid request: " + "; ".join(parts))
+
+  @app.exception_handler(ApiError)
+  async def api_error(_, exc: ApiError):
+    metrics.rejected.labels(str(exc.status)).inc()
+    return _error(exc.status, exc.message, exc.kind)
+
+  @app.get("/health")
+  async def health():
+    if not model.loop.alive:
+      return _error(503, "the serving loop is not running", "server_error")
+    return {"status": "ok"}
+
+  @app.get("/metrics")
+  async def metrics_endpoint():
+    return responses.Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+  @app.get("/v1/models")
+  async def models():
+    card = dict(id=model.name, object="model", created=created, owned_by="jaxkv", max_model_len=model.capacity)
+    card["vocab_size"] = model.loop.server.engine.config.model.vocab_size  # Token-id prompts stay below it.
+    return {"object": "list", "data": [card]}
+
+  @app.post("/v1/completions")
+  async def completions(body: CompletionRequest, http: fastapi.Request):
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+      if len(prompt) != 1:
+        raise ApiError(400, f"one prompt per request (n = 1), got a list of {len(prompt)}")
+      prompt = prompt[0]
+    if isinstance(prompt, str):
+      if model.tokenizer is None:
+        raise ApiError(400, "text prompts need a checkpoint with a tokenizer.json; send token ids (a list of ints)")
+      ids = model.tokenizer.encode(prompt)
+    else:
+      ids = list(prompt)
+    return await _respond(body, ids, body.max_tokens or DEFAULT_MAX_TOKENS, "text_completion", http)
+
+  @app.post("/v1/chat/completions")
+  async def chat(body: ChatRequest, http: fastapi.Request):
+    if model.tokenizer is None or model.chat_template is None:
+      raise ApiError(400, "chat needs a checkpoint with a tokenizer.json and a chat template; use /v1/completions")
+    messages = [_message(m) for m in body.messages]
+    try:
+      text = model.chat_template.render(messages, add_generation_prompt=True)
+    except ValueError as e:
+      raise ApiError(400, str(e)) from e
+    ids = model.tokenizer.encode(text, add_special_tokens=False)
+    max_tokens = body.max_completion_tokens or body.max_tokens or max(model.capacity - len(ids) + 1, 1)
+    return await _respond(body, ids, max_tokens, "chat.completion", http)
+
+  async def _respond(body: _Params, ids: list[int], max_tokens: int, kind: str, http: fastapi.Request):
+    if body.model is not None and body.model != model.name:
+      raise ApiError(404, f"model {body.model!r} is not served here; GET /v1/models lists {model.name!r}")
+    if not ids:
+      raise ApiError(400, "the prompt is empty")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if stops and model.tokenizer is None:
+      raise ApiError(400, "stop strings need a checkpoint with a tokenizer.json")
+    request = serving.Request(tuple(ids), max_tokens, seed=_seed(body.seed), sampling=_sampling(body, model))
+    gen = _Generation(model, metrics, request, stops, frozenset() if body.ignore_eos else model.eos_ids)
+    rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
+    head = {"id": rid, "created": int(time.time()), "model": model.name}
+    if body.stream:
+      include_usage = bool((body.stream_options or {}).get("include_usage"))
+      return responses.StreamingResponse(
+          _stream(gen, head, kind, len(ids), include_usage), media_type="text/event-stream"
+      )
+    try:
+      while gen.finish is None:
+        try:
+          await gen.next(_POLL_S)
+        except asyncio.TimeoutError:
+          if await http.is_disconnected():
+            return responses.Response(status_code=499)
+    finally:
+      gen.handle.cancel()  # A no-op once it ended.
+    out = gen.out
+    choice = {"index": 0, "token_ids": out.ids, "logprobs": None, "finish_reason": gen.finish}
+    if kind == "chat.completion":
+      choice["message"] = {"role": "assistant", "content": out.text}
+    else:
+      choice["text"] = out.text
+    return dict(head, object=kind, choices=[choice], usage=_usage(len(ids), len(out.ids)))
+
+  return app
+
+
+async def _stream(gen: _Generation, head: dict, kind: str, prompt_tokens: int, include_usage: bool):
+  """Server-sent events: a chunk per token, the last with finish_reason, usage if asked, then [DONE]. Ends the
+  request when the client goes away (the response task is cancelled)."""
+  chat = kind == "chat.completion"
+  obj = "chat.completion.chunk" if chat else "text_completion"
+
+  def chunk(ids, piece, finish, first=False):
+    choice = {"index": 0, "token_ids": ids, "logprobs": None, "finish_reason": finish}
+    if chat:
+      choice["delta"] = dict({"role": "assistant"} if first else {}, content=piece)
+    else:
+      choice["text"] = piece
+    return _event(dict(head, object=obj, choices=[choice]))
+
+  try:
+    first = True
+    while gen.finish is None:
+      try:
+        ids, piece = await gen.next()
+      except ApiError as e:
+        yield _event({"error": {"message": e.message, "type": e.kind, "param": None, "code": None}})
+        return
+      if ids or piece or gen.finish is not None:
+        yield chunk(ids, piece, gen.finish, first)
+        first = False
+    if include_usage:
+      yield _event(dict(head, object=obj, choices=[], usage=_usage(prompt_tokens, len(gen.out.ids))))
+    yield "data: [DONE]\n\n"
+  finally:
+    gen.handle.cancel()
+
+
+def _event(obj: dict) -> str:
+  return "data: " + pydantic.TypeAdapter(dict).dump_json(obj).decode() + "\n\n"
+
+
+def _usage(prompt: int, completion: int) -> dict:
+  return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _message(m: _Message) -> dict:
+  """A chat message as the template sees it: content parts of type text joined into one string."""
+  d = m.model_dump(exclude_none=False)
+  if isinstance(m.content, list):
+    d["content"] = "".join(p.get("text", "") for p in m.content if p.get("type") == "text")
+  return d
+
+
+def _seed(seed: int | None) -> int:
+  """A request's sampling seed as the engine keys it (31 bits); a random one when not given."""
+  return secrets.randbits(31) if seed is None else seed & 0x7FFFFFFF
+
+
+def _sampling(body: _Params, model: Model) -> SamplingConfig:
+  base = model.loop.server.engine.config.sampling
+  top_k = base.top_k if body.top_k is None else max(body.top_k, 0)
+  return dataclasses.replace(
+      base,
+      temperature=base.temperature if body.temperature is None else body.temperature,
+      top_p=base.top_p if body.top_p is None else body.top_p,
+      top_k=top_k,
+  )
+
+
+def uvicorn_server(app: fastapi.FastAPI, host: str, port: int, log_level: str = "warning") -> uvicorn.Server:
+  """A uvicorn server for the app (run() it; SIGTERM or should_exit = True lets the responses in flight finish)."""
+  return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None))
+
+
+def build_model(
+    config_dict, *, checkpoint_dir: str | None, dtype: str | None, parallel: int, seed: int, max_queue: int, name: str
+) -> Model:
+  """The engine (a checkpoint's, else seeded random weights), its serving loop (started, its first shapes compiled
+  by one short request) and the checkpoint's tokenizer and chat template where it has them."""
+  from jaxkv import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jaxkv import run  # pylint: disable=g-import-not-at-top
+
+  config = config_lib.from_config_dict(config_dict)
+  tokenizer = template = None
+  eos: frozenset[int] = frozenset()
+  if checkpoint_dir:
+    if os.path.isfile(os.path.join(checkpoint_dir, tokenizer_lib.TOKENIZER_FILE)):
+      tokenizer = tokenizer_lib.Tokenizer.from_dir(checkpoint_dir)
+      template = chat_template_lib.ChatTemplate.from_dir(checkpoint_dir)
+    eos = eos_ids(checkpoint_dir)
+    _, _, _, engine = run.build_from_checkpoint(config, checkpoint_dir, dtype)
+  else:
+    _, _, engine = run.build(config, seed)
+  loop = serving_loop.ServingLoop(serving.Server(engine, parallel), max_queue).start()
+  done = threading.Event()
+  loop.submit(serving.Request((0,), 2), lambda t: None, lambda why, err: done.set())
+  done.wait()
+  return Model(name, loop, tokenizer, template, eos)
+
+
+def eos_ids(checkpoint_dir: str) -> frozenset[int]:
+  """A checkpoint's end of sequence ids: generation_config.json's eos_token_id (an id or a list, as Llama-3 Instruct
+  lists <|end_of_text|> and <|eot_id|>), else config.json's."""
+  for name in ("generation_config.json", "config.json"):
+    path = os.path.join(checkpoint_dir, name)
+    if os.path.isfile(path):
+      with open(path) as f:
+        ids = json.load(f).get("eos_token_id")
+      if ids is not None:
+        return frozenset([ids] if isinstance(ids, int) else ids)
+  return frozenset()

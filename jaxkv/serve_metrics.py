@@ -1,0 +1,79 @@
+"""The server's Prometheus metrics (prometheus_client; `serve` extra), every name prefixed `jaxkv_`: counters and
+gauges read from the serving loop at each scrape, histograms observed by the HTTP layer."""
+
+from __future__ import annotations
+
+import prometheus_client
+from prometheus_client import core
+
+from jaxkv import serving_loop
+
+# Seconds: first tokens from ~10 ms (tiny model) to a long prompt's prefill on a large one.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+  """A registry of its own (several servers can live in one test process)."""
+
+  def __init__(self, loop: serving_loop.ServingLoop):
+    self.registry = prometheus_client.CollectorRegistry()
+    self.registry.register(_LoopCollector(loop))
+    self.rejected = prometheus_client.Counter(
+        "jaxkv_requests_rejected",
+        "HTTP requests refused before serving, by status code.",
+        ["code"],
+        registry=self.registry,
+    )
+    self.ttft = prometheus_client.Histogram(
+        "jaxkv_time_to_first_token_seconds",
+        "From a request's arrival to its first token read back.",
+        buckets=_TTFT_BUCKETS,
+        registry=self.registry,
+    )
+    self.duration = prometheus_client.Histogram(
+        "jaxkv_request_duration_seconds",
+        "From a request's arrival to its last token.",
+        buckets=_TTFT_BUCKETS + (120.0, 300.0),
+        registry=self.registry,
+    )
+
+  def text(self) -> bytes:
+    return prometheus_client.generate_latest(self.registry)
+
+
+class _LoopCollector:
+  """The serving loop's counters, read when scraped."""
+
+  def __init__(self, loop: serving_loop.ServingLoop):
+    self.loop = loop
+
+  def describe(self):
+    return []
+
+  def collect(self):
+    stats, transport = self.loop.stats, self.loop.transport()
+    requests = core.CounterMetricFamily("jaxkv_requests", "Requests served, by how they ended.", labels=["reason"])
+    for reason in serving_loop.ENDS:
+      requests.add_metric([reason], stats.requests[reason])
+    yield requests
+    yield core.CounterMetricFamily(
+        "jaxkv_prompt_tokens", "Prompt tokens of the accepted requests.", stats.prompt_tokens
+    )
+    yield core.CounterMetricFamily("jaxkv_generated_tokens", "Tokens generated (read back).", stats.tokens)
+    yield core.GaugeMetricFamily(
+        "jaxkv_tokens_per_second", "Tokens generated per second over the last 10 s.", self.loop.tokens_per_second()
+    )
+    yield core.GaugeMetricFamily("jaxkv_queue_length", "Requests waiting for a slot.", stats.waiting)
+    yield core.GaugeMetricFamily("jaxkv_slots_busy", "Slots serving a request.", stats.busy)
+    yield core.GaugeMetricFamily("jaxkv_slots", "Slots (--parallel).", self.loop.parallel)
+    yield core.CounterMetricFamily(
+        "jaxkv_host_to_device_bytes", "KV bytes delivered from host to devices (all devices).", transport["h2d_bytes"]
+    )
+    yield core.GaugeMetricFamily(
+        "jaxkv_ring_high_water_bytes",
+        "Highest delivery ring occupancy on a device so far, bytes.",
+        transport["ring_high_water_bytes_per_device"],
+    )
+    yield core.CounterMetricFamily(
+        "jaxkv_slot_insertions", "Requests that entered a slot of a running batch.", transport["insertions"]
+    )

@@ -1,0 +1,157 @@
+"""The server with a checkpoint's tokenizer and chat template (a tiny Llama written here): text prompts, chat
+completions through the template, stop strings, and streamed text that adds up to the whole."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tokenizers
+from safetensors.numpy import save_file
+
+for _extra in ("fastapi", "uvicorn", "prometheus_client", "httpx", "openai"):
+  pytest.importorskip(_extra, reason="the serve extra: pip install -e '.[serve]'")
+
+# pylint: disable=g-import-not-at-top,g-bad-import-order
+import openai
+import serve_helpers
+
+from experiments import tiny
+from jaxkv import chat_template as chat_template_lib
+from jaxkv import checkpoint
+from jaxkv import config as config_lib
+from jaxkv import run as run_lib
+from jaxkv import serve_api
+from jaxkv import tokenizer as tokenizer_lib
+
+# pylint: enable=g-import-not-at-top,g-bad-import-order
+
+SPECIAL = ["<unk>", "<bos>", "<eos>", "<|user|>", "<|assistant|>"]
+WORDS = {**{t: i for i, t in enumerate(SPECIAL)}, **{f"w{i}": i for i in range(len(SPECIAL), 256)}}
+TEMPLATE = "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+TEMPLATE += "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+TIMEOUT_S = 120.0
+EOS_PROMPT = "w40 w41 w42"
+
+
+def write_checkpoint(path) -> None:
+  """A 2-layer Llama with random weights, a word-level tokenizer.json adding <bos>, and a chat template."""
+  d, heads, kv, dh, mlp, vocab, layers = 64, 8, 4, 16, 128, 256, 2
+  hf = dict(
+      architectures=["LlamaForCausalLM"],
+      model_type="llama",
+      vocab_size=vocab,
+      hidden_size=d,
+      num_hidden_layers=layers,
+      num_attention_heads=heads,
+      num_key_value_heads=kv,
+      head_dim=dh,
+      intermediate_size=mlp,
+      rms_norm_eps=1e-6,
+      rope_theta=10_000.0,
+      tie_word_embeddings=False,
+      torch_dtype="float32",
+  )
+  rng = np.random.default_rng(0)
+  w = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+  ones = lambda n: np.ones(n, np.float32)
+  t = {"model.embed_tokens.weight": w(vocab, d), "model.norm.weight": ones(d), "lm_head.weight": w(vocab, d)}
+  for l in range(layers):
+    p = f"model.layers.{l}."
+    t.update({p + "input_layernorm.weight": ones(d), p + "post_attention_layernorm.weight": ones(d)})
+    t.update({p + "self_attn.q_proj.weight": w(heads * dh, d), p + "self_attn.o_proj.weight": w(d, heads * dh)})
+    t.update({p + "self_attn.k_proj.weight": w(kv * dh, d), p + "self_attn.v_proj.weight": w(kv * dh, d)})
+    t.update({p + "mlp.gate_proj.weight": w(mlp, d), p + "mlp.up_proj.weight": w(mlp, d)})
+    t[p + "mlp.down_proj.weight"] = w(d, mlp)
+  with open(os.path.join(path, checkpoint.CONFIG_FILE), "w") as f:
+    json.dump(hf, f)
+  save_file(t, os.path.join(path, checkpoint.WEIGHTS_FILE), metadata={"format": "pt"})
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(WORDS, unk_token="<unk>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  tok.decoder = tokenizers.decoders.WordPiece(prefix="##")  # Joins words with spaces.
+  tok.add_special_tokens(SPECIAL)
+  tok.post_processor = tokenizers.processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+  tok.save(os.path.join(path, tokenizer_lib.TOKENIZER_FILE))
+  with open(os.path.join(path, chat_template_lib.CONFIG_FILE), "w") as f:
+    json.dump(dict(chat_template=TEMPLATE, bos_token="<bos>", eos_token={"content": "<eos>"}), f)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("llama"))
+  write_checkpoint(path)
+  cd = tiny.get_config()
+  cd.mesh.tensor = 2  # Divides the 4 KV heads.
+  _, _, _, engine = run_lib.build_from_checkpoint(config_lib.from_config_dict(cd), path)
+  tok = tokenizer_lib.Tokenizer.from_dir(path)
+  template = chat_template_lib.ChatTemplate.from_dir(path)
+  eos = engine.generate([tok.encode(EOS_PROMPT)], 12).tokens[0][5]  # An end of sequence id that this prompt meets.
+  with open(os.path.join(path, "generation_config.json"), "w") as f:
+    json.dump(dict(eos_token_id=[eos, 255]), f)
+  eos_ids = serve_api.eos_ids(path)
+  assert eos_ids == {eos, 255}
+  with serve_helpers.running(engine, parallel=4, tokenizer=tok, template=template, eos_ids=eos_ids) as (url, _):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+    yield client, engine, tok, eos
+
+
+def test_the_checkpoint_s_end_of_sequence_ends_a_request(served):
+  client, engine, tok, eos = served
+  want = engine.generate([tok.encode(EOS_PROMPT)], 12).tokens[0]
+  cut = want[: want.index(eos) + 1]
+  out = client.completions.create(model="tiny", prompt=EOS_PROMPT, max_tokens=12, temperature=0).choices[0]
+  assert out.token_ids == cut and out.finish_reason == "stop" and out.text == tok.decode(cut[:-1])
+  on = client.completions.create(
+      model="tiny", prompt=EOS_PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+  ).choices[0]
+  assert on.token_ids == want and on.finish_reason == "length"
+
+
+def test_text_prompts_and_streamed_text(served):
+  client, engine, tok, _ = served
+  out = client.completions.create(model="tiny", prompt="w7 w8 w9", max_tokens=10, temperature=0)
+  ids = out.choices[0].token_ids
+  assert ids == engine.generate([tok.encode("w7 w8 w9")], 10).tokens[0]
+  assert out.choices[0].text == tok.decode(ids) and out.usage.prompt_tokens == 4
+  chunks = list(client.completions.create(model="tiny", prompt="w7 w8 w9", max_tokens=10, temperature=0, stream=True))
+  assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+
+
+def test_stop_strings_cut_the_text_and_end_the_request(served):
+  client, _, tok, _ = served
+  full = client.completions.create(model="tiny", prompt="w20 w21", max_tokens=12, temperature=0).choices[0]
+  words = full.text.split(" ")
+  stop = words[3]  # Its first occurrence may come earlier.
+  cut = full.text[: full.text.index(stop)]
+  for stream in (False, True):
+    out = client.completions.create(
+        model="tiny", prompt="w20 w21", max_tokens=12, temperature=0, stop=[stop, "zz"], stream=stream
+    )
+    chunks = list(out) if stream else [out]
+    text = "".join(c.choices[0].text for c in chunks)
+    ids = [t for c in chunks for t in c.choices[0].token_ids]
+    assert text == cut and chunks[-1].choices[0].finish_reason == "stop", stream
+    assert ids == full.token_ids[: len(ids)] and stop in tok.decode(ids) and stop not in tok.decode(ids[:-1])
+
+
+def test_chat_completions_use_the_template(served):
+  client, engine, tok, _ = served
+  messages = [
+      {"role": "user", "content": "w30 w31"},
+      {"role": "assistant", "content": "w32"},
+      {"role": "user", "content": "w33"},
+  ]
+  out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+  prompt = tok.encode("<bos><|user|> w30 w31 <|assistant|> w32 <|user|> w33 <|assistant|>", add_special_tokens=False)
+  assert prompt[:2] == [1, 3] and out.usage.prompt_tokens == len(prompt)
+  choice = out.choices[0]
+  assert choice.token_ids == engine.generate([prompt], 8).tokens[0]
+  assert choice.message.role == "assistant" and choice.message.content == tok.decode(choice.token_ids)
+  chunks = list(
+      client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True)
+  )
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+  # Without max_tokens a chat request may run to the capacity.
+  with pytest.raises(openai.BadRequestError, match="capacity"):
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=500)
