@@ -111,13 +111,18 @@ def main(argv):
 def _report_served(out: dict, json_out: str | None) -> None:
   for i, r in enumerate(out["requests"]):
     print(f"request {i} (prompt {r['prompt_length']}, slot {r['slot']}, epoch {r['epoch']}): {r['tokens']}")
-  t = out["transport"]
   print(f"transcript_sha256 {out['transcript_sha256']}")
-  print(
-      f"kv placement {t['placement']}, depth {t['depth']}, {out['timing']['decode_steps']} decode steps, "
+  print(served_summary(out["transport"], out["timing"]))
+  cli.write_json(out, json_out)
+
+
+def served_summary(transport: dict, timing: dict) -> str:
+  """The last line of a serving run's report, from its ServeResult's transport and timing."""
+  t = transport
+  return (
+      f"kv placement {t['placement']}, depth {t['depth']}, {timing['decode_steps']} decode steps, "
       f"{t['insertions']} slot reuses, {t['epochs']} epochs"
   )
-  cli.write_json(out, json_out)
 
 
 def _report(out: dict, json_out: str | None) -> None:

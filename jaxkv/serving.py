@@ -45,6 +45,9 @@ from jaxkv import sampling as sampling_lib
 from jaxkv.config import SamplingConfig
 from jaxkv.transport import Transport
 
+# The counters summed over a serve(), in ServeResult.transport whatever the run did.
+TOTALS = ("h2d_bytes", "d2h_bytes", "ring_high_water_bytes_per_device", "insertions")
+
 
 @dataclasses.dataclass(frozen=True)
 class Request:
@@ -182,7 +185,8 @@ class _Run:
     self.done = [False] * len(requests)
     self.where: list[tuple[int, int, int] | None] = [None] * len(requests)  # (slot, epoch, first row).
     self.shapes: set[tuple] = set()
-    self.totals = collections.Counter()
+    # Every counter the telemetry reports, present from the start (a run without slot reuse has 0 insertions).
+    self.totals = collections.Counter(dict.fromkeys(TOTALS, 0))
     self.by_device = dict(h2d_bytes_by_device=collections.Counter(), ring_high_water_bytes_by_device={})
     self.summary: dict = {}
     self.steps = 0

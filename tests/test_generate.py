@@ -71,3 +71,11 @@ def test_sequences_are_served_on_parallel_slots(tmp_path):
   for r in dev["requests"]:
     assert 1 <= r["prompt_length"] <= 20 and 3 <= len(r["tokens"]) == r["max_new_tokens"] <= 6
   assert f"transcript_sha256 {dev['transcript_sha256']}" in stdout and "request 5 (prompt" in stdout
+
+
+@pytest.mark.parametrize("sequences", [1, 8])
+def test_fewer_or_as_many_requests_as_slots_report_no_reuse(tmp_path, sequences):
+  stdout, out = _generate(tmp_path, "few", f"--sequences={sequences}", "--parallel=8", "--max_new_tokens=4")
+  assert len(out["requests"]) == sequences and out["transport"]["insertions"] == 0
+  assert out["transport"]["epochs"] == 1 and {r["epoch"] for r in out["requests"]} == {0}
+  assert "0 slot reuses, 1 epochs" in stdout

@@ -7,6 +7,7 @@ import helpers
 import numpy as np
 import pytest
 
+from jaxkv import generate as generate_app
 from jaxkv import serving
 from jaxkv.config import SamplingConfig
 
@@ -86,3 +87,17 @@ def test_bad_requests_are_clear_errors():
     server.serve([serving.Request((1,) * 120, 20)])
   with pytest.raises(ValueError, match="parallel must be >= 1"):
     serving.Server(helpers.engine(1), 0)
+
+
+def test_every_serving_run_has_the_fields_its_report_prints(served):
+  reqs = requests()
+  runs = {
+      "reuse": (served, None),
+      "one on 8 slots": (serving.Server(helpers.engine(2), 8).serve(reqs[:1]), 0),
+      "as many as slots": (serving.Server(helpers.engine(2, placement="host", depth=1), 4).serve(reqs[:4]), 0),
+  }
+  for name, (res, reuses) in runs.items():
+    line = generate_app.served_summary(res.transport, res.timing)
+    assert set(serving.TOTALS) <= res.transport.keys(), name
+    if reuses is not None:
+      assert res.transport["insertions"] == reuses and f"{reuses} slot reuses" in line, (name, line)
