@@ -24,9 +24,20 @@ SEED = flags.DEFINE_integer("seed", 0, "Seeds the weights and the prompt ids.")
 JSON_OUT = flags.DEFINE_string("json_out", None, "Write the gate report here.")
 
 
+HELP_GROUPS = {
+    "model and config": cli.CONFIG_GROUP,
+    "gates": [ARMS, NEW_TOKENS, PARALLEL, SEQUENCES, SEED],
+    "KV cache": cli.KV_GROUP,
+    "split": cli.SPLIT_GROUP,
+    "multi-host": cli.MULTIHOST_GROUP,
+    "output": [JSON_OUT],
+}
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  cli.check_outputs(JSON_OUT)
   cli.setup_platform()
   from jaxkv import gate_suite  # pylint: disable=g-import-not-at-top
   from jaxkv import run  # pylint: disable=g-import-not-at-top
@@ -64,4 +75,4 @@ def _report(report: dict, json_out: str | None) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, HELP_GROUPS)

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+
 from jaxkv import generate as generate_app
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(generate_app.__file__)))  # Holds the jaxkv package.
@@ -79,3 +80,13 @@ def test_fewer_or_as_many_requests_as_slots_report_no_reuse(tmp_path, sequences)
   assert len(out["requests"]) == sequences and out["transport"]["insertions"] == 0
   assert out["transport"]["epochs"] == 1 and {r["epoch"] for r in out["requests"]} == {0}
   assert "0 slot reuses, 1 epochs" in stdout
+
+
+def test_kv_int8_runs_with_a_checkpoint_whose_head_dim_allows_it(tmp_path):
+  import hf_checkpoints  # pylint: disable=g-import-not-at-top
+
+  hf = hf_checkpoints.hf_config(head_dim=32)  # The default config's model (head_dim 16) is replaced.
+  path = hf_checkpoints.write_checkpoint(tmp_path / "ckpt", hf, hf_checkpoints.hf_tensors(hf))
+  _, out = _generate(tmp_path, "int8", f"--checkpoint_dir={path}", "--kv_dtype=int8", "--max_new_tokens=3")
+  assert out["model"]["head_dim"] == 32 and out["config"]["kv"]["dtype"] == "int8"
+  assert [len(t) for t in out["tokens"]] == [3] * 4
