@@ -208,7 +208,7 @@ def resolved_config_dict():
   path = config_flags.get_config_filename(flags.FLAGS["config"])
   if not os.path.isfile(path):
     raise preflight.InputError(
-        f"--config={path}: no such file", f"configs are Python files, e.g. --config={_DEFAULT_CONFIG}"
+        f"--config={path}: no such file", f"configs are Python files, e.g. --config={os.path.relpath(_DEFAULT_CONFIG)}"
     )
   cd = CONFIG.value.unlock()
   for field, flag in _KV_FLAGS.items():

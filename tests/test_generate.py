@@ -37,6 +37,7 @@ def test_json_shows_equal_hashes_for_device_and_host_pipelined(tmp_path):
   assert dev["config"]["kv"]["placement"] == "device" and host["config"]["kv"]["placement"] == "host"
   assert host["transport"]["depth"] == 2 and host["transport"]["h2d_bytes"] > 0 and host["transport"]["steps"]
   assert f"logits_sha256 {dev['logits_sha256']}" in out_dev and "sequence 3 (prompt 9 tokens)" in out_dev
+  assert "kv placement device, nothing streamed," in out_dev  # No depth where no ring delivers.
 
 
 def test_bad_flags_are_usage_errors(tmp_path):
