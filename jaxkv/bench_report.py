@@ -50,8 +50,8 @@ def markdown(out: dict) -> str:
       "- gain = tok/s over host_d0 (ordered); overlap ratio = ms/step / max(transfer-only, compute-only "
       "(= the device arm)), both of the arm's KV dtype; link efficiency = the arm's stored KV window bytes per "
       "step that the links carry in sequence (split mode tensor: one device's heads; layer: every layer, as the "
-      "stages receive in turn) / step time / link peak, where the link peak of a cell is the best of the 1 GiB "
-      "put and the transfer-only steps' rates (one device's link)",
+      "stages receive in turn) / step time / link peak, where the link peak of a cell is the best of the link "
+      "peak put above and the transfer-only steps' rates (one device's link)",
       "",
       "| context | batch | arm | KV MiB/step/device | tok/s | ms/step | spread ms (min–max) | gain vs ordered "
       "| overlap ratio | link efficiency | ring MiB/device | peak device MiB (process) |",

@@ -36,10 +36,12 @@ from collections.abc import Callable
 
 import jax
 import jaxlib
+import tqdm
 from absl import logging
 
 from jaxkv import bench_report
 from jaxkv import ceilings
+from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
 from jaxkv import peer_hf
 from jaxkv import residency
@@ -61,8 +63,8 @@ class BenchSpec:
   """contexts: prompt tokens per sequence; batches: sequences; arms: "device" or "host_d<depth>", each with an
   optional "_<kv dtype>" suffix;
   new_tokens: tokens generated per sequence (>= 2; decode steps = new_tokens - 1); rounds: timed samples per
-  arm and cell; peer: add PEER_ARM; peak_bytes: per-device size of the link peak transfer; ceiling_reps:
-  samples per ceiling; synthetic_context: the jaxkv arms store each prompt's rows below its last prefill chunk as
+  arm and cell; peer: add PEER_ARM; peak_bytes: per-device size of the link peak transfer (0 = sized to the run,
+  link_test_bytes); ceiling_reps: samples per ceiling; synthetic_context: the jaxkv arms store each prompt's rows below its last prefill chunk as
   zeros instead of prefilling them (Engine.generate's zero_rows; the peer prefills in full): the same decode work
   for a fraction of the prefill time, with other tokens than a full prefill's."""
 
@@ -86,8 +88,8 @@ class BenchSpec:
       parse_arm(a)
     if self.new_tokens < 2:
       raise ValueError(f"new_tokens must be >= 2 (one decode step at least), got {self.new_tokens}")
-    if self.rounds < 1 or self.ceiling_reps < 1 or self.peak_bytes < 1:
-      raise ValueError("rounds, ceiling_reps and peak_bytes must be positive")
+    if self.rounds < 1 or self.ceiling_reps < 1 or self.peak_bytes < 0:
+      raise ValueError("rounds and ceiling_reps must be positive, peak_bytes >= 0 (0 = sized to the run)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,6 +481,8 @@ def run(
   for arm in spec.arms:  # A KV dtype that does not fit the model fails here, before any work.
     arm_config(config, arm)
   mesh, params, _ = run_lib.build(config, spec.seed)
+  if not spec.peak_bytes:
+    spec = dataclasses.replace(spec, peak_bytes=link_test_bytes(config, mesh, spec))
   out = dict(
       command=command,
       hardware=hardware(),
@@ -492,16 +496,18 @@ def run(
   out["h2d_peak_one_device"] = _one_device_peak(mesh, spec)
   peer, out["peer"] = _start_peer(config, spec)
   out.update(complete=False, cells=[])
+  cells = [(context, batch) for context in spec.contexts for batch in spec.batches]
+  progress = tqdm.tqdm(total=len(cells), desc="bench cells", unit="cell", delay=5, disable=not distributed.is_main())
   try:
-    for context in spec.contexts:
-      for batch in spec.batches:
-        cell = _run_cell(
-            config, mesh, params, peer, out["peer"].get("reason"), spec, context, batch, peak["gbps_median"]
-        )
-        out["cells"].append(cell)
-        if json_out:
-          _write_json(out, json_out)
+    for context, batch in cells:
+      progress.set_postfix(context=context, batch=batch)
+      cell = _run_cell(config, mesh, params, peer, out["peer"].get("reason"), spec, context, batch, peak["gbps_median"])
+      out["cells"].append(cell)
+      progress.update()
+      if json_out:
+        _write_json(out, json_out)
   finally:
+    progress.close()
     if peer is not None:
       peer.close()
   out["complete"] = True
@@ -515,6 +521,19 @@ def run(
     _write_json(out, json_out)
     logging.info("wrote %s", json_out)
   return out
+
+
+LINK_TEST_BYTES = (2**20, 2**30)  # The bounds of the link test sized to the run, per device.
+
+
+def link_test_bytes(config: Config, mesh, spec: BenchSpec) -> int:
+  """The link test's size per device sized to the run: the most KV bytes a device receives in one decode step of
+  the largest cell (as if every layer were streamed), within LINK_TEST_BYTES."""
+  context, batch = max(spec.contexts), max(spec.batches)
+  cfg = cell_config(config, context, spec.new_tokens)
+  rows = decode_window_rows(context, spec.new_tokens - 1, cfg.kv.block)
+  step = kv_step_bytes(cfg, run_lib.make_layout(cfg, mesh), batch, rows[-1:])["per_device"]
+  return int(min(max(step, LINK_TEST_BYTES[0]), LINK_TEST_BYTES[1]))
 
 
 def _write_json(out: dict, path: str) -> None:

@@ -325,13 +325,23 @@ def read_raw(path: str, name: str) -> np.ndarray:
   return np.memmap(path, _DISK_DTYPES[entry["dtype"]], "r", offset=8 + n + begin, shape=tuple(entry["shape"]))
 
 
-def load(checkpoint_dir: str, mesh: jax.sharding.Mesh, dtype: str | None = None) -> tuple[ModelConfig, dict]:
+def check(checkpoint_dir: str, cfg: ModelConfig) -> None:
+  """Checks the weight files against `cfg` (tensor names, shapes, dtypes) from their headers, reading no weights."""
+  with contextlib.ExitStack() as stack:
+    _Weights(checkpoint_dir, stack).check(hf_specs(cfg), cfg)
+
+
+def load(
+    checkpoint_dir: str, mesh: jax.sharding.Mesh, dtype: str | None = None, layout=None
+) -> tuple[ModelConfig, dict]:
   """Reads a Hugging Face LlamaForCausalLM / Qwen3ForCausalLM checkpoint onto `mesh`.
 
   Args:
     checkpoint_dir: a folder with config.json and model.safetensors or model.safetensors.index.json + shards.
     mesh: the mesh with a `tensor` axis that the parameters are sharded over (jaxkv.mesh rules).
     dtype: "bfloat16", "float16" or "float32"; None = config.json's torch_dtype, else bfloat16.
+    layout: a jaxkv.layout.Layout: each layer on its stage's mesh, the top (embedding, final norm, head) on the first
+      stage's, as jaxkv.model.init_params places them; None = every parameter on `mesh`.
 
   Returns:
     (ModelConfig, params) with params in jaxkv.model's structure and sharded layout.
@@ -344,7 +354,10 @@ def load(checkpoint_dir: str, mesh: jax.sharding.Mesh, dtype: str | None = None)
   t0 = time.perf_counter()
   hf = read_config(checkpoint_dir)
   cfg = model_config(hf, dtype)
-  mesh_lib.check_divisible(cfg, mesh)
+  layer_mesh = (lambda l: mesh) if layout is None else layout.mesh
+  top_mesh = mesh if layout is None else layout.first
+  for m in [mesh] if layout is None else layout.meshes:
+    mesh_lib.check_divisible(cfg, m)
   specs = hf_specs(cfg)
   axes = model.param_axes(cfg)
   np_dtype = np.dtype(jnp.dtype(cfg.dtype))
@@ -355,8 +368,10 @@ def load(checkpoint_dir: str, mesh: jax.sharding.Mesh, dtype: str | None = None)
     try:
       flat = {}
       for path, spec in specs.items():
-        logical = axes["layers"][path[1]][path[2]] if path[0] == "layers" else axes[path[0]]
-        target = mesh_lib.sharding(mesh, logical)
+        if path[0] == "layers":
+          target = mesh_lib.sharding(layer_mesh(path[1]), axes["layers"][path[1]][path[2]])
+        else:
+          target = mesh_lib.sharding(top_mesh, axes[path[0]])
         # Each device's callback reads its own block of the HF tensor, in the HF layout.
         arr = jax.make_array_from_callback(
             spec.hf_shape, hf_sharding(spec, target), lambda index, name=spec.name: weights.read(name, index)

@@ -1,14 +1,23 @@
-"""Flags shared by the absl apps (generate, bench, gates), and their resolution.
+"""Flags shared by the absl apps (generate, bench, gates), their resolution, and how the apps start and fail.
 
 `--cpu_devices=N`, the jax.distributed settings and `--compilation_cache_dir` must act before JAX creates its
 backends and compiles: apps call `setup_platform()` first thing in main(), before any JAX call.
+
+Apps start with `cli.run(main, help_groups)` instead of absl's `app.run`: `--help` lists the app's own flags in
+groups (`--helpfull` keeps absl's full list), and an error in the user's input (a bad flag, config, checkpoint,
+capacity, mesh or budget: jaxkv.preflight.InputError, absl's UsageError and flag errors) prints one line, and a hint
+line where one helps, with no traceback: exit status 2 for usage errors, 1 for runtime failures. Programming errors
+keep their traceback.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import textwrap
 
+from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
@@ -16,6 +25,7 @@ from ml_collections import config_flags
 from jaxkv import compile_cache
 from jaxkv import config as config_lib
 from jaxkv import distributed
+from jaxkv import preflight
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny.py")
 
@@ -111,6 +121,30 @@ LAYER_SPLIT = flags.DEFINE_string(
 KV_DEBUG = flags.DEFINE_integer(
     "kv_transport_debug", None, "Transport telemetry: 0 totals, 1 per step, 2 per layer, 3 log per step."
 )
+DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
+    "distributed_timeout_s",
+    60,
+    "Multi-process: seconds to wait for every process to join the coordinator before failing, naming them.",
+)
+
+# --help's groups of the shared flags; each app adds its own (see run()).
+CONFIG_GROUP = [CONFIG, CPU_DEVICES, COMPILATION_CACHE_DIR]
+KV_GROUP = [
+    KV_PLACEMENT,
+    KV_DTYPE,
+    KV_DEPTH,
+    KV_BLOCK,
+    KV_BUDGET,
+    KV_HEADROOM,
+    KV_DEVICE_BUDGET,
+    KV_HOST_ATTENTION,
+    KV_HOST_ATTENTION_FRACTION,
+    KV_HOST_ATTENTION_THREADS,
+    KV_HOST_ATTENTION_WAIT,
+    KV_DEBUG,
+]
+SPLIT_GROUP = [SPLIT_MODE, LAYER_SPLIT]
+MULTIHOST_GROUP = [COORDINATOR_ADDRESS, NUM_PROCESSES, PROCESS_ID, DISTRIBUTED_TIMEOUT]
 
 _KV_FLAGS = {
     "placement": KV_PLACEMENT,
@@ -130,14 +164,13 @@ _KV_FLAGS = {
 
 def setup_platform() -> None:
   """Applies --cpu_devices (per process) and --compilation_cache_dir, and joins jax.distributed when it is set up.
-  Must run before the first JAX call."""
+  Must run before the first JAX call. InputError when --cpu_devices=0 finds no accelerator, or when processes do
+  not join in time."""
   n = CPU_DEVICES.value
   if n < 0:
-    raise flags.ValidationError(f"--cpu_devices must be >= 0, got {n}")
-  try:
+    raise preflight.InputError(f"--cpu_devices must be >= 0, got {n}", "0 = the real accelerators, N = simulate N")
+  with preflight.input_errors():
     args = distributed.settings(COORDINATOR_ADDRESS.value, NUM_PROCESSES.value, PROCESS_ID.value)
-  except ValueError as e:
-    raise flags.ValidationError(str(e)) from e
   if n:
     os.environ["JAX_PLATFORMS"] = "cpu"
     xla = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
@@ -152,7 +185,24 @@ def setup_platform() -> None:
     jax.config.update("jax_platforms", "cpu")
   compile_cache.configure(compile_cache.resolve(COMPILATION_CACHE_DIR.value))
   if args is not None:
-    distributed.initialize(args, cpu=bool(n))
+    distributed.initialize(args, cpu=bool(n), timeout_s=DISTRIBUTED_TIMEOUT.value)
+  if not n:
+    import jax  # pylint: disable=g-import-not-at-top
+
+    if jax.default_backend() == "cpu":
+      raise preflight.InputError(
+          "--cpu_devices=0 runs on the accelerators, and JAX finds none (only the CPU)",
+          "install jax with CUDA (pip install -e '.[cuda13]'), or simulate devices with --cpu_devices=N",
+      )
+
+
+def check_outputs(*holders) -> None:
+  """Each output path flag that is set names a file in an existing folder (checked before any work)."""
+  for h in holders:
+    if h.value:
+      folder = os.path.dirname(os.path.abspath(h.value))
+      if not os.path.isdir(folder):
+        raise preflight.InputError(f"--{h.name}={h.value}: the folder {folder} does not exist", "create it first")
 
 
 def write_json(obj: dict, path: str | None) -> None:
@@ -165,6 +215,11 @@ def write_json(obj: dict, path: str | None) -> None:
 
 def resolved_config_dict():
   """The experiment ConfigDict with the --kv_* flags applied."""
+  path = config_flags.get_config_filename(flags.FLAGS["config"])
+  if not os.path.isfile(path):
+    raise preflight.InputError(
+        f"--config={path}: no such file", f"configs are Python files, e.g. --config={os.path.relpath(_DEFAULT_CONFIG)}"
+    )
   cd = CONFIG.value.unlock()
   for field, flag in _KV_FLAGS.items():
     if flag.value is not None:
@@ -176,4 +231,58 @@ def resolved_config_dict():
 
 
 def resolved_config() -> config_lib.Config:
-  return config_lib.from_config_dict(resolved_config_dict())
+  with preflight.input_errors():
+    return config_lib.from_config_dict(resolved_config_dict())
+
+
+def run(main, help_groups: dict[str, list]) -> None:
+  """absl's app.run(main) with jaxkv's --help (the flags of `help_groups`, {group title: [flag holders]}) and
+  one-line input errors (module docstring)."""
+  prog = f"python3 -m {_main_module()}"
+
+  def parse(argv):
+    if any(a in ("--help", "-h", "-?", "--helpshort") for a in argv[1:]):
+      print(help_text(prog, help_groups))
+      sys.exit(0)
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as e:
+      _fail(prog, str(e), f"{prog} --help lists the flags", preflight.USAGE)
+
+  def guarded(argv):
+    try:
+      return main(argv)
+    except preflight.InputError as e:
+      _fail(prog, str(e), e.hint, e.status)
+    except (app.UsageError, flags.Error) as e:
+      _fail(prog, str(e), None, preflight.USAGE)
+
+  app.run(guarded, flags_parser=parse)
+
+
+def _main_module() -> str:
+  spec = getattr(sys.modules["__main__"], "__spec__", None)
+  return spec.name if spec else os.path.basename(sys.argv[0])
+
+
+def _fail(prog: str, message: str, hint: str | None, status: int):
+  print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
+  if hint:
+    print(f"  hint: {hint}", file=sys.stderr)
+  sys.exit(status)
+
+
+def help_text(prog: str, groups: dict[str, list]) -> str:
+  """--help: the main module's first docstring paragraph, then each group's flags with default and help."""
+  doc = (sys.modules["__main__"].__doc__ or "").strip().split("\n\n")[0]
+  lines = [f"usage: {prog} [--flag=value ...]", "", doc, ""]
+  for title, holders in groups.items():
+    lines.append(f"{title}:")
+    for h in holders:
+      f = flags.FLAGS[h.name]
+      default = f.default_as_str if f.default is not None else ""
+      lines.append(f"  --{f.name}" + (f"={default.strip(chr(39))}" if default else ""))
+      lines += textwrap.wrap(" ".join(f.help.split()), 112, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    lines.append("")
+  lines.append("--helpfull lists every flag, absl's logging flags too.")
+  return "\n".join(lines)

@@ -213,6 +213,12 @@ class Config:
 
   def __post_init__(self):
     check_kv_dtype(self.kv.dtype, self.model.head_dim)
+    if self.engine.prefill_chunk % self.kv.block:
+      raise ValueError(
+          f"engine.prefill_chunk ({self.engine.prefill_chunk}) must be a multiple of kv.block ({self.kv.block})"
+      )
+    if self.kv.placement == "auto" and self.split.mode == "layer":
+      raise ValueError("kv.placement auto plans one mesh for every layer; use split mode tensor or none with it")
 
 
 def _build(cls, d: dict[str, Any], where: str):
@@ -223,16 +229,19 @@ def _build(cls, d: dict[str, Any], where: str):
   return cls(**d)
 
 
-def from_config_dict(cd) -> Config:
-  """Converts an experiment ConfigDict (or plain nested dict) into a `Config`."""
+def from_config_dict(cd, model: ModelConfig | None = None) -> Config:
+  """Converts an experiment ConfigDict (or plain nested dict) into a `Config`; `model` (e.g. a checkpoint's)
+  replaces its model section, so that the checks that depend on the model see the one that will run."""
   d = cd.to_dict() if hasattr(cd, "to_dict") else dict(cd)
-  model = dict(d["model"])
-  scaling = model.pop("rope_scaling", None)
-  # Experiment files keep the scaling fields overridable and switch them on with use_rope_scaling.
-  use = model.pop("use_rope_scaling", scaling is not None)
-  model["rope_scaling"] = _build(RopeScaling, dict(scaling), "model.rope_scaling") if use and scaling else None
+  if model is None:
+    fields = dict(d["model"])
+    scaling = fields.pop("rope_scaling", None)
+    # Experiment files keep the scaling fields overridable and switch them on with use_rope_scaling.
+    use = fields.pop("use_rope_scaling", scaling is not None)
+    fields["rope_scaling"] = _build(RopeScaling, dict(scaling), "model.rope_scaling") if use and scaling else None
+    model = _build(ModelConfig, fields, "model")
   return Config(
-      model=_build(ModelConfig, model, "model"),
+      model=model,
       kv=_build(KVConfig, dict(d.get("kv", {})), "kv"),
       engine=_build(EngineConfig, dict(d.get("engine", {})), "engine"),
       sampling=_build(SamplingConfig, dict(d.get("sampling", {})), "sampling"),

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
+import threading
 
 import jax
 import numpy as np
@@ -43,14 +45,37 @@ def _int(name: str, value: str) -> int:
     raise ValueError(f"{name} must be an integer, got {value!r}") from e
 
 
-def initialize(args: dict, cpu: bool) -> None:
+def initialize(args: dict, cpu: bool, timeout_s: int = 60) -> None:
   """Joins the processes given by `settings(...)`; must run before any other JAX call.
 
   cpu: the CPU backend is forced; its cross-process collectives then run over gloo (TCP).
+  timeout_s: when the processes have not all joined by then, prints which did not (as far as this process can
+  tell) and the coordinator's address, and ends the process with status 1. JAX's own timeout
+  (`initialization_timeout`) aborts the process with a C++ stack trace, so it is set later than this one.
   """
   if cpu:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(**args)
+  watchdog = threading.Timer(timeout_s, _not_joined, (args, timeout_s))
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    jax.distributed.initialize(**args, initialization_timeout=timeout_s + 60)
+  finally:
+    watchdog.cancel()
+
+
+def _not_joined(args: dict, timeout_s: int) -> None:
+  n, me, address = args["num_processes"], args["process_id"], args["coordinator_address"]
+  if not me:  # Process 0 (or an id left for JAX to detect).
+    others = {None: "the other processes", 2: "process 1"}.get(n, f"processes 1..{n - 1} (one or more of them)")
+    what = f"{others} did not join the coordinator at {address} within {timeout_s} s"
+    hint = f"start every process with --coordinator_address={address} --num_processes={n} and its --process_id"
+  else:
+    what = f"process {me} could not join process 0's coordinator at {address} within {timeout_s} s"
+    hint = f"start process 0 there (--process_id=0), or check the address; --num_processes={n} in every process"
+  print(f"error: jax.distributed: {what}\n  hint: {hint}; --distributed_timeout_s waits longer", file=sys.stderr)
+  sys.stderr.flush()
+  os._exit(1)  # The main thread is blocked in JAX's C++ connect.
 
 
 def move(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:

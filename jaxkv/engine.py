@@ -193,6 +193,37 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
   )
 
 
+def check_input(config: Config, prompts: Sequence[Sequence[int]], max_new_tokens: int, zero_rows: int = 0) -> None:
+  """Raises ValueError for prompts and max_new_tokens that cannot run with `config` (its capacity, vocabulary).
+  Needs no engine: the apps call it before they build one."""
+  cap, chunk = config.engine.capacity, config.engine.prefill_chunk
+  vocab = config.model.vocab_size
+  if not prompts:
+    raise ValueError("no prompts given")
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  for i, p in enumerate(prompts):
+    if len(p) == 0:
+      raise ValueError(f"prompt {i} is empty")
+    if len(p) > cap:
+      raise ValueError(f"prompt {i} has {len(p)} tokens, longer than the cache capacity {cap} (engine.capacity)")
+    bad = [t for t in p if not 0 <= t < vocab]
+    if bad:
+      raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+  longest = max(len(p) for p in prompts)
+  if longest + max_new_tokens - 1 > cap:
+    raise ValueError(
+        f"the longest prompt ({longest} tokens) plus max_new_tokens ({max_new_tokens}) needs "
+        f"{longest + max_new_tokens - 1} cache rows, more than the capacity {cap}; raise engine.capacity "
+        "or lower max_new_tokens"
+    )
+  if zero_rows % chunk or not 0 <= zero_rows < longest:
+    raise ValueError(
+        f"zero_rows must be a multiple of engine.prefill_chunk ({chunk}) below the longest prompt ({longest} "
+        f"tokens), got {zero_rows}"
+    )
+
+
 class Engine:
   """Generates from a batch of prompts with a KV cache placed and delivered as `config.kv` says."""
 
@@ -202,10 +233,6 @@ class Engine:
     self.layout = layout or layout_lib.Layout((mesh,), (0,) * config.model.num_layers, "tensor")
     for m in self.layout.meshes:
       mesh_lib.check_divisible(config.model, m)
-    if config.engine.prefill_chunk % config.kv.block:
-      raise ValueError(
-          f"engine.prefill_chunk ({config.engine.prefill_chunk}) must be a multiple of kv.block ({config.kv.block})"
-      )
     self.config, self.mesh, self.params = config, mesh, params
     lay = self.layout
     self.stage_fns = tuple(_functions(config.model, m, config.sampling, config.kv.dtype) for m in lay.meshes)
@@ -237,33 +264,8 @@ class Engine:
     return jax.device_put(x, self._stage_reps[stage_of[layer]])
 
   def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, zero_rows: int = 0) -> None:
-    """Raises ValueError for input that cannot run, before any work."""
-    cap, chunk = self.config.engine.capacity, self.config.engine.prefill_chunk
-    vocab = self.config.model.vocab_size
-    if not prompts:
-      raise ValueError("no prompts given")
-    if max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    for i, p in enumerate(prompts):
-      if len(p) == 0:
-        raise ValueError(f"prompt {i} is empty")
-      if len(p) > cap:
-        raise ValueError(f"prompt {i} has {len(p)} tokens, longer than the cache capacity {cap} (engine.capacity)")
-      bad = [t for t in p if not 0 <= t < vocab]
-      if bad:
-        raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens - 1 > cap:
-      raise ValueError(
-          f"the longest prompt ({longest} tokens) plus max_new_tokens ({max_new_tokens}) needs "
-          f"{longest + max_new_tokens - 1} cache rows, more than the capacity {cap}; raise engine.capacity "
-          "or lower max_new_tokens"
-      )
-    if zero_rows % chunk or not 0 <= zero_rows < longest:
-      raise ValueError(
-          f"zero_rows must be a multiple of engine.prefill_chunk ({chunk}) below the longest prompt ({longest} "
-          f"tokens), got {zero_rows}"
-      )
+    """Raises ValueError for input that cannot run, before any work (check_input)."""
+    check_input(self.config, prompts, max_new_tokens, zero_rows)
 
   def _meta(self, start: np.ndarray, end: int, step: int, seed: int) -> jax.Array:
     m = np.concatenate([start, [end, step, seed]]).astype(np.int32)

@@ -39,9 +39,20 @@ SEPARATE = flags.DEFINE_bool(
 )
 
 
+HELP_GROUPS = {
+    "model and config": cli.CONFIG_GROUP,
+    "gates": [ARMS, NEW_TOKENS, PARALLEL, SEQUENCES, SEED, SEPARATE],
+    "KV cache": cli.KV_GROUP,
+    "split": cli.SPLIT_GROUP,
+    "multi-host": cli.MULTIHOST_GROUP,
+    "output": [JSON_OUT],
+}
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  cli.check_outputs(JSON_OUT)
   from jaxkv import gate_suite  # pylint: disable=g-import-not-at-top
 
   if SEPARATE.value:
@@ -117,4 +128,4 @@ def _report(report: dict, json_out: str | None) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, HELP_GROUPS)

@@ -49,6 +49,17 @@ CHECKPOINT_DTYPE = flags.DEFINE_enum(
 )
 
 
+HELP_GROUPS = {
+    "model and config": [*cli.CONFIG_GROUP, CHECKPOINT_DIR, CHECKPOINT_DTYPE],
+    "prompts": [PROMPT_LEN, BATCH, PROMPT, MAX_NEW, SEED],
+    "KV cache": cli.KV_GROUP,
+    "split": cli.SPLIT_GROUP,
+    "serving": [SEQUENCES, PARALLEL],
+    "multi-host": cli.MULTIHOST_GROUP,
+    "output": [JSON_OUT],
+}
+
+
 def prompt_lengths(values, batch):
   try:
     lens = [int(v) for v in values]
@@ -58,6 +69,8 @@ def prompt_lengths(values, batch):
     raise app.UsageError(f"--prompt_len values must be positive, got {lens}")
   if batch is None:
     return lens
+  if batch < 1:
+    raise app.UsageError(f"--batch must be >= 1, got {batch}")
   if len(lens) == 1:
     return lens * batch
   if len(lens) != batch:
@@ -68,10 +81,6 @@ def prompt_lengths(values, batch):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  cli.setup_platform()
-  from jaxkv import run  # pylint: disable=g-import-not-at-top  (after the platform is set)
-
-  cd = cli.resolved_config_dict()
   texts = PROMPT.value or []
   if texts and not CHECKPOINT_DIR.value:
     raise app.UsageError("--prompt needs --checkpoint_dir (the model and its tokenizer.json)")
@@ -79,13 +88,19 @@ def main(argv):
     raise app.UsageError(f"--batch={BATCH.value} but {len(texts)} --prompt values")
   if CHECKPOINT_DTYPE.value and not CHECKPOINT_DIR.value:
     raise app.UsageError("--checkpoint_dtype needs --checkpoint_dir (else set --config.model.dtype)")
+  if SEQUENCES.value and (CHECKPOINT_DIR.value or BATCH.value is not None):
+    raise app.UsageError("--sequences serves random requests: it does not take --checkpoint_dir or --batch")
+  if SEQUENCES.value < 0 or PARALLEL.value < 1:
+    raise app.UsageError(f"--sequences must be >= 0 and --parallel >= 1, got {SEQUENCES.value}, {PARALLEL.value}")
   lens = [] if texts else prompt_lengths(PROMPT_LEN.value, BATCH.value)
+  cli.check_outputs(JSON_OUT)
+  cd = cli.resolved_config_dict()
+  cli.setup_platform()
+  from jaxkv import run  # pylint: disable=g-import-not-at-top  (after the platform is set)
+
+  # Each run checks its input (jaxkv.preflight) before it builds or reads any weights.
   t0 = time.perf_counter()
   if SEQUENCES.value:
-    if CHECKPOINT_DIR.value or BATCH.value is not None:
-      raise app.UsageError("--sequences serves random requests: it does not take --checkpoint_dir or --batch")
-    if SEQUENCES.value < 0 or PARALLEL.value < 1:
-      raise app.UsageError(f"--sequences must be >= 0 and --parallel >= 1, got {SEQUENCES.value}, {PARALLEL.value}")
     out = run.serve_random(cd, SEQUENCES.value, PARALLEL.value, max(lens), MAX_NEW.value, SEED.value)
     out["wall_s"] = time.perf_counter() - t0
     if distributed.is_main():
@@ -110,15 +125,23 @@ def main(argv):
 
 def _report_served(out: dict, json_out: str | None) -> None:
   for i, r in enumerate(out["requests"]):
-    print(f"request {i} (prompt {r['prompt_length']}, slot {r['slot']}, epoch {r['epoch']}): {r['tokens']}")
-  t = out["transport"]
+    if r["error"]:
+      print(f"request {i} (prompt {r['prompt_length']}, {r['max_new_tokens']} new tokens): rejected: {r['error']}")
+    else:
+      print(f"request {i} (prompt {r['prompt_length']}, slot {r['slot']}, epoch {r['epoch']}): {r['tokens']}")
   print(f"transcript_sha256 {out['transcript_sha256']}")
-  print(
-      f"kv placement {t['placement']}, depth {t['depth']}, {out['timing']['decode_steps']} decode steps, "
-      f"{t['insertions']} slot reuses, {t['epochs']} epochs"
-  )
+  print(served_summary(out["transport"], out["timing"]))
   print(_compilation_line(out["compilation"]))
   cli.write_json(out, json_out)
+
+
+def served_summary(transport: dict, timing: dict) -> str:
+  """The last line of a serving run's report, from its ServeResult's transport and timing."""
+  t = transport
+  return (
+      f"kv placement {t['placement']}, {_delivery(t)}, {timing['decode_steps']} decode steps, "
+      f"{t['insertions']} slot reuses, {t['epochs']} epochs"
+  )
 
 
 def _report(out: dict, json_out: str | None) -> None:
@@ -131,7 +154,7 @@ def _report(out: dict, json_out: str | None) -> None:
   print(f"logits_sha256 {out['logits_sha256']}")
   t = out["transport"]
   print(
-      f"kv placement {t['placement']}, depth {t['depth']}, h2d {t['h2d_bytes']} B, d2h {t['d2h_bytes']} B, "
+      f"kv placement {t['placement']}, {_delivery(t)}, h2d {t['h2d_bytes']} B, d2h {t['d2h_bytes']} B, "
       f"compiled shapes {t['compiled_shapes']}"
   )
   print(_compilation_line(out["compilation"]))
@@ -146,5 +169,10 @@ def _compilation_line(c: dict) -> str:
   return line + f"; cache {c['cache_dir'] or 'off'}"
 
 
+def _delivery(transport: dict) -> str:
+  """The pipeline depth, where a ring delivers streamed layers; else that nothing is streamed."""
+  return f"depth {transport['depth']}" if transport["ring_slots"] else "nothing streamed"
+
+
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, HELP_GROUPS)

@@ -8,45 +8,50 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+import tqdm
 
 from jaxkv import checkpoint
 from jaxkv import compile_cache
 from jaxkv import config as config_lib
 from jaxkv import distributed
 from jaxkv import engine as engine_lib
-from jaxkv import layout as layout_lib
-from jaxkv import mesh as mesh_lib
 from jaxkv import model
+from jaxkv import preflight
 from jaxkv import serving
 from jaxkv import tokenizer as tokenizer_lib
 
 
 def build(config: config_lib.Config, seed: int):
-  """Returns (mesh, params, engine) for a config, with seeded random weights."""
-  mesh = mesh_lib.make_mesh(config.mesh)
-  layout = make_layout(config, mesh)
-  params = model.init_params(config.model, jax.random.key(seed), mesh, layout)
-  return mesh, params, engine_lib.Engine(config, mesh, params, layout)
+  """Returns (mesh, params, engine) for a config, with seeded random weights, after jaxkv.preflight's checks."""
+  job = preflight.resolve(config)
+  return (job.mesh, *_random_engine(job, seed))
 
 
-def make_layout(config: config_lib.Config, mesh) -> layout_lib.Layout:
-  """The layout of config.split over the devices of `mesh`."""
-  split = layout_lib.parse_layer_split(config.split.layer_split)
-  return layout_lib.make_layout(config.split.mode, mesh, config.model.num_layers, split)
+make_layout = preflight.layout  # The layout of config.split over a mesh.
 
 
 def build_from_checkpoint(config: config_lib.Config, checkpoint_dir: str, dtype: str | None = None):
   """Returns (config, mesh, params, engine) with the model and weights of a Hugging Face checkpoint folder.
 
   The returned config is `config` with its model replaced by the checkpoint's (jaxkv.checkpoint.load); the kv,
-  engine, sampling and mesh settings are kept.
+  engine, sampling, mesh and split settings are kept. The checks of jaxkv.preflight run first.
   """
-  if config.split.mode != "tensor":
-    raise ValueError(f"checkpoints load in split mode tensor only; got split mode {config.split.mode!r}")
-  mesh = mesh_lib.make_mesh(config.mesh)
-  model_config, params = checkpoint.load(checkpoint_dir, mesh, dtype)
-  config = dataclasses.replace(config, model=model_config)
-  return config, mesh, params, engine_lib.Engine(config, mesh, params)
+  job = preflight.resolve(config, checkpoint_dir, dtype)
+  engine = _checkpoint_engine(job, checkpoint_dir, dtype)
+  return job.config, job.mesh, engine.params, engine
+
+
+def _random_engine(job: preflight.Job, seed: int):
+  """(params, engine) of a checked job with seeded random weights."""
+  params = model.init_params(job.config.model, jax.random.key(seed), job.mesh, job.layout)
+  return params, engine_lib.Engine(job.config, job.mesh, params, job.layout)
+
+
+def _checkpoint_engine(job: preflight.Job, checkpoint_dir: str, dtype: str | None) -> engine_lib.Engine:
+  """The engine of a checked job (preflight.resolve with the same folder and dtype) with the checkpoint's weights."""
+  model_config, params = checkpoint.load(checkpoint_dir, job.mesh, dtype, job.layout)
+  assert model_config == job.config.model, (model_config, job.config.model)
+  return engine_lib.Engine(job.config, job.mesh, params, job.layout)
 
 
 def random_prompts(vocab_size: int, lengths, seed: int) -> list[list[int]]:
@@ -58,7 +63,13 @@ def _generate(engine: engine_lib.Engine, prompts, max_new_tokens: int, seed: int
   """engine.generate; the bytes of KV windows that this process holds in the cache's memory at the end (0 when no
   decode step ran); and when its decode started (time.perf_counter())."""
   last = {}
-  res = engine.generate(prompts, max_new_tokens, seed=seed, on_step=lambda _, cache: last.update(cache=cache))
+
+  def on_step(_, cache):
+    last.update(cache=cache)
+    bar.update()
+
+  with _progress("decode steps", max_new_tokens - 1) as bar:
+    res = engine.generate(prompts, max_new_tokens, seed=seed, on_step=on_step)
   decode_start = time.perf_counter() - res.timing["decode_s"]
   return res, distributed.process_bytes(last["cache"].windows) if last else 0, decode_start
 
@@ -70,6 +81,11 @@ def compilation(counter: compile_cache.CompileCounter, decode_start: float | Non
   if decode_start is not None:
     out["during_decode"] = counter.counts(since=decode_start)
   return out
+
+
+def _progress(what: str, total: int | None = None) -> tqdm.tqdm:
+  """A progress bar on stderr in process 0, shown once a run has taken 5 s."""
+  return tqdm.tqdm(total=total, desc=what, unit="step", delay=5, leave=False, disable=not distributed.is_main())
 
 
 def _result(
@@ -91,11 +107,13 @@ def _result(
 
 
 def generate_random(config_dict, lengths, max_new_tokens: int, seed: int) -> dict:
-  """Generates from random prompts of the given lengths; returns a JSON-ready dict."""
-  config = config_lib.from_config_dict(config_dict)
-  prompts = random_prompts(config.model.vocab_size, lengths, seed)
+  """Generates from random prompts of the given lengths; returns a JSON-ready dict. Checks the input
+  (jaxkv.preflight) before it builds the weights."""
+  job = preflight.resolve(config_dict)
+  prompts = random_prompts(job.config.model.vocab_size, lengths, seed)
+  preflight.check_prompts(job, prompts, max_new_tokens)
   with compile_cache.CompileCounter() as counter:
-    _, _, engine = build(config, seed)
+    _, engine = _random_engine(job, seed)
     res, kv_bytes, decode_start = _generate(engine, prompts, max_new_tokens, seed)
   return dict(
       _result(res, kv_bytes, config_dict, lengths, max_new_tokens, seed),
@@ -105,16 +123,18 @@ def generate_random(config_dict, lengths, max_new_tokens: int, seed: int) -> dic
 
 def serve_random(config_dict, sequences: int, parallel: int, max_length: int, max_new_tokens: int, seed: int) -> dict:
   """Serves `sequences` random requests on `parallel` slots (jaxkv.serving); prompt lengths are drawn from
-  [1, max_length] and max_new_tokens from [max(1, max_new_tokens // 2), max_new_tokens]. Returns a JSON-ready dict."""
-  config = config_lib.from_config_dict(config_dict)
+  [1, max_length] and max_new_tokens from [max(1, max_new_tokens // 2), max_new_tokens]. A request that cannot fit
+  is rejected on its own (its `error` says why). Returns a JSON-ready dict."""
+  job = preflight.resolve(config_dict)
   rng = np.random.default_rng(seed)
   lengths = rng.integers(1, max_length + 1, size=sequences).tolist()
   news = rng.integers(max(1, max_new_tokens // 2), max_new_tokens + 1, size=sequences).tolist()
-  prompts = random_prompts(config.model.vocab_size, lengths, seed)
+  prompts = random_prompts(job.config.model.vocab_size, lengths, seed)
   requests = [serving.Request(tuple(p), n, seed=seed + i) for i, (p, n) in enumerate(zip(prompts, news))]
   with compile_cache.CompileCounter() as counter:
-    _, _, engine = build(config, seed)
-    res = serving.Server(engine, parallel).serve(requests)
+    server = serving.Server(_random_engine(job, seed)[1], parallel)
+    with _progress("serve decode steps") as bar:
+      res = server.serve(requests, on_step=lambda *_: bar.update())
   return dict(
       compilation=compilation(counter),
       requests=[
@@ -146,22 +166,28 @@ def generate_checkpoint(
   With `prompts` (text, one per sequence) the folder's tokenizer.json encodes them and decodes the output: the
   dict gains `prompts`, `prompt_tokens` and `text` (the decoded new tokens per sequence). Without, the prompts are
   random token ids of the given `lengths`, as in `generate_random`. The model section of `config_dict` is
-  replaced by the checkpoint's (`model` in the dict); its kv, engine, sampling and mesh settings apply.
+  replaced by the checkpoint's (`model` in the dict); its kv, engine, sampling and mesh settings apply. The
+  checks (jaxkv.preflight) run against the checkpoint's model, and the prompts are encoded, before any weight is
+  read.
   """
   if not prompts and not lengths:
     raise ValueError("give text prompts or random prompt lengths")
-  tok = tokenizer_lib.Tokenizer.from_dir(checkpoint_dir) if prompts else None  # Before the weights: fails fast.
+  job = preflight.resolve(config_dict, checkpoint_dir, dtype)
+  tok = None
+  if prompts:
+    with preflight.input_errors(preflight.FAILURE):
+      tok = tokenizer_lib.Tokenizer.from_dir(checkpoint_dir)
+    ids = [tok.encode(p) for p in prompts]
+  else:
+    ids = random_prompts(job.config.model.vocab_size, lengths, seed)
+  preflight.check_prompts(job, ids, max_new_tokens)
   with compile_cache.CompileCounter() as counter:
-    config, _, _, engine = build_from_checkpoint(config_lib.from_config_dict(config_dict), checkpoint_dir, dtype)
-    if tok is not None:
-      ids = [tok.encode(p) for p in prompts]
-    else:
-      ids = random_prompts(config.model.vocab_size, lengths, seed)
+    engine = _checkpoint_engine(job, checkpoint_dir, dtype)
     res, kv_bytes, decode_start = _generate(engine, ids, max_new_tokens, seed)
   out = _result(res, kv_bytes, config_dict, [len(p) for p in ids], max_new_tokens, seed)
   out.update(
       checkpoint_dir=checkpoint_dir,
-      model=dataclasses.asdict(config.model),
+      model=dataclasses.asdict(job.config.model),
       compilation=compilation(counter, decode_start),
   )
   if tok is not None:

@@ -26,6 +26,14 @@ MODEL_NAME = flags.DEFINE_string(
     "served_model_name", None, "The model's name in the API (default: the checkpoint folder's name, else jaxkv-random)."
 )
 
+HELP_GROUPS = {
+    "model and config": [*cli.CONFIG_GROUP, generate.CHECKPOINT_DIR, generate.CHECKPOINT_DTYPE, generate.SEED],
+    "server": [HOST, PORT, generate.PARALLEL, MAX_QUEUE, MODEL_NAME],
+    "KV cache": cli.KV_GROUP,
+    "split": cli.SPLIT_GROUP,
+    "multi-host": cli.MULTIHOST_GROUP,
+}
+
 
 def main(argv):
   if len(argv) > 1:
@@ -69,4 +77,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, HELP_GROUPS)

@@ -49,6 +49,9 @@ from jaxkv import sampling as sampling_lib
 from jaxkv.config import SamplingConfig
 from jaxkv.transport import Transport
 
+# The counters summed over a serve(), in ServeResult.transport whatever the run did.
+TOTALS = ("h2d_bytes", "d2h_bytes", "ring_high_water_bytes_per_device", "insertions")
+
 
 @dataclasses.dataclass(frozen=True)
 class Request:
@@ -64,19 +67,21 @@ class Request:
 @dataclasses.dataclass
 class RequestResult:
   """tokens: generated ids (up to and including EOS); logits_sha256: over its f32 logits rows, in order;
-  slot, epoch: where it ran; first_row: start of its prompt in the slot (E - L)."""
+  slot, epoch: where it ran; first_row: start of its prompt in the slot (E - L). A request that cannot run (its
+  prompt does not fit the capacity, ...) is rejected alone: `error` says why, no tokens, slot/epoch/first_row -1."""
 
   tokens: list[int]
   logits_sha256: str
   slot: int
   epoch: int
   first_row: int
+  error: str | None = None
 
 
 @dataclasses.dataclass
 class ServeResult:
   """results: one per request, in request order; transcript_sha256: sha256 of the JSON list of every
-  request's [tokens, logits_sha256]; transport: telemetry summed over the epochs; timing: wall_s,
+  request's [tokens, logits_sha256] (and its error, if rejected); transport: telemetry summed over the epochs; timing: wall_s,
   decode_steps, tokens."""
 
   results: list[RequestResult]
@@ -165,20 +170,27 @@ class Server:
     s = SamplingConfig() if request is None else request.sampling or self.engine.config.sampling
     return [0 if request is None else request.seed, 0, s.top_k], [s.temperature, s.top_p]
 
-  def validate(self, requests: Sequence[Request]) -> None:
+  def validate(self, requests: Sequence[Request]) -> list[str | None]:
+    """Why each request cannot run (None: it can). ValueError when there is none to run."""
     if not requests:
       raise ValueError("no requests given")
-    for i, r in enumerate(requests):
+    errors = []
+    for r in requests:
       try:
         self.engine.validate([r.prompt], r.max_new_tokens)
+        errors.append(None)
       except ValueError as e:
-        raise ValueError(f"request {i}: {e}") from e
+        errors.append(str(e).replace("prompt 0", "its prompt", 1))  # The engine numbers the prompts of a batch.
+    if all(errors):
+      raise ValueError(f"every request was rejected; request 0: {errors[0]}")
+    return errors
 
   def serve(self, requests: Sequence[Request], on_step=None) -> ServeResult:
-    """Runs every request to its end; on_step(step, slots) after each decode step is read (for monitoring)."""
-    self.validate(requests)
+    """Runs every request that can run to its end, and rejects the others (their results say why); on_step(step,
+    slots) after each decode step is read (for monitoring)."""
+    errors = self.validate(requests)
     t0 = time.perf_counter()
-    run = _Run(self, requests, on_step)
+    run = _Run(self, requests, on_step, errors)
     epoch = 0
     while run.queue:
       run.epoch(epoch)
@@ -190,17 +202,26 @@ class _Run:
   """The state of one serve(): the queue, the per-request records, telemetry. batch: the slots of an epoch's cache
   (default as many as there are requests, at most `parallel`)."""
 
-  def __init__(self, server: Server, requests: Sequence[Request], on_step, batch: int | None = None):
+  def __init__(
+      self,
+      server: Server,
+      requests: Sequence[Request],
+      on_step,
+      errors: Sequence[str | None] | None = None,
+      batch: int | None = None,
+  ):
     self.server, self.engine = server, server.engine
     self.requests, self.on_step = requests, on_step
-    self.batch = batch or min(server.parallel, len(requests))
-    self.queue = collections.deque(range(len(requests)))
+    self.errors = list(errors) if errors is not None else [None] * len(requests)  # Why a request was rejected.
+    self.queue = collections.deque(i for i, e in enumerate(self.errors) if e is None)
+    self.batch = batch or min(server.parallel, len(self.queue))
     self.tokens: list[list[int]] = [[] for _ in requests]
     self.hashes = [hashlib.sha256() for _ in requests]
     self.done = [False] * len(requests)
     self.where: list[tuple[int, int, int] | None] = [None] * len(requests)  # (slot, epoch, first row).
     self.shapes: set[tuple] = set()
-    self.totals = collections.Counter()
+    # Every counter the telemetry reports, present from the start (a run without slot reuse has 0 insertions).
+    self.totals = collections.Counter(dict.fromkeys(TOTALS, 0))
     self.by_device = dict(h2d_bytes_by_device=collections.Counter(), ring_high_water_bytes_by_device={})
     self.summary: dict = {}
     self.steps = 0
@@ -392,10 +413,10 @@ class _Run:
 
   def result(self, wall_s: float, epochs: int) -> ServeResult:
     results = [
-        RequestResult(tokens=t, logits_sha256=h.hexdigest(), slot=w[0], epoch=w[1], first_row=w[2])
-        for t, h, w in zip(self.tokens, self.hashes, self.where)
+        RequestResult(t, h.hexdigest(), *(w or (-1, -1, -1)), error=e)
+        for t, h, w, e in zip(self.tokens, self.hashes, self.where, self.errors)
     ]
-    transcript = json.dumps([[r.tokens, r.logits_sha256] for r in results])
+    transcript = json.dumps([[r.tokens, r.logits_sha256] + ([r.error] if r.error else []) for r in results])
     telemetry = dict(self.summary, compiled_shapes=len(self.shapes), epochs=epochs, **self.totals)
     telemetry.update(
         h2d_bytes_by_device=dict(self.by_device["h2d_bytes_by_device"]),

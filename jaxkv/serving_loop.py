@@ -159,6 +159,7 @@ class _LiveRun(serving._Run):  # pylint: disable=protected-access
       self.hashes.append(hashlib.sha256())
       self.done.append(False)
       self.where.append(None)
+      self.errors.append(None)
       self.queue.append(r)
       self.handles[r] = handle
     for r in [r for r, h in self.handles.items() if h.cancelled]:

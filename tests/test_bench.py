@@ -332,3 +332,16 @@ def test_synthetic_context_skips_all_but_the_last_prefill_chunk(monkeypatch):
   assert seen == [32] * 4  # A warm-up and a round per arm.
   assert out["spec"]["synthetic_context"] is True and out["cells"][0]["tokens_match_across_arms"] is True
   assert "synthetic context" in bench_report.markdown(out)
+
+
+def test_the_link_test_is_sized_to_the_run():
+  config = _config()
+  mesh = mesh_lib.make_mesh(config.mesh)
+  small = _spec(contexts=(16, 40), batches=(1, 2))
+  assert benchmark.link_test_bytes(config, mesh, small) == benchmark.LINK_TEST_BYTES[0]  # Tiny: the floor.
+  big = _spec(contexts=(20_000,), batches=(4,))
+  cfg = benchmark.cell_config(config, 20_000, big.new_tokens)
+  rows = benchmark.decode_window_rows(20_000, big.new_tokens - 1, cfg.kv.block)[-1:]
+  step = benchmark.kv_step_bytes(cfg, run_lib.make_layout(cfg, mesh), 4, rows)["per_device"]
+  assert benchmark.LINK_TEST_BYTES[0] < step < benchmark.LINK_TEST_BYTES[1]
+  assert benchmark.link_test_bytes(config, mesh, big) == step

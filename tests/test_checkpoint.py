@@ -16,29 +16,19 @@ import numpy as np
 import pytest
 import tokenizers
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 import helpers
 from experiments import tiny
+from hf_checkpoints import GEOMETRY, hf_config, hf_tensors, write_checkpoint
 from jaxkv import checkpoint
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
+from jaxkv import preflight
 from jaxkv import run
 from jaxkv import tokenizer as tokenizer_lib
 
-# Tiny geometry: the test meshes' tensor axis (1 and 4) divides 4 KV heads, 8 heads, 128 MLP columns and 256 ids.
-GEOMETRY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    num_hidden_layers=3,  # Three layers, so that pipeline depth 2 runs uncapped (depth <= layers - 1).
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=16,
-    intermediate_size=128,
-    rms_norm_eps=1e-6,
-)
 # Llama-3 scaling with a short original context, so that the tiny head_dim has frequencies in all three bands
 # (wavelengths below 8 kept, 8..32 smoothed, above 32 divided by the factor).
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
@@ -49,72 +39,6 @@ NEW_TOKENS = 32
 # Both run in float32; what differs is the order of the float32 sums (XLA vs torch) and RoPE's inverse
 # frequencies (jaxkv computes them in float64 before rounding, torch in float32): measured ~5e-7.
 LOGITS_RTOL = 1e-5
-
-
-# Checkpoints written with safetensors.numpy (no torch).
-
-
-def hf_config(arch: str = "LlamaForCausalLM", **overrides) -> dict:
-  cfg = dict(GEOMETRY, architectures=[arch], model_type="llama" if arch == "LlamaForCausalLM" else "qwen3")
-  cfg.update(rope_theta=10_000.0, tie_word_embeddings=False, torch_dtype="float32")
-  cfg.update(overrides)
-  return cfg
-
-
-def hf_tensors(hf: dict, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
-  """Random tensors with HF names and layouts for a config.json dict."""
-  rng = np.random.default_rng(seed)
-  d, h, k = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
-  dh, f, v = hf["head_dim"], hf["intermediate_size"], hf["vocab_size"]
-
-  def w(*shape):
-    return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(dtype)
-
-  def norm(n):
-    return (1 + 0.1 * rng.standard_normal(n)).astype(dtype)
-
-  t = {"model.embed_tokens.weight": rng.standard_normal((v, d)).astype(dtype), "model.norm.weight": norm(d)}
-  if not hf.get("tie_word_embeddings"):
-    t["lm_head.weight"] = w(v, d)
-  for l in range(hf["num_hidden_layers"]):
-    p = f"model.layers.{l}."
-    t.update(
-        {
-            p + "input_layernorm.weight": norm(d),
-            p + "self_attn.q_proj.weight": w(h * dh, d),
-            p + "self_attn.k_proj.weight": w(k * dh, d),
-            p + "self_attn.v_proj.weight": w(k * dh, d),
-            p + "self_attn.o_proj.weight": w(d, h * dh),
-            p + "post_attention_layernorm.weight": norm(d),
-            p + "mlp.gate_proj.weight": w(f, d),
-            p + "mlp.up_proj.weight": w(f, d),
-            p + "mlp.down_proj.weight": w(d, f),
-        }
-    )
-    if hf["architectures"] == ["Qwen3ForCausalLM"]:
-      t[p + "self_attn.q_norm.weight"] = norm(dh)
-      t[p + "self_attn.k_norm.weight"] = norm(dh)
-  return t
-
-
-def write_checkpoint(path, hf: dict, tensors: dict, shards: int = 1) -> str:
-  """config.json and model.safetensors, or `shards` files listed by model.safetensors.index.json."""
-  os.makedirs(path, exist_ok=True)
-  with open(os.path.join(path, checkpoint.CONFIG_FILE), "w") as f:
-    json.dump(hf, f)
-  if shards == 1:
-    save_file(tensors, os.path.join(path, checkpoint.WEIGHTS_FILE), metadata={"format": "pt"})
-    return str(path)
-  names = sorted(tensors)
-  weight_map = {}
-  for i in range(shards):
-    file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-    part = {n: tensors[n] for n in names[i::shards]}
-    save_file(part, os.path.join(path, file), metadata={"format": "pt"})
-    weight_map.update({n: file for n in part})
-  with open(os.path.join(path, checkpoint.INDEX_FILE), "w") as f:
-    json.dump({"metadata": {}, "weight_map": weight_map}, f)
-  return str(path)
 
 
 def expected_params(hf: dict, tensors: dict) -> dict:
@@ -331,6 +255,86 @@ def test_a_failed_read_deletes_what_was_loaded(tmp_path, monkeypatch):
     checkpoint.load(path, helpers.mesh(4))
   assert len(calls) > 30
   assert len(jax.live_arrays()) <= live
+
+
+# The checks run against the checkpoint's model (whose geometry differs from the config's), before any weight is read.
+
+
+@pytest.fixture
+def no_weight_read(monkeypatch):
+  def read(self, name, index):
+    raise AssertionError(f"{name} was read")
+
+  monkeypatch.setattr(checkpoint._Weights, "read", read)  # pylint: disable=protected-access
+
+
+def _config_dict(tensor: int, **fields):
+  """The tiny config (head_dim 16, 8 KV heads, 16 heads, MLP 128, vocabulary 256, 6 layers) with `fields`
+  ("section__name": value) set."""
+  cd = tiny.get_config()
+  cd.mesh.tensor = tensor
+  for key, value in fields.items():
+    section, name = key.split("__")
+    cd[section][name] = value
+  return cd
+
+
+def test_kv_int8_is_checked_against_the_checkpoint_head_dim(tmp_path, no_weight_read):
+  hf = hf_config(head_dim=32)
+  job = preflight.resolve(_config_dict(4, kv__dtype="int8"), write_checkpoint(tmp_path / "a", hf, hf_tensors(hf)))
+  assert job.config.model.head_dim == 32 and job.config.kv.dtype == "int8"
+  hf = hf_config()  # head_dim 16, under a config with head_dim 32.
+  path = write_checkpoint(tmp_path / "b", hf, hf_tensors(hf))
+  with pytest.raises(preflight.InputError, match="must be a multiple of 32; got head_dim 16"):
+    preflight.resolve(_config_dict(4, kv__dtype="int8", model__head_dim=32), path)
+
+
+@pytest.mark.parametrize(
+    "tensor, overrides, match",
+    [
+        (8, {}, "num_kv_heads = 4 is not divisible by the tensor axis size 8"),  # The config has 8 KV heads.
+        (4, dict(intermediate_size=130), "mlp_dim = 130 is not divisible by the tensor axis size 4"),
+        (4, dict(vocab_size=258), "vocab_size = 258 is not divisible by the tensor axis size 4"),
+    ],
+)
+def test_the_tensor_axis_is_checked_against_the_checkpoint(tmp_path, no_weight_read, tensor, overrides, match):
+  hf = hf_config(**overrides)
+  path = write_checkpoint(tmp_path, hf, hf_tensors(hf))
+  with pytest.raises(preflight.InputError, match=match):
+    preflight.resolve(_config_dict(tensor), path)
+
+
+def test_prompts_are_checked_against_the_checkpoint_positions(tmp_path, no_weight_read):
+  hf = hf_config(max_position_embeddings=16)
+  job = preflight.resolve(_config_dict(4), write_checkpoint(tmp_path, hf, hf_tensors(hf)))
+  preflight.check_prompts(job, [[1] * 10], 7)  # Positions 0..15.
+  with pytest.raises(preflight.InputError, match=r"needs 19 positions, more than the model's max_position_emb"):
+    preflight.check_prompts(job, [[1] * 10], 10)  # The config's capacity (128) would hold it.
+  hf = hf_config(vocab_size=512)
+  job = preflight.resolve(_config_dict(4), write_checkpoint(tmp_path / "v", hf, hf_tensors(hf)))
+  preflight.check_prompts(job, [[300]], 2)  # Outside the config's vocabulary (256), inside the checkpoint's.
+
+
+def test_the_layer_split_is_checked_against_the_checkpoint_layers(tmp_path, no_weight_read):
+  hf = hf_config()  # 3 layers; the config has 6.
+  path = write_checkpoint(tmp_path, hf, hf_tensors(hf))
+  cd = _config_dict(4, split__mode="layer")
+  assert preflight.resolve(cd).layout.stage_of == (0, 0, 1, 2, 3, 3)
+  with pytest.raises(preflight.InputError, match=r"gives 3 layers as \[1, 1, 0, 1\] over 4 devices"):
+    preflight.resolve(cd, path)
+
+
+def test_split_mode_layer_loads_each_layer_on_its_device(tmp_path):
+  hf = hf_config()
+  path = write_checkpoint(tmp_path, hf, hf_tensors(hf))
+  outs = {
+      mode: run.generate_checkpoint(_config_dict(3, split__mode=mode), path, lengths=[3, 5], max_new_tokens=3, seed=0)
+      for mode in ("none", "layer")
+  }
+  assert outs["none"]["tokens_sha256"] == outs["layer"]["tokens_sha256"]
+  assert outs["none"]["logits_sha256"] == outs["layer"]["logits_sha256"]
+  _, _, params, _ = run.build_from_checkpoint(config_lib.from_config_dict(_config_dict(3, split__mode="layer")), path)
+  assert [str(next(iter(l["wq"].devices()))) for l in params["layers"]] == [str(d) for d in jax.devices()[:3]]
 
 
 # Tokenizer and the generate path with text prompts.

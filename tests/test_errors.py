@@ -1,10 +1,19 @@
-"""Every bad input raises its promised error, before any work."""
+"""Every bad input raises its promised error, before any work; the apps print it as one line with an exit status."""
 
+import concurrent.futures
 import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import sys
 
 import helpers
 import jax
 import pytest
+
+import hf_checkpoints
+from jaxkv import cli
 
 from experiments import tiny
 from jaxkv import config as config_lib
@@ -94,3 +103,198 @@ def test_engine_rejects_a_mesh_that_does_not_split_the_model():
   mc = dataclasses.replace(cfg.model, mlp_dim=100)
   with pytest.raises(ValueError, match="mlp_dim = 100 is not divisible by the tensor axis size 8"):
     engine_lib.Engine(dataclasses.replace(cfg, model=mc), helpers.mesh(8), params)
+
+
+# The apps, run as subprocesses whose weight building and checkpoint loading fail loudly: each case must stop at its
+# check, before any weights exist.
+_SHIM = """
+import runpy, sys
+import jaxkv.checkpoint, jaxkv.model
+def built(*args, **kwargs):
+  raise SystemExit("weights were built")
+jaxkv.model.init_params = jaxkv.checkpoint.load = built
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(cli.__file__)))
+GEN, BENCH, GATES = "jaxkv.generate", "jaxkv.bench", "jaxkv.gates"  # Each defines its flags: one per process.
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _cases(tmp) -> dict:
+  """name -> (app module, flags, the error line's text, exit status)."""
+  hf = hf_checkpoints.hf_config()
+  ckpt = hf_checkpoints.write_checkpoint(tmp / "ckpt", hf, hf_checkpoints.hf_tensors(hf), shards=2)
+  corrupt = tmp / "corrupt"
+  corrupt.mkdir()
+  (corrupt / "config.json").write_text("{not json")
+  partial = hf_checkpoints.write_checkpoint(tmp / "partial", hf, hf_checkpoints.hf_tensors(hf), shards=2)
+  os.remove(os.path.join(partial, "model-00002-of-00002.safetensors"))
+  port = _free_port()
+  return {
+      "mesh": (GEN, ["--cpu_devices=3"], "model.num_kv_heads = 8 is not divisible by the tensor axis size 3", 2),
+      "depth": (GEN, ["--kv_pipeline_depth=-1"], "kv.pipeline_depth must be >= 0, got -1", 2),
+      "max_new_tokens": (GEN, ["--max_new_tokens=-1"], "max_new_tokens must be >= 1, got -1", 2),
+      "layer_split": (GEN, ["--split_mode=layer", "--layer_split=1,0"], "layer_split values must be positive", 2),
+      "layer_split_devices": (
+          GEN,
+          ["--cpu_devices=2", "--split_mode=layer", "--layer_split=1,1,1"],
+          "layer_split has 3 values for 2 devices",
+          2,
+      ),
+      "capacity": (GEN, ["--prompt_len=200"], "prompt 0 has 200 tokens, longer than the cache capacity 128", 2),
+      "capacity_new": (GEN, ["--prompt_len=100", "--max_new_tokens=40"], "needs 139 cache rows", 2),
+      "auto_layer": (GEN, ["--kv_placement=auto", "--split_mode=layer"], "kv.placement auto plans one mesh", 2),
+      "json_out": (GEN, [f"--json_out={tmp}/missing/out.json"], f"the folder {tmp}/missing does not exist", 2),
+      "budget": (
+          GEN,
+          ["--kv_placement=auto", "--kv_device_budget_gib=1e6"],
+          "kv.device_budget_gib=1e+06 is more than the host's memory over its 4 devices",
+          2,
+      ),
+      "batch_0": (GEN, ["--batch=0"], "--batch must be >= 1, got 0", 2),
+      "batch_negative": (GEN, ["--batch=-2"], "--batch must be >= 1, got -2", 2),
+      "config_missing": (GEN, ["--config=nowhere.py"], "--config=nowhere.py: no such file", 2),
+      "flag_value": (GEN, ["--batch=x"], "flag --batch=x", 2),
+      "argument": (GEN, ["extra"], "unexpected arguments: ['extra']", 2),
+      "kv_int8": (GEN, ["--kv_dtype=int8"], "must be a multiple of 32; got head_dim 16", 2),
+      "checkpoint_corrupt": (GEN, [f"--checkpoint_dir={corrupt}"], "config.json is not valid JSON", 1),
+      "checkpoint_incomplete": (
+          GEN,
+          [f"--checkpoint_dir={partial}"],
+          "lists weight files that are missing: model-00002-of-00002.safetensors",
+          1,
+      ),
+      "checkpoint_capacity": (GEN, [f"--checkpoint_dir={ckpt}", "--prompt_len=200"], "longer than the cache", 2),
+      "processes": (
+          GEN,
+          [
+              f"--coordinator_address=127.0.0.1:{port}",
+              "--num_processes=2",
+              "--process_id=0",
+              "--distributed_timeout_s=2",
+          ],
+          f"process 1 did not join the coordinator at 127.0.0.1:{port} within 2 s",
+          1,
+      ),
+      "bench_kv_dtype": (BENCH, ["--arms=device,host_d1_int8"], "got head_dim 16", 2),
+      "bench_output": (BENCH, [f"--md_out={tmp}/missing/bench.md"], "does not exist", 2),
+      "bench_contexts": (BENCH, ["--contexts=1,x"], "--contexts must be comma-separated integers", 2),
+  }
+
+
+@pytest.fixture(scope="module")
+def app_errors(tmp_path_factory):
+  """name -> (expected text, status, the process's return code, stderr), the apps run 4 at a time."""
+  cases = _cases(tmp_path_factory.mktemp("apps"))
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+
+  def run(case):
+    module, flags_, _, _ = case
+    return subprocess.run(
+        [sys.executable, "-c", _SHIM, module, *flags_], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    procs = dict(zip(cases, pool.map(run, cases.values())))
+  return {name: (case[2], case[3], procs[name].returncode, procs[name].stderr) for name, case in cases.items()}
+
+
+def _error_lines(stderr: str) -> list[str]:
+  """stderr without absl's log lines (I1201 12:00:00.000 ...) and tqdm's."""
+  return [l for l in stderr.splitlines() if l.strip() and not (l[:1] in "IWE" and l[1:5].isdigit())]
+
+
+CASES = (
+    "mesh",
+    "depth",
+    "max_new_tokens",
+    "layer_split",
+    "layer_split_devices",
+    "capacity",
+    "capacity_new",
+    "auto_layer",
+    "json_out",
+    "budget",
+    "batch_0",
+    "batch_negative",
+    "config_missing",
+    "flag_value",
+    "argument",
+    "kv_int8",
+    "checkpoint_corrupt",
+    "checkpoint_incomplete",
+    "checkpoint_capacity",
+    "processes",
+    "bench_kv_dtype",
+    "bench_output",
+    "bench_contexts",
+)
+
+
+def test_every_case_runs(app_errors):
+  assert tuple(app_errors) == CASES
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_an_input_error_is_one_line_with_its_exit_status(app_errors, name):
+  text, status, returncode, stderr = app_errors[name]
+  lines = _error_lines(stderr)
+  assert "Traceback" not in stderr and "weights were built" not in stderr, stderr[-3000:]
+  assert lines and lines[0].startswith("python3 -m jaxkv.") or name == "processes", stderr[-3000:]
+  assert "error: " in lines[0] and text in lines[0], (text, stderr[-3000:])
+  assert len(lines) == 1 or (len(lines) == 2 and lines[1].startswith("  hint: ")), lines
+  assert returncode == status, (returncode, stderr[-3000:])
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="an accelerator may be present")
+def test_no_accelerator_with_cpu_devices_0(app_errors):
+  del app_errors  # Runs after the batch: one more process.
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  proc = subprocess.run(
+      [sys.executable, "-c", _SHIM, GEN, "--cpu_devices=0"],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
+  lines = _error_lines(proc.stderr)
+  assert proc.returncode == 2 and "--cpu_devices=0 runs on the accelerators, and JAX finds none" in lines[0], lines
+  assert len(lines) == 2 and "--cpu_devices=N" in lines[1]
+
+
+_GROUPS_CHECK = """
+import importlib, sys
+from absl import flags
+from jaxkv import cli
+app = importlib.import_module(sys.argv[1])
+groups = [h.name for holders in app.HELP_GROUPS.values() for h in holders]
+own = {f.name for m in (app.__name__, cli.__name__) for f in flags.FLAGS.get_flags_for_module(m)}
+assert len(groups) == len(set(groups)) and set(groups) == own, (sorted(own - set(groups)), groups)
+"""
+
+
+@pytest.mark.parametrize("app", [GEN, BENCH, GATES])
+def test_help_groups_hold_every_flag_of_the_app(app):
+  proc = subprocess.run(
+      [sys.executable, "-c", _GROUPS_CHECK, app], cwd=ROOT, capture_output=True, text=True, timeout=120
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_help_lists_the_app_flags_in_groups():
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  proc = subprocess.run(
+      [sys.executable, "-m", GEN, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  for line in ("model and config:", "KV cache:", "split:", "serving:", "multi-host:", "output:", "  --kv_placement"):
+    assert line in proc.stdout.splitlines(), line
+  assert "  --cpu_devices=4" in proc.stdout and "  --config=" in proc.stdout
+  assert "--logtostderr" not in proc.stdout and len(proc.stdout.splitlines()) < 120

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+
 from jaxkv import generate as generate_app
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(generate_app.__file__)))  # Holds the jaxkv package.
@@ -36,6 +37,7 @@ def test_json_shows_equal_hashes_for_device_and_host_pipelined(tmp_path):
   assert dev["config"]["kv"]["placement"] == "device" and host["config"]["kv"]["placement"] == "host"
   assert host["transport"]["depth"] == 2 and host["transport"]["h2d_bytes"] > 0 and host["transport"]["steps"]
   assert f"logits_sha256 {dev['logits_sha256']}" in out_dev and "sequence 3 (prompt 9 tokens)" in out_dev
+  assert "kv placement device, nothing streamed," in out_dev  # No depth where no ring delivers.
 
 
 def test_bad_flags_are_usage_errors(tmp_path):
@@ -71,3 +73,21 @@ def test_sequences_are_served_on_parallel_slots(tmp_path):
   for r in dev["requests"]:
     assert 1 <= r["prompt_length"] <= 20 and 3 <= len(r["tokens"]) == r["max_new_tokens"] <= 6
   assert f"transcript_sha256 {dev['transcript_sha256']}" in stdout and "request 5 (prompt" in stdout
+
+
+@pytest.mark.parametrize("sequences", [1, 8])
+def test_fewer_or_as_many_requests_as_slots_report_no_reuse(tmp_path, sequences):
+  stdout, out = _generate(tmp_path, "few", f"--sequences={sequences}", "--parallel=8", "--max_new_tokens=4")
+  assert len(out["requests"]) == sequences and out["transport"]["insertions"] == 0
+  assert out["transport"]["epochs"] == 1 and {r["epoch"] for r in out["requests"]} == {0}
+  assert "0 slot reuses, 1 epochs" in stdout
+
+
+def test_kv_int8_runs_with_a_checkpoint_whose_head_dim_allows_it(tmp_path):
+  import hf_checkpoints  # pylint: disable=g-import-not-at-top
+
+  hf = hf_checkpoints.hf_config(head_dim=32)  # The default config's model (head_dim 16) is replaced.
+  path = hf_checkpoints.write_checkpoint(tmp_path / "ckpt", hf, hf_checkpoints.hf_tensors(hf))
+  _, out = _generate(tmp_path, "int8", f"--checkpoint_dir={path}", "--kv_dtype=int8", "--max_new_tokens=3")
+  assert out["model"]["head_dim"] == 32 and out["config"]["kv"]["dtype"] == "int8"
+  assert [len(t) for t in out["tokens"]] == [3] * 4

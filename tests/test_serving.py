@@ -7,6 +7,7 @@ import helpers
 import numpy as np
 import pytest
 
+from jaxkv import generate as generate_app
 from jaxkv import serving
 from jaxkv.config import SamplingConfig
 
@@ -76,13 +77,37 @@ def test_eos_frees_the_slot_early():
     assert b.tokens == a.tokens[:cut]
 
 
+def test_a_request_that_cannot_run_is_rejected_alone():
+  eng = helpers.engine(1)
+  reqs = [serving.Request((1, 2), 3), serving.Request((), 2), serving.Request((1,) * 120, 20), serving.Request((3,), 2)]
+  out = serving.Server(eng, 2).serve(reqs)
+  assert [r.error is None for r in out.results] == [True, False, False, True]
+  assert out.results[1].error == "its prompt is empty" and out.results[1].tokens == [] and out.results[1].slot == -1
+  assert "needs 139 cache rows, more than the capacity 128" in out.results[2].error
+  alone = serving.Server(eng, 2).serve([reqs[0], reqs[3]]).results
+  assert [r.tokens for r in alone] == [out.results[0].tokens, out.results[3].tokens]
+  assert [len(r.tokens) for r in alone] == [3, 2]
+
+
 def test_bad_requests_are_clear_errors():
   server = serving.Server(helpers.engine(1), 2)
   with pytest.raises(ValueError, match="no requests"):
     server.serve([])
-  with pytest.raises(ValueError, match="request 1: prompt 0 is empty"):
-    server.serve([serving.Request((1, 2), 2), serving.Request((), 2)])
-  with pytest.raises(ValueError, match="request 0: .*capacity"):
+  with pytest.raises(ValueError, match="every request was rejected; request 0: .*capacity"):
     server.serve([serving.Request((1,) * 120, 20)])
   with pytest.raises(ValueError, match="parallel must be >= 1"):
     serving.Server(helpers.engine(1), 0)
+
+
+def test_every_serving_run_has_the_fields_its_report_prints(served):
+  reqs = requests()
+  runs = {
+      "reuse": (served, None),
+      "one on 8 slots": (serving.Server(helpers.engine(2), 8).serve(reqs[:1]), 0),
+      "as many as slots": (serving.Server(helpers.engine(2, placement="host", depth=1), 4).serve(reqs[:4]), 0),
+  }
+  for name, (res, reuses) in runs.items():
+    line = generate_app.served_summary(res.transport, res.timing)
+    assert set(serving.TOTALS) <= res.transport.keys(), name
+    if reuses is not None:
+      assert res.transport["insertions"] == reuses and f"{reuses} slot reuses" in line, (name, line)
