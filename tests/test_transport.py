@@ -15,7 +15,17 @@ BLOCK = 8
 # Prompt lengths at the block boundaries: 1, block - 1, block, block + 1 (and one past two blocks).
 LENGTHS = (1, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 3)
 NEW = 14  # Crosses a block boundary for every sequence: the open page is flushed into the window.
-MODES = [("device", 1), ("host", 0), ("host", 1), ("host", 2), ("host", 4)]
+# (placement, depth, kv.group_layers, the depth it runs at). The tiny model's layers are small: automatic groups
+# (0) put all 6 in one call, which caps the depth at 0; group_layers 1 is one call per layer.
+MODES = [
+    ("device", 1, 0, 1),
+    ("device", 1, 1, 1),
+    ("host", 0, 1, 0),
+    ("host", 1, 2, 1),
+    ("host", 2, 1, 2),
+    ("host", 4, 1, 4),
+    ("host", 2, 0, 0),
+]
 SAMPLINGS = {
     "greedy": config_lib.SamplingConfig(),
     "seeded": config_lib.SamplingConfig(temperature=0.8, top_k=50, top_p=0.95),
@@ -24,19 +34,27 @@ SAMPLINGS = {
 
 def _check_every_mode_is_bitwise_identical(tensor, sampling, kv_dtype="model", cfg=None):
   results = {}
-  for placement, depth in MODES:
+  for mode in MODES:
+    placement, depth, group_layers, _ = mode
     eng = helpers.engine(
-        tensor, placement=placement, depth=depth, sampling=SAMPLINGS[sampling], kv_dtype=kv_dtype, cfg=cfg
+        tensor,
+        placement=placement,
+        depth=depth,
+        sampling=SAMPLINGS[sampling],
+        kv_dtype=kv_dtype,
+        group_layers=group_layers,
+        cfg=cfg,
     )
-    results[placement, depth] = eng.generate(helpers.prompts(LENGTHS), NEW, seed=7, keep_logits=True)
-  ref = results["device", 1]
+    results[mode] = eng.generate(helpers.prompts(LENGTHS), NEW, seed=7, keep_logits=True)
+  ref = results[MODES[0]]
   assert ref.transport["h2d_bytes"] == 0
   for mode, res in results.items():
     assert res.tokens == ref.tokens, mode
     np.testing.assert_array_equal(res.logits, ref.logits, err_msg=str(mode))
     assert (res.tokens_sha256, res.logits_sha256) == (ref.tokens_sha256, ref.logits_sha256)
+    assert len(res.transport["decode_groups"]) == 6 // (mode[2] or 6)
     if mode[0] == "host":
-      assert res.transport["depth"] == mode[1]
+      assert res.transport["depth"] == mode[3]
       assert res.transport["h2d_bytes"] > 0 and res.transport["d2h_bytes"] > 0
 
 
