@@ -54,21 +54,22 @@ def markdown(out: dict) -> str:
       "peak put above and the transfer-only steps' rates (one device's link)",
       "",
       "| context | batch | arm | KV MiB/step/device | tok/s | ms/step | spread ms (min–max) | gain vs ordered "
-      "| overlap ratio | link efficiency | ring MiB/device | peak device MiB (process) |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "| overlap ratio | link efficiency | ring MiB/device | peak device MiB (process) | dispatches/step |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for cell in out["cells"]:
     for name, a in cell["arms"].items():
       head = f"| {cell['context']} | {cell['batch']} | {name} | {_mib(a.get('kv_bytes_per_step_per_device'))} |"
       if a["status"] != "ok":
-        lines.append(f"{head} skipped: {a['reason']} | | | | | | | |")
+        lines.append(f"{head} skipped: {a['reason']} | | | | | | | | |")
         continue
       ms = a["ms_per_step"]
       lines.append(
           f"{head} {a['tok_s']['median']:.2f} | {ms['median']:.2f} | {ms['min']:.2f}–{ms['max']:.2f} | "
           f"{_num(a['gain_vs_ordered'], '.2f')} | {_num(a['overlap_ratio'], '.3f')} | "
           f"{_num(a['link_efficiency'], '.2f')} | {_mib(a['ring_bytes_per_device_configured'])} | "
-          f"{_mib(a['device_peak_bytes_in_use_process'])} |"
+          f"{_mib(a['device_peak_bytes_in_use_process'])} | "
+          f"{_num(a.get('transport', {}).get('dispatches_per_step'), '.1f')} |"
       )
   auto = [(c, n, a) for c in out["cells"] for n, a in c["arms"].items() if a.get("predicted_ms_per_step")]
   if auto:

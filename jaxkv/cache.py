@@ -119,7 +119,8 @@ class KVCache:
     if kv.placement == "auto":
       layer = self.row_bytes(mesh_lib.tensor_size(mesh)) * self.rows_bound()
       free = residency.free_device_bytes(mesh.local_devices)
-      ring = (kv.pipeline_depth + 2) * layer
+      group = residency.streamed_group_layers(kv.group_layers, kv.host_attention, layer)
+      ring = residency.ring_bytes(kv.pipeline_depth, min(group, model.num_layers) * layer)
       budget, source = residency.device_budget(free, kv.device_budget_gib, ring, layer, kv.headroom_mib)
       self.plan = residency.plan(model.num_layers, layer, budget, source)
       self.streamed = self.plan.streamed
@@ -135,6 +136,9 @@ class KVCache:
     self._hand_backs: dict[jax.sharding.Sharding, host_attention.HandBack] = {}
     self.device_wait = False  # With host attention: the devices wait for the host's partials (jaxkv.host_wait).
     self.host_pending: collections.deque = collections.deque()  # The kernel's futures not yet collected (engine).
+    # Jitted calls and transfers the host has issued for this cache (the engine's, the transport's deliveries and
+    # the stores below), read and reset by jaxkv.transport.Transport.take_counters.
+    self.dispatches = 0
     if kv.host_attention and any(self.streamed):
       self.host_threads = host_attention.engine_threads(kv.host_attention_threads)
       self.host_split = host_split_lib.split(
@@ -193,7 +197,24 @@ class KVCache:
     head, tail = split_rows(window_device, r1, self.device_shardings[layer]) if r1 else (None, window_device)
     self.set_head(layer, None if head is None else distributed.move(head, self.host_shardings[layer]))
     self.windows[layer] = distributed.move(tail, self.host_shardings[layer])
+    self.dispatches += 3 if r1 else 1
     return window_device.nbytes
+
+  def store_group(self, layers: tuple[int, ...], windows_device: list[jax.Array]) -> int:
+    """store() of several layers' windows (device arrays); without host attention the streamed ones move in one
+    transfer call. Returns bytes moved D2H."""
+    if self.host_split is not None:
+      return sum(self.store(l, w) for l, w in zip(layers, windows_device))
+    moved = [i for i, l in enumerate(layers) if self.streamed[l]]
+    for i, l in enumerate(layers):
+      self.windows[l] = windows_device[i]
+    if not moved:
+      return 0
+    hosts = distributed.move_many([windows_device[i] for i in moved], [self.host_shardings[layers[i]] for i in moved])
+    for i, w in zip(moved, hosts):
+      self.windows[layers[i]] = w
+    self.dispatches += 1
+    return sum(windows_device[i].nbytes for i in moved)
 
   def split_row(self, rows: int) -> int:
     """r1 for a window of `rows` rows: floor(f rows / P) P (0 with host attention off)."""
@@ -223,6 +244,7 @@ class KVCache:
     if self.heads[layer] is None:
       return tail
     head = distributed.move(self.heads[layer], self.device_shardings[layer])
+    self.dispatches += 2
     return _grow_fn(self.device_shardings[layer])(head, tail)
 
   def store_tail(self, layer: int, tail: jax.Array) -> int:
@@ -231,6 +253,7 @@ class KVCache:
     r1 = self.head_rows(layer)
     if self.split_row(r1 + tail.shape[3]) == r1:
       self.windows[layer] = distributed.move(tail, self.host_shardings[layer])
+      self.dispatches += 1
       return tail.nbytes
     return self.store(layer, self.full_window(layer, tail))
 

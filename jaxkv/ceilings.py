@@ -81,22 +81,24 @@ def host_cache_filled(config: Config, mesh: jax.sharding.Mesh, batch: int, rows:
 def transfer_only_ms(transport: Transport, passes: int) -> float:
   """ms per pass of `passes` back-to-back passes whose compute waits for nothing but the deliveries.
 
-  Deliveries run into the next pass as in decode. compute(l) waits for the delivery of layer l - depth - 1, so at
-  most 2 depth + 2 deliveries are alive: the depth + 1 held here and the feeder's depth + 1 slots (decode, whose
-  dispatch of layer l waits for window l, keeps depth + 1 in flight). Without that wait the feeder issued every pass
+  Deliveries (one per group of layers, jaxkv.transport.decode_groups) run into the next pass as in decode. compute(g)
+  waits for the delivery of group g - depth - 1, so at most 2 depth + 2 deliveries are alive: the depth + 1 held here
+  and the feeder's depth + 1 slots (decode, whose dispatch of group g waits for its windows, keeps depth + 1 in
+  flight). Without that wait the feeder issued every pass
   at once, and on the H200 the clock read passes at 66 GB/s, over the link's peak, alternating with slow ones. The
   clock stops when every delivery has landed.
   """
   held = collections.deque()
 
-  def compute(l, window):
-    held.append(window)
+  def compute(layers, windows):
+    del layers
+    held.append(windows)
     if len(held) > transport.depth + 1:
       jax.block_until_ready(held.popleft())
 
   t0 = time.perf_counter()
   for i in range(passes):
-    transport.run_pass(compute, next_pass=i < passes - 1)
+    transport.run_groups(compute, next_pass=i < passes - 1)
   jax.block_until_ready(list(held))
   return 1e3 * (time.perf_counter() - t0) / passes
 

@@ -100,6 +100,9 @@ class KVConfig:
     The same bits either way; on the H200 "device" took 10-28% less time a step at 32k batch 1
     (docs/kv-transport-pipelining.md). "auto" (the default): "device" where it was measured, one GPU in one
     process, when its op builds; "thread" elsewhere (jaxkv.cache.devices_wait).
+  group_layers: layers per decode call (jaxkv.transport.decode_groups): 0 = automatic (a run of resident layers is
+    one call; streamed layers go in groups delivering at least jaxkv.residency.GROUP_TARGET_BYTES per device, one
+    layer each with host_attention); n >= 1 = at most n layers per call (1: one call per layer).
   """
 
   placement: str = "device"
@@ -114,6 +117,7 @@ class KVConfig:
   host_attention_fraction: float = 0.0
   host_attention_threads: int = 0
   host_attention_wait: str = "auto"
+  group_layers: int = 0
 
   def __post_init__(self):
     if self.placement not in PLACEMENTS:
@@ -142,6 +146,8 @@ class KVConfig:
       raise ValueError(
           f"kv.host_attention_wait must be one of {HOST_ATTENTION_WAITS}, got {self.host_attention_wait!r}"
       )
+    if self.group_layers < 0:
+      raise ValueError(f"kv.group_layers must be >= 0 (0 = automatic), got {self.group_layers}")
     if self.host_attention and self.placement == "device":
       raise ValueError("kv.host_attention needs kv.placement host or auto (the host attends rows it holds)")
 

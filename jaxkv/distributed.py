@@ -16,6 +16,7 @@ import functools
 import os
 import sys
 import threading
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -81,11 +82,23 @@ def _not_joined(args: dict, timeout_s: int) -> None:
 def move(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
   """x copied into `sharding`, which differs from x's sharding only in its memory kind: each process copies the
   shards on its own devices, eagerly."""
-  if x.is_fully_addressable:
-    return jax.device_put(x, sharding)
-  shards = x.addressable_shards
-  moved = jax.device_put([s.data for s in shards], [_single(s.device, sharding.memory_kind) for s in shards])
-  return jax.make_array_from_single_device_arrays(x.shape, sharding, moved)
+  return move_many([x], [sharding])[0]
+
+
+def move_many(xs: Sequence[jax.Array], shardings: Sequence[jax.sharding.Sharding]) -> list[jax.Array]:
+  """move() of several arrays, issued as one `jax.device_put` of their list (one call into the runtime)."""
+  if all(x.is_fully_addressable for x in xs):
+    return jax.device_put(list(xs), list(shardings))
+  shards = [x.addressable_shards for x in xs]
+  moved = jax.device_put(
+      [s.data for ss in shards for s in ss],
+      [_single(s.device, sh.memory_kind) for ss, sh in zip(shards, shardings) for s in ss],
+  )
+  out, i = [], 0
+  for x, sh, ss in zip(xs, shardings, shards):
+    out.append(jax.make_array_from_single_device_arrays(x.shape, sh, moved[i : i + len(ss)]))
+    i += len(ss)
+  return out
 
 
 @functools.lru_cache(maxsize=None)

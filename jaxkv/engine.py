@@ -3,7 +3,9 @@
 Prompts are right-aligned in the cache (left padding), so every sequence writes its next row at the same
 row `end` and one `dynamic_update_slice` serves the whole batch. Prefill runs in chunks of
 `engine.prefill_chunk` rows; decode produces one token per sequence per step. Each layer is ONE jitted
-function, shared by every delivery mode: only where its KV window comes from changes (jaxkv.transport).
+function, shared by every delivery mode: only where its KV window comes from changes (jaxkv.transport). Decode
+runs consecutive layers as one call (a group, jaxkv.transport.decode_groups) in which each layer is that same
+computation, fenced off from its neighbours, so the grouping changes the host's dispatches and not the bits.
 
 Per-pass metadata meta i32[B + 3] = start[B], end, step, seed: one explicit host->device transfer per prefill
 chunk; during decode the head computes the next step's meta on the device.
@@ -66,7 +68,8 @@ class GenerateResult:
 @dataclasses.dataclass(frozen=True)
 class _Fns:
   prefill: object
-  decode: object
+  decode_group: object  # (ps, x, windows, opens, meta) -> x, opens.
+  decode_group_full: object  # The same when the open pages fill: -> x, grown windows, zero open pages.
   flush: object
   grow: object
   split: object
@@ -128,6 +131,21 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
   def decode(p, x, window, open_page, meta):
     return model.decode_layer(p, x, window, open_page, meta[:-3], meta[-3], cfg=cfg, kv_format=fmt)
 
+  def decode_group(ps, x, windows, opens, meta, full=False):
+    """Consecutive layers (weights ps, windows [2, B, K, W, E] or None, open pages [2, B, K, P, E]) in one call.
+    Each layer is `decode` between optimization barriers on its inputs and outputs, so that no fusion or common
+    subexpression crosses a layer boundary: a layer compiles to the same computation in a group of any size, and
+    the bits do not depend on the grouping. full (the open pages fill at this step): also grows each window by its
+    open page and returns x, the grown windows and fresh zero open pages; else x and the open pages."""
+    out = []
+    for p, window, open_page in zip(ps, windows, opens):
+      x, window, open_page = jax.lax.optimization_barrier((x, window, open_page))
+      x, open_page = jax.lax.optimization_barrier(decode(p, x, window, open_page, meta))
+      out.append(cache_lib.grow(window, open_page) if full else open_page)
+    if full:
+      return x, out, [jnp.zeros_like(o) for o in opens]
+    return x, out
+
   def tail_partial(q, tail, open_page, meta):
     return model.decode_tail_partial(q, tail, open_page, meta[:-3], meta[-3], kv_format=fmt)
 
@@ -166,7 +184,10 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
 
   return _Fns(
       prefill=jax.jit(prefill, out_shardings=(rep, kv)),
-      decode=jax.jit(decode, out_shardings=(rep, kv), donate_argnums=(3,)),
+      decode_group=jax.jit(decode_group, out_shardings=(rep, kv), donate_argnums=(3,)),
+      decode_group_full=jax.jit(
+          functools.partial(decode_group, full=True), out_shardings=(rep, kv, kv), donate_argnums=(3,)
+      ),
       flush=jax.jit(flush, out_shardings=kv, donate_argnums=(1,)),
       grow=jax.jit(cache_lib.grow, out_shardings=kv),
       split=jax.jit(cache_lib.split_prefilled, static_argnames=("w_rows", "block"), out_shardings=kv),
@@ -343,27 +364,39 @@ class Engine:
     block, layers, stage_of = self.config.kv.block, self.params["layers"], self.layout.stage_of
     full = end - cache.rows == block - 1
     metas = self.to_stages(meta)
+    cache.dispatches += len(metas) - 1
     split = cache.host_split is not None
     if split:
       cache.host_times["steps"] += 1
     d2h = 0
     held = None  # The last split layer's merge, not dispatched yet.
 
-    def compute(l, window):
+    def compute(group, windows):
       nonlocal x, d2h, held
-      shapes.add(("decode", 0 if window is None else window.shape[3]))
-      fns = self.layer_fns(l)
-      if split and cache.head_rows(l):  # No head rows yet (short window, resident layer): the plain layer.
-        x, held = self._decode_split(cache, l, fns, x, held, window, metas[stage_of[l]], start)
-      else:
-        x, held = self._merge_held(cache, held, x), None
-        x, cache.opens[l] = fns.decode(layers[l], self.to_layer(x, l), window, cache.opens[l], metas[stage_of[l]])
+      shapes.add(("decode", 0 if windows[0] is None else windows[0].shape[3]))
+      fns, first, meta_s = self.layer_fns(group[0]), group[0], metas[stage_of[group[0]]]
+      if split and cache.head_rows(first):  # A streamed layer (alone with host attention) with head rows.
+        x, held = self._decode_split(cache, first, fns, x, held, windows[0], meta_s, start)
+        if full:
+          grown, cache.opens[first] = fns.flush(windows[0], cache.opens[first])
+          cache.dispatches += 1
+          d2h += cache.store_tail(first, grown)
+        return
+      x, held = self._merge_held(cache, held, x), None
+      moved = self.to_layer(x, first)
+      cache.dispatches += (moved is not x) + 1
+      args = ([layers[l] for l in group], moved, windows, [cache.opens[l] for l in group], meta_s)
       if full:
-        grown, cache.opens[l] = fns.flush(window, cache.opens[l])
-        d2h += cache.store_tail(l, grown) if split and cache.streamed[l] else cache.store(l, grown)
+        x, grown, opens = fns.decode_group_full(*args)
+      else:
+        x, opens = fns.decode_group(*args)
+      for l, open_page in zip(group, opens):
+        cache.opens[l] = open_page
+      if full:
+        d2h += cache.store_group(group, grown)
 
     with self._kernels_collected(cache, wait=not run_ahead):
-      transport.run_pass(compute, next_pass=next_pass)
+      transport.run_groups(compute, next_pass=next_pass)
       x = self._merge_held(cache, held, x)
     if full:
       cache.rows += block
@@ -389,8 +422,9 @@ class Engine:
     the caller says (decode_pass)."""
     if held is not None and held.fns is not fns:  # Held on another stage: merged there first.
       x, held = self._merge_held(cache, held, x), None
-    x = self.to_layer(x, l)
-    p = self.params["layers"][l]
+    moved = self.to_layer(x, l)
+    cache.dispatches += (moved is not x) + 2  # The query's call (with the held merge) and the tail's.
+    x, p = moved, self.params["layers"][l]
     hand_back = cache.hand_back(fns.pinned_heads)
     times, t0 = cache.host_times, time.perf_counter()
     # The held merge reads the hand-back array before this query, hence before the worker writes it again (with
@@ -432,6 +466,7 @@ class Engine:
     host_part, slot = _hand_back_args(held.hand_back)
     x = held.fns.merge(held.p, x, held.o, held.lse, host_part, slot=slot)
     cache.host_times["merge"] += time.perf_counter() - t0
+    cache.dispatches += 1
     return x
 
   @classmethod
@@ -553,6 +588,7 @@ class Engine:
         lg, tok, x, meta = fns.head(self.top_last, x, meta)
         lg.copy_to_host_async()
         tok.copy_to_host_async()
+        cache.dispatches += 3
         rec.counters("decode", transport, d2h, cache.rows)
         pending.append((t, lg, tok))
         if len(pending) > _LAG and self._take(rec, pending.popleft(), on_step, cache):
@@ -616,6 +652,8 @@ class _Recorder:
         d2h_bytes=0,
         ring_high_water_bytes_per_device=0,
         steps_read=0,
+        decode_dispatches=0,
+        decode_passes=0,
         h2d_bytes_by_device=collections.Counter(),
         ring_high_water_bytes_by_device={},
     )
@@ -629,6 +667,9 @@ class _Recorder:
         self.total["ring_high_water_bytes_per_device"], c["ring_high_water_bytes_per_device"]
     )
     add_by_device(self.total, c)
+    if kind == "decode":
+      self.total["decode_dispatches"] += c["dispatches"]
+      self.total["decode_passes"] += 1
     if self.debug >= 1:
       now = time.perf_counter()
       self.steps.append(dict(kind=kind, window_rows=rows, d2h_bytes=d2h, host_ms=1e3 * (now - self.t_last), **c))
@@ -654,7 +695,10 @@ class _Recorder:
     return bool(self.done.all())
 
   def totals(self):
-    return dict(self.total, h2d_bytes_by_device=dict(self.total["h2d_bytes_by_device"]))
+    """The totals, with dispatches_per_step: the host's jitted calls and transfers per decode step (mean; the
+    pass, its deliveries, the head and the copies of its tokens and logits to the host)."""
+    per_step = self.total["decode_dispatches"] / max(self.total["decode_passes"], 1)
+    return dict(self.total, h2d_bytes_by_device=dict(self.total["h2d_bytes_by_device"]), dispatches_per_step=per_step)
 
   def result(self, telemetry, timing) -> GenerateResult:
     return GenerateResult(

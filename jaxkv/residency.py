@@ -9,7 +9,7 @@ deliveries, or a device-side concatenation that copies the resident rows through
 layers a layer is 1-3% of the KV, fine enough.
 
 Budget (per device, at the cache's full capacity): free memory of the fullest device when the cache is
-allocated (after the weights), minus the delivery ring (depth + 2 windows), minus a workspace for a layer's
+allocated (after the weights), minus the delivery ring (`ring_bytes`: depth + 2 groups of streamed layers), minus a workspace for a layer's
 temporaries (the unpacked and grown window, two windows; the prefill scores, WORKSPACE_SCORE_BLOCKS x
 jaxkv.model.SCORE_BUDGET_BYTES), minus kv.headroom_mib. kv.device_budget_gib replaces the automatic figure
 (and lets tests and benchmarks emulate a smaller device); it may not exceed the free memory where that is
@@ -32,6 +32,25 @@ from absl import logging
 from jaxkv import model
 
 WORKSPACE_SCORE_BLOCKS = 3  # f32 scores, their softmax weights and one spare, of the prefill's query blocks.
+GROUP_TARGET_BYTES = 64 * 2**20  # Per device: the least a group of streamed layers delivers (kv.group_layers 0).
+RING_SPARE = 2  # Ring slots beyond the depth: the delivery being computed and the previous one (jaxkv.transport).
+
+
+def streamed_group_layers(group_layers: int, host_attention: bool, layer_bytes: int) -> int:
+  """Streamed layers per decode call (jaxkv.transport.decode_groups), before cutting to a run's length: 1 with host
+  attention (its layers keep their own calls), else kv.group_layers when set, else enough layers to deliver
+  GROUP_TARGET_BYTES per device (layer_bytes: one layer's window per device), so that the ~0.1-0.2 ms of host time
+  a call costs is small beside its delivery's transfer."""
+  if host_attention:
+    return 1
+  if group_layers:
+    return group_layers
+  return max(1, -(-GROUP_TARGET_BYTES // max(layer_bytes, 1)))
+
+
+def ring_bytes(depth: int, slot_bytes: int) -> int:
+  """The delivery ring per device: depth + RING_SPARE slots of `slot_bytes` (a group's windows)."""
+  return (depth + RING_SPARE) * slot_bytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,25 +1,26 @@
-"""Delivery of each layer's KV window to the devices: ordered (depth 0) or pipelined (depth D >= 1).
+"""Delivery of the layers' KV windows to the devices: ordered (depth 0) or pipelined (depth D >= 1), in groups.
 
-A pass is one run over all layers (a prefill chunk or a decode step). With placement "host", a feeder thread
-issues the deliveries, in layer order: an eager `jax.device_put` of a layer's window from pinned host memory
-to the devices, each device receiving only its own heads. The main thread takes them in the same order and
-dispatches each layer's compute. The feeder keeps at most D + 1 deliveries whose compute has not been
-dispatched yet: the delivery of layer l + D is issued as soon as layer l - 1 has been dispatched, normally
-before layer l is. Issued before the compute it must overlap, the copy runs beside it (docs/design.md says why the
-order of issue matters and why a thread: a dispatch that consumes a delivery still in flight blocks the
-host, so issuing from the dispatching thread would cost it that wait).
+A pass is one run over all layers (a prefill chunk or a decode step), in groups of consecutive layers
+(`decode_groups`): decode runs each group as ONE jitted call (jaxkv.engine), and the transport delivers each group of
+streamed layers as one transfer (a `jax.device_put` of the group's list of windows). With placement "host", a
+feeder thread issues the deliveries, in layer order, each device receiving only its own heads. The main thread
+takes them in the same order and dispatches each group's compute. The feeder keeps at most D + 1 deliveries
+whose compute has not been dispatched yet: the delivery of group g + D is issued as soon as group g - 1 has been
+dispatched, normally before group g is. Issued before the compute it must overlap, the copy runs beside it
+(docs/design.md says why the order of issue matters and why a thread: a dispatch that consumes a delivery still in
+flight blocks the host, so issuing from the dispatching thread would cost it that wait).
 
-Deliveries past the last layer belong to the next pass; they are queued only when the caller says one
-follows. Their rows are final by then: layer j of the next pass is issued only after layer j of this pass
-has been computed and stored (the depth is capped at the number of streamed layers - 1).
+Deliveries past the last group belong to the next pass; they are queued only when the caller says one
+follows. Their rows are final by then: group j of the next pass is issued only after group j of this pass
+has been computed and stored (the depth is capped at the number of streamed groups - 1).
 
-The ring: the D + 1 deliveries held by the feeder's slots plus the previous one, whose compute may still
-run: at most D + 2 windows alive per device. A consumed delivery is dropped right after its compute is
-dispatched; the runtime frees it when that compute ends. Depth 0 is ordered: layer l's copy is issued only
-after layer l - 1 was dispatched, so the copy stream waits for that compute.
+The ring, counted in groups: the D + 1 deliveries held by the feeder's slots plus the previous one, whose compute
+may still run: at most D + 2 groups' windows alive per device (jaxkv.residency.ring_bytes). A consumed delivery is
+dropped right after its compute is dispatched; the runtime frees it when that compute ends. Depth 0 is ordered:
+group g's copy is issued only after group g - 1 was dispatched, so the copy stream waits for that compute.
 
 Resident layers (placement "device", or those the residency planner keeps on the devices with "auto") are
-handed their windows as they are: nothing moves for them, and the feeder delivers only the streamed layers.
+handed their windows as they are: nothing moves for them, and the feeder delivers only the streamed groups.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv.cache import KVCache
+from jaxkv.config import KVConfig
 
 
 @dataclasses.dataclass
@@ -49,15 +51,15 @@ class DepthChoice:
 
 
 def choose_depth(
-    requested: int, streamed_layers: int, slot_bytes: int, budget_mib: int, headroom_mib: int, free_bytes: int | None
+    requested: int, streamed_groups: int, slot_bytes: int, budget_mib: int, headroom_mib: int, free_bytes: int | None
 ) -> DepthChoice:
-  """Largest depth <= requested whose ring (depth + 2 slots of `slot_bytes` per device) fits both the budget
-  (budget_mib, 0 = none) and the free memory of the fullest device minus the headroom."""
+  """Largest depth <= requested whose ring (depth + 2 slots of `slot_bytes` per device: a group's windows) fits both
+  the budget (budget_mib, 0 = none) and the free memory of the fullest device minus the headroom."""
   reasons = []
   depth = requested
-  if depth > streamed_layers - 1:
-    depth = max(streamed_layers - 1, 0)
-    reasons.append(f"depth {requested} capped at streamed layers - 1 = {depth}")
+  if depth > streamed_groups - 1:
+    depth = max(streamed_groups - 1, 0)
+    reasons.append(f"depth {requested} capped at streamed groups - 1 = {depth}")
   limits = []
   if budget_mib and slot_bytes:
     limits.append((budget_mib * 2**20, f"--kv_pipeline_budget_mib={budget_mib}"))
@@ -69,19 +71,40 @@ def choose_depth(
         )
     )
   for cap, what in limits:
-    fit = cap // slot_bytes - 2 if slot_bytes else depth
+    fit = cap // slot_bytes - residency.RING_SPARE if slot_bytes else depth
     if fit < depth:
       new = max(fit, 0)
       note = "" if fit >= 0 else " (even ordered does not fit: expect an out-of-memory error)"
       reasons.append(
-          f"ring of depth {depth} needs {(depth + 2) * slot_bytes / 2**20:.1f} MiB per device, "
+          f"ring of depth {depth} needs {residency.ring_bytes(depth, slot_bytes) / 2**20:.1f} MiB per device, "
           f"over {what}: using depth {new}{note}; raise the limit to keep depth {depth}"
       )
       depth = new
   reason = "; ".join(reasons) or None
   if reason and depth < requested:
     logging.warning("kv pipeline: %s", reason)
-  return DepthChoice(requested, depth, depth + 2, slot_bytes, reason)
+  return DepthChoice(requested, depth, depth + residency.RING_SPARE, slot_bytes, reason)
+
+
+def decode_groups(
+    streamed: tuple[bool, ...], stage_of: tuple[int, ...], kv: KVConfig, layer_bytes: int
+) -> tuple[tuple[int, ...], ...]:
+  """The layers of a pass in groups of consecutive layers, each one decode call and, when streamed, one delivery:
+  the runs of layers that share a stage and a residency, a resident run whole and a streamed run cut into groups of
+  jaxkv.residency.streamed_group_layers layers (layer_bytes: one layer's window per device); kv.group_layers >= 1
+  caps every group."""
+  per_group = residency.streamed_group_layers(kv.group_layers, kv.host_attention, layer_bytes)
+  runs: list[list[int]] = []
+  for l, s in enumerate(streamed):
+    if runs and s == streamed[runs[-1][0]] and stage_of[l] == stage_of[runs[-1][0]]:
+      runs[-1].append(l)
+    else:
+      runs.append([l])
+  groups = []
+  for run in runs:
+    size = per_group if streamed[run[0]] else kv.group_layers or len(run)
+    groups += [tuple(run[i : i + size]) for i in range(0, len(run), size)]
+  return tuple(groups)
 
 
 _BARRIER = -1  # Feeder job: acknowledge that every earlier job has been issued.
@@ -89,23 +112,25 @@ _STOP = -2
 
 
 class Transport:
-  """Delivers layer windows of a `KVCache` to the devices, `depth` layers ahead. Call close() when done."""
+  """Delivers the layer windows of a `KVCache` to the devices in groups (`groups`), `depth` groups ahead. Call close()
+  when done."""
 
   def __init__(self, cache: KVCache, depth: int, debug: int = 0):
     self.cache, self.debug = cache, debug
     self.num_layers = cache.model.num_layers
-    self.order = [l for l in range(self.num_layers) if cache.streamed[l]]  # The layers delivered, in order.
-    self.streamed = bool(self.order)
-    t = mesh_lib.tensor_size(cache.mesh)
-    slot = cache.row_bytes(t) * cache.rows_bound() if self.streamed else 0  # Resident: no ring.
-    devices = cache.layout.devices() if cache.layout else list(cache.mesh.devices.flat)
-    local = [d for d in devices if d.process_index == jax.process_index()]
-    free = residency.free_device_bytes(local) if self.streamed else None
-    streamed_layers = len(self.order) if self.streamed else self.num_layers  # Nothing streamed: nothing to cap.
-    self.choice = choose_depth(depth, streamed_layers, slot, cache.kv.budget_mib, cache.kv.headroom_mib, free)
-    self.depth = self.choice.depth
     lay = cache.layout
     self._stage_of = lay.stage_of if lay else (0,) * self.num_layers
+    layer_slot = cache.row_bytes(mesh_lib.tensor_size(cache.mesh)) * cache.rows_bound()
+    self.groups = decode_groups(cache.streamed, self._stage_of, cache.kv, layer_slot)
+    self.order = [g for g, layers in enumerate(self.groups) if cache.streamed[layers[0]]]  # Delivered, in order.
+    self.streamed = bool(self.order)
+    slot = max((len(self.groups[g]) for g in self.order), default=0) * layer_slot  # Resident: no ring.
+    devices = lay.devices() if lay else list(cache.mesh.devices.flat)
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    free = residency.free_device_bytes(local) if self.streamed else None
+    streamed_groups = len(self.order) if self.streamed else self.num_layers  # Nothing streamed: nothing to cap.
+    self.choice = choose_depth(depth, streamed_groups, slot, cache.kv.budget_mib, cache.kv.headroom_mib, free)
+    self.depth = self.choice.depth
     self._stage_devices = [list(m.devices.flat) for m in lay.meshes] if lay else [list(cache.mesh.devices.flat)]
     stages = len(self._stage_devices)
     self._queued_next = False  # The next pass's jobs are already queued.
@@ -115,7 +140,7 @@ class Transport:
     self._held = [0] * stages  # Deliveries holding a slot.
     self._previous = [0] * stages  # The delivery consumed last (its compute may still run).
     self._high_water = [0] * stages
-    self.layer_times: list[tuple[int, float, float]] = []  # (layer, issue, ready) at debug >= 2.
+    self.layer_times: list[tuple[int, float, float]] = []  # (group's first layer, issue, ready) at debug >= 2.
     self._error: BaseException | None = None
     if self.streamed:
       self._slots = threading.Semaphore(self.depth + 1)
@@ -125,63 +150,81 @@ class Transport:
       self._feeder.start()
 
   def _feed(self) -> None:
-    """Feeder thread: issues the queued layers' deliveries, one slot each."""
+    """Feeder thread: issues the queued groups' deliveries, one slot each: (group, its windows on the devices, bytes,
+    transfer calls, issue time)."""
     while True:
-      layer = self._jobs.get()
-      if layer == _STOP:
+      group = self._jobs.get()
+      if group == _STOP:
         return
-      if layer == _BARRIER:
-        self._ready.put((_BARRIER, None, 0, 0.0))
+      if group == _BARRIER:
+        self._ready.put((_BARRIER, None, 0, 0, 0.0))
         continue
       self._slots.acquire()
+      layers = self.groups[group]
+      windows, nbytes, calls = [None] * len(layers), 0, 0
       try:
-        window = self.cache.windows[layer]
-        nbytes = 0
-        if window is not None:
-          window = distributed.move(window, self.cache.device_shardings[layer])
-          nbytes = window.nbytes
+        held = [i for i, l in enumerate(layers) if self.cache.windows[l] is not None]
+        if held:
+          moved = distributed.move_many(
+              [self.cache.windows[layers[i]] for i in held], [self.cache.device_shardings[layers[i]] for i in held]
+          )
+          for i, w in zip(held, moved):
+            windows[i] = w
+          nbytes, calls = sum(w.nbytes for w in moved), 1
       except BaseException as e:  # Handed to the main thread, which raises it.
-        self._error, window = e, None
+        self._error = e
       with self._lock:
-        s = self._stage_of[layer]
+        s = self._stage_of[layers[0]]
         self._h2d[s] += nbytes
         self._held[s] += nbytes
         self._high_water[s] = max(self._high_water[s], self._held[s] + self._previous[s])
-      self._ready.put((layer, window, nbytes, time.perf_counter()))
+      self._ready.put((group, windows, nbytes, calls, time.perf_counter()))
 
   def run_pass(self, compute: Callable[[int, jax.Array | None], None], next_pass: bool) -> None:
-    """Calls compute(l, window_l) for every layer in order, window_l on the devices (None while empty).
+    """Calls compute(l, window_l) for every layer in order (run_groups, one layer at a time)."""
 
-    compute(l, ...) must store any change to layer l's window in the cache before it returns.
-    next_pass: a pass follows, so deliveries may run into its first layers.
+    def compute_group(layers, windows):
+      for l, w in zip(layers, windows):
+        compute(l, w)
+
+    self.run_groups(compute_group, next_pass)
+
+  def run_groups(self, compute: Callable[[tuple[int, ...], list[jax.Array | None]], None], next_pass: bool) -> None:
+    """Calls compute(layers, windows) for every group in order, windows[i] = layers[i]'s window on the devices
+    (None while empty).
+
+    compute(layers, ...) must store any change to its layers' windows in the cache before it returns. The delivery's
+    transfer calls are added to cache.dispatches.
+    next_pass: a pass follows, so deliveries may run into its first groups.
     """
     if not self._queued_next:
       self._queue_pass()
-    if next_pass:  # Issued as slots free: the next pass's layer j after this pass's layer j - D - 1.
+    if next_pass:  # Issued as slots free: the next pass's group j after this pass's group j - D - 1.
       self._queue_pass()
     self._queued_next = next_pass
-    for l in range(self.num_layers):
-      if not self.cache.streamed[l]:  # Resident: its window is already on the devices.
-        compute(l, self.cache.windows[l])
+    for g, layers in enumerate(self.groups):
+      if not self.cache.streamed[layers[0]]:  # Resident: its windows are already on the devices.
+        compute(layers, [self.cache.windows[l] for l in layers])
         continue
-      layer, window, nbytes, t_issue = self._ready.get()
+      group, windows, nbytes, calls, t_issue = self._ready.get()
       if self._error is not None:
         raise RuntimeError("KV delivery failed") from self._error
-      assert layer == l, (layer, l)
-      if self.debug >= 2 and window is not None:
-        window.block_until_ready()
-        self.layer_times.append((l, t_issue, time.perf_counter()))
-      compute(l, window)
-      del window
+      assert group == g, (group, g)
+      self.cache.dispatches += calls
+      if self.debug >= 2 and nbytes:
+        jax.block_until_ready(windows)
+        self.layer_times.append((layers[0], t_issue, time.perf_counter()))
+      compute(layers, windows)
+      del windows
       with self._lock:
-        self._held[self._stage_of[l]] -= nbytes
-        self._previous[self._stage_of[l]] = nbytes
+        self._held[self._stage_of[layers[0]]] -= nbytes
+        self._previous[self._stage_of[layers[0]]] = nbytes
       self._slots.release()
 
   def _queue_pass(self) -> None:
     if self.streamed:
-      for l in self.order:
-        self._jobs.put(l)
+      for g in self.order:
+        self._jobs.put(g)
 
   def in_flight(self) -> int:
     """Deliveries issued and not yet handed to their compute."""
@@ -199,14 +242,13 @@ class Transport:
         break
     self._jobs.put(_BARRIER)
     while True:
-      layer, window, nbytes, _ = self._ready.get()
-      if layer == _BARRIER:
+      group, windows, nbytes, _, _ = self._ready.get()
+      if group == _BARRIER:
         break
-      if window is not None:
-        window.block_until_ready()
-      del window
+      jax.block_until_ready(windows)
+      del windows
       with self._lock:
-        self._held[self._stage_of[layer]] -= nbytes
+        self._held[self._stage_of[self.groups[group][0]]] -= nbytes
       self._slots.release()
     self._queued_next = False
     self._previous = [0] * len(self._previous)
@@ -219,7 +261,8 @@ class Transport:
       self._feeder.join()
 
   def take_counters(self) -> dict:
-    """Bytes delivered and the ring's high-water mark since the last call (per device), then resets."""
+    """Bytes delivered, the ring's high-water mark (per device) and the host's dispatches (cache.dispatches: jitted
+    calls and transfers) since the last call, then resets."""
     with self._lock:
       by_device = lambda per_stage: {
           str(d): b // len(devs) for b, devs in zip(per_stage, self._stage_devices) for d in devs
@@ -230,21 +273,24 @@ class Transport:
           ring_high_water_bytes_per_device=max(hw.values()),
           h2d_bytes_by_device=by_device(self._h2d),
           ring_high_water_bytes_by_device=hw,
+          dispatches=self.cache.dispatches,
       )
+      self.cache.dispatches = 0
       self._h2d = [0] * len(self._h2d)
       self._high_water = [h + p for h, p in zip(self._held, self._previous)]
     return out
 
   def layer_times_ms(self) -> list[tuple[int, float, float]]:
-    """(layer, issued, ready) in ms since the first issue (transport_debug >= 2)."""
+    """(group's first layer, issued, ready) in ms since the first issue (transport_debug >= 2)."""
     t0 = self.layer_times[0][1] if self.layer_times else 0.0
     return [(l, 1e3 * (a - t0), 1e3 * (b - t0)) for l, a, b in self.layer_times]
 
   def summary(self) -> dict:
     c = self.choice
-    ring = c.ring_slots * c.slot_bytes_per_device if self.streamed else 0
+    ring = residency.ring_bytes(c.depth, c.slot_bytes_per_device) if self.streamed else 0
     return dict(
         placement=self.cache.kv.placement,
+        decode_groups=[list(g) for g in self.groups],
         depth_requested=c.requested,
         depth=c.depth,
         ring_slots=c.ring_slots if self.streamed else 0,

@@ -55,6 +55,7 @@ def engine(
     kv_dtype="model",
     host_attention=False,
     host_attention_fraction=0.0,
+    group_layers=0,
     cfg: config_lib.Config | None = None,
 ) -> engine_lib.Engine:
   """An engine on the tiny config (or `cfg`) with these kv/engine/sampling fields; weights cached per mesh and
@@ -70,6 +71,7 @@ def engine(
       dtype=kv_dtype,
       host_attention=host_attention,
       host_attention_fraction=host_attention_fraction,
+      group_layers=group_layers,
   )
   eng = dataclasses.replace(
       cfg.engine, capacity=capacity or cfg.engine.capacity, prefill_chunk=chunk or cfg.engine.prefill_chunk

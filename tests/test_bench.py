@@ -16,7 +16,8 @@ from jaxkv import peer_hf
 from jaxkv import run as run_lib
 from jaxkv.config import SplitConfig, from_config_dict
 
-ARMS = ("device", "host_d0", "host_d1", "host_d2", "host_d4", "host_d2_int8", "host_d1_ha")
+# host_d4_g1: one decode call per layer (the tiny model's 6 layers are one group otherwise, which caps the depth at 0).
+ARMS = ("device", "host_d0", "host_d1", "host_d2", "host_d4_g1", "host_d2_int8", "host_d1_ha")
 INT8_ROW, F32_ROW = 32 + 32 // 32 * 2, 32 * 4  # Bytes per head row at head_dim 32: int8 + f16 scales; f32.
 ROUNDS = 2
 TOP_FIELDS = {
@@ -146,6 +147,9 @@ def test_each_arm_has_numbers(bench):
       assert (a["link_efficiency"] is None) == (name == "device")
       assert a["kv_dtype"] == ("int8" if name.endswith("_int8") else "model")
       assert (a["ring_bytes_per_device_configured"] > 0) == (name != "device")
+      assert a["transport"]["dispatches_per_step"] >= 4
+    assert cell["arms"]["device"]["transport"]["dispatches_per_step"] == 4  # All layers in one call.
+    assert cell["arms"]["host_d4_g1"]["transport"]["depth"] == 4
     assert cell["arms"]["host_d0"]["gain_vs_ordered"] == 1.0
     split = cell["arms"]["host_d1_ha"]["transport"]["host_attention"]
     assert split["source"] == "measured" and cell["arms"]["host_d1_ha"]["delivered_fraction"] == 1 - split["fraction"]
@@ -257,8 +261,10 @@ def test_arm_names():
   assert benchmark.parse_arm("host_d0_bfloat16") == arm("host", 0, "bfloat16")
   assert benchmark.parse_arm("host_d2_ha") == arm("host", 2, None, 0.0)
   assert benchmark.parse_arm("auto_d1_int8_ha35") == arm("auto", 1, "int8", 0.35)
+  assert benchmark.parse_arm("device_g1") == arm("device", group_layers=1)
+  assert benchmark.parse_arm("host_d2_int8_g4") == arm("host", 2, "int8", None, 4)
   bad_names = ("host", "host_d", "device_d1", "hf_offloaded", "host_d2_int4", "host_d2_model", "host_d2int8")
-  for bad in bad_names + ("device_ha", "host_d2_ha00", "host_d2_ha5", "host_d2_ha_int8"):
+  for bad in bad_names + ("device_ha", "host_d2_ha00", "host_d2_ha5", "host_d2_ha_int8", "host_d2_g", "device_g1_int8"):
     with pytest.raises(ValueError):
       benchmark.parse_arm(bad)
   cfg = from_config_dict(tiny.get_config())  # head_dim 16: int8 does not fit, before any work.
@@ -293,15 +299,16 @@ class _Window:
 
 
 class _FakeTransport:
-  """run_pass hands out windows 0..n-1 and records, after each compute, the layers waited for so far."""
+  """run_groups hands out windows 0..n-1, one layer a group, and records, after each compute, the layers waited for
+  so far."""
 
   def __init__(self, depth, num_layers):
     self.depth, self.num_layers, self.waited, self.seen = depth, num_layers, [], []
 
-  def run_pass(self, compute, next_pass):
+  def run_groups(self, compute, next_pass):
     del next_pass
     for l in range(self.num_layers):
-      compute(l, _Window(self.waited, l))
+      compute((l,), [_Window(self.waited, l)])
       self.seen.append(list(self.waited))
 
 

@@ -88,7 +88,9 @@ def test_each_device_holds_and_receives_only_its_layers(devices, split):
   np.testing.assert_allclose(np.array(totals) / sum(totals), np.array(layers_per_device) / 6)
   largest = max(w.nbytes for w in cache.windows)
   hw = res.transport["ring_high_water_bytes_by_device"]
-  assert all(0 < hw[str(d)] <= (eng.config.kv.pipeline_depth + 2) * largest for d in devs)
+  group = max(len(g) for g in res.transport["decode_groups"])  # Layers a delivery carries (never across stages).
+  assert all(len({stages[l] for l in g}) == 1 for g in res.transport["decode_groups"])
+  assert all(0 < hw[str(d)] <= (eng.config.kv.pipeline_depth + 2) * group * largest for d in devs)
 
 
 def test_slots_in_split_mode_layer_match_one_device():

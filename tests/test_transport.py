@@ -15,7 +15,17 @@ BLOCK = 8
 # Prompt lengths at the block boundaries: 1, block - 1, block, block + 1 (and one past two blocks).
 LENGTHS = (1, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 3)
 NEW = 14  # Crosses a block boundary for every sequence: the open page is flushed into the window.
-MODES = [("device", 1), ("host", 0), ("host", 1), ("host", 2), ("host", 4)]
+# (placement, depth, kv.group_layers, the depth it runs at). The tiny model's layers are small: automatic groups
+# (0) put all 6 in one call, which caps the depth at 0; group_layers 1 is one call per layer, as the device
+# placement runs in tests/test_decode_groups.py.
+MODES = [
+    ("device", 1, 0, 1),
+    ("host", 0, 1, 0),
+    ("host", 1, 2, 1),
+    ("host", 2, 1, 2),
+    ("host", 4, 1, 4),
+    ("host", 2, 0, 0),
+]
 SAMPLINGS = {
     "greedy": config_lib.SamplingConfig(),
     "seeded": config_lib.SamplingConfig(temperature=0.8, top_k=50, top_p=0.95),
@@ -24,19 +34,27 @@ SAMPLINGS = {
 
 def _check_every_mode_is_bitwise_identical(tensor, sampling, kv_dtype="model", cfg=None):
   results = {}
-  for placement, depth in MODES:
+  for mode in MODES:
+    placement, depth, group_layers, _ = mode
     eng = helpers.engine(
-        tensor, placement=placement, depth=depth, sampling=SAMPLINGS[sampling], kv_dtype=kv_dtype, cfg=cfg
+        tensor,
+        placement=placement,
+        depth=depth,
+        sampling=SAMPLINGS[sampling],
+        kv_dtype=kv_dtype,
+        group_layers=group_layers,
+        cfg=cfg,
     )
-    results[placement, depth] = eng.generate(helpers.prompts(LENGTHS), NEW, seed=7, keep_logits=True)
-  ref = results["device", 1]
+    results[mode] = eng.generate(helpers.prompts(LENGTHS), NEW, seed=7, keep_logits=True)
+  ref = results[MODES[0]]
   assert ref.transport["h2d_bytes"] == 0
   for mode, res in results.items():
     assert res.tokens == ref.tokens, mode
     np.testing.assert_array_equal(res.logits, ref.logits, err_msg=str(mode))
     assert (res.tokens_sha256, res.logits_sha256) == (ref.tokens_sha256, ref.logits_sha256)
+    assert len(res.transport["decode_groups"]) == 6 // (mode[2] or 6)
     if mode[0] == "host":
-      assert res.transport["depth"] == mode[1]
+      assert res.transport["depth"] == mode[3]
       assert res.transport["h2d_bytes"] > 0 and res.transport["d2h_bytes"] > 0
 
 
@@ -61,7 +79,8 @@ def test_every_delivery_mode_is_bitwise_identical_for_each_kv_dtype(kv_dtype, te
 def test_deliveries_carry_only_the_filled_window_and_each_device_its_heads():
   """Bytes moved: every layer's filled blocks once per decode step, never the capacity; D2H only on growth."""
   tensor, lengths, new = 4, [BLOCK + 1, 3], 2 * BLOCK
-  res = helpers.engine(tensor, placement="host", depth=2, debug=1).generate(helpers.prompts(lengths), new)
+  eng = helpers.engine(tensor, placement="host", depth=2, debug=1, group_layers=2)
+  res = eng.generate(helpers.prompts(lengths), new)
   cfg = helpers.tiny_config().model
   row = 2 * len(lengths) * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, whole batch, f32.
   # Decode step t writes row end = 9 + t - 1 and sees the full blocks below the block holding `end`.
@@ -70,14 +89,14 @@ def test_deliveries_carry_only_the_filled_window_and_each_device_its_heads():
   # A window grows by one block each time the open page fills; the grown window is stored once.
   grown = [w + BLOCK for t, w in enumerate(windows, 1) if (BLOCK + t) % BLOCK == BLOCK - 1]
   assert res.transport["d2h_bytes"] == cfg.num_layers * row * (BLOCK + sum(grown))  # + the prefill's block.
-  # Ring: at most depth + 2 windows alive per device, each holding that device's heads.
-  assert 0 < res.transport["ring_high_water_bytes_per_device"] <= 4 * row // tensor * max(windows)
+  # Ring: at most depth + 2 groups of 2 windows alive per device, each holding that device's heads.
+  assert 0 < res.transport["ring_high_water_bytes_per_device"] <= 4 * 2 * row // tensor * max(windows)
 
 
 def test_delivered_shards_hold_the_device_heads_and_the_ring_is_bounded():
   tensor, depth = 4, 2
   cfg = helpers.tiny_config()
-  kv = dataclasses.replace(cfg.kv, placement="host", pipeline_depth=depth)
+  kv = dataclasses.replace(cfg.kv, placement="host", pipeline_depth=depth, group_layers=2)  # 3 groups.
   cache = cache_lib.KVCache(cfg.model, kv, helpers.mesh(tensor), batch=2, capacity=64)
   shape = (2, 2, cfg.model.num_kv_heads, 3 * BLOCK, cfg.model.head_dim)
   for l in range(cfg.model.num_layers):
@@ -95,17 +114,19 @@ def test_delivered_shards_hold_the_device_heads_and_the_ring_is_bounded():
 
   for _ in range(3):
     tr.run_pass(compute, next_pass=True)
-  assert max(seen) == depth  # Issued ahead of the one being computed; + it + the previous = depth + 2.
+  assert max(seen) == depth  # Groups issued ahead of the one being computed; + it + the previous = depth + 2.
   c = tr.take_counters()
   window_share = np.prod(shape) * 4 // tensor
-  assert c["ring_high_water_bytes_per_device"] == (depth + 2) * window_share
+  assert c["ring_high_water_bytes_per_device"] == (depth + 2) * 2 * window_share
+  assert c["dispatches"] == 3 * 3  # One transfer a group.
 
 
 def test_budget_falls_back_to_a_smaller_depth_with_the_same_output():
-  full = helpers.engine(2, placement="host", depth=4).generate(helpers.prompts(LENGTHS), NEW)
+  full = helpers.engine(2, placement="host", depth=4, group_layers=1).generate(helpers.prompts(LENGTHS), NEW)
   # Per device, a ring slot is 2 x batch 5 x 4 kv heads x (112 + 8) rows x 16 x 4 B = 300 KiB: 1 MiB holds
   # three slots, so depth 1.
-  res = helpers.engine(2, placement="host", depth=4, capacity=112, budget_mib=1).generate(helpers.prompts(LENGTHS), NEW)
+  eng = helpers.engine(2, placement="host", depth=4, capacity=112, budget_mib=1, group_layers=1)
+  res = eng.generate(helpers.prompts(LENGTHS), NEW)
   t = res.transport
   assert (t["depth_requested"], t["depth"], t["ring_slots"]) == (4, 1, 3)
   assert "kv_pipeline_budget_mib=1" in t["fallback_reason"]
@@ -122,7 +143,7 @@ def test_choose_depth_uses_the_fullest_device_and_the_headroom():
   c = transport_lib.choose_depth(2, 32, slot_bytes=100 * mib, budget_mib=150, headroom_mib=0, free_bytes=None)
   assert c.depth == 0 and "even ordered does not fit" in c.fallback_reason
   c = transport_lib.choose_depth(8, 4, slot_bytes=1, budget_mib=0, headroom_mib=0, free_bytes=None)
-  assert c.depth == 3 and "streamed layers - 1" in c.fallback_reason
+  assert c.depth == 3 and "streamed groups - 1" in c.fallback_reason
 
 
 def test_pinned_pool_limit_is_checked_before_allocating(monkeypatch):
@@ -156,7 +177,7 @@ def test_debug_telemetry_has_per_step_and_per_layer_records():
 def test_long_decode_keeps_device_memory_flat():
   """2,000 host-pipelined steps: live device buffers keep their count; bytes stay within the ring bound."""
   block = 128
-  eng = helpers.engine(1, placement="host", depth=2, block=block, chunk=block, capacity=2176)
+  eng = helpers.engine(1, placement="host", depth=2, block=block, chunk=block, capacity=2176, group_layers=1)
   device_arrays = lambda: [a for a in jax.live_arrays() if a.sharding.memory_kind == "device"]
   before = {id(a) for a in device_arrays()}  # Weights and whatever other tests keep alive.
   counts, excess = [], []

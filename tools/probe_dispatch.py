@@ -1,6 +1,6 @@
 """Probe (GPU): where the host blocks in a pipelined decode step, Llama-3-8B geometry, batch 1.
 
-Times 32 layers of `decode_layer` with windows delivered from pinned host memory, issued inline (device_put
+Times 32 layers of `decode_layer`, one call each (a decode group of one layer), with windows delivered from pinned host memory, issued inline (device_put
 on the dispatching thread) or from a feeder thread, against compute-only and transfer-only; prints ms/step,
 host issue ms, and the host time spent in device_put and in the layer dispatch. CTX=4096 by default. The mesh
 spans every visible GPU (split mode tensor); CUDA_VISIBLE_DEVICES=0 times one.
@@ -24,6 +24,10 @@ x0 = jax.device_put(jnp.zeros((1, 4096), jnp.bfloat16), eng._rep)
 layers = params["layers"]; DEV = cache.device_sharding
 acc = {"put": 0.0, "dec": 0.0}
 
+def decode(p, x, w, o, m):
+  x, (o,) = fns.decode_group([p], x, [w], [o], m)
+  return x, o
+
 def step_inline(depth):
   x = x0; ring = []
   nxt = 0
@@ -31,7 +35,7 @@ def step_inline(depth):
     while nxt <= min(l + depth, L - 1):
       t0 = time.perf_counter(); ring.append(jax.device_put(hw[nxt], DEV)); acc["put"] += time.perf_counter() - t0; nxt += 1
     w = ring.pop(0)
-    t0 = time.perf_counter(); x, opens[l] = fns.decode(layers[l], x, w, opens[l], meta); acc["dec"] += time.perf_counter() - t0
+    t0 = time.perf_counter(); x, opens[l] = decode(layers[l], x, w, opens[l], meta); acc["dec"] += time.perf_counter() - t0
   return x
 
 class Feeder:
@@ -49,7 +53,7 @@ class Feeder:
     x = x0
     for l in range(L):
       w = self.q.get(); self.sem.release()
-      x, opens[l] = fns.decode(layers[l], x, w, opens[l], meta)
+      x, opens[l] = decode(layers[l], x, w, opens[l], meta)
     return x
 
 def timeit(fn, n=N):
@@ -67,7 +71,7 @@ for name, fn in [("inline d0", lambda: step_inline(0)), ("inline d1", lambda: st
 dw = [jax.device_put(h, DEV) for h in hw]
 def comp():
   x = x0
-  for l in range(L): x, opens[l] = fns.decode(layers[l], x, dw[l], opens[l], meta)
+  for l in range(L): x, opens[l] = decode(layers[l], x, dw[l], opens[l], meta)
   return x
 r = timeit(comp); rows.append(("compute only",) + r)
 r = timeit(lambda: [jax.device_put(h, DEV) for h in hw]); rows.append(("transfer only",) + r)
