@@ -133,14 +133,15 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
 
   def decode_group(ps, x, windows, opens, meta, full=False):
     """Consecutive layers (weights ps, windows [2, B, K, W, E] or None, open pages [2, B, K, P, E]) in one call.
-    Each layer is `decode` between optimization barriers on its inputs and outputs, so that no fusion or common
-    subexpression crosses a layer boundary: a layer compiles to the same computation in a group of any size, and
-    the bits do not depend on the grouping. full (the open pages fill at this step): also grows each window by its
-    open page and returns x, the grown windows and fresh zero open pages; else x and the open pages."""
+    Each layer is `decode`, its output x behind an optimization barrier, so that no fusion crosses a layer boundary:
+    a layer compiles to the same computation in a group of any size, and the bits do not depend on the grouping
+    (the windows and open pages are each layer's own arguments and need no barrier).
+    full (the open pages fill at this step): also grows each window by its open page and returns x, the grown
+    windows and fresh zero open pages; else x and the open pages."""
     out = []
     for p, window, open_page in zip(ps, windows, opens):
-      x, window, open_page = jax.lax.optimization_barrier((x, window, open_page))
-      x, open_page = jax.lax.optimization_barrier(decode(p, x, window, open_page, meta))
+      x, open_page = decode(p, x, window, open_page, meta)
+      x = jax.lax.optimization_barrier(x)
       out.append(cache_lib.grow(window, open_page) if full else open_page)
     if full:
       return x, out, [jnp.zeros_like(o) for o in opens]
