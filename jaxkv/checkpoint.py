@@ -345,37 +345,11 @@ def load(checkpoint_dir: str, mesh: jax.sharding.Mesh, dtype: str | None = None)
   hf = read_config(checkpoint_dir)
   cfg = model_config(hf, dtype)
   mesh_lib.check_divisible(cfg, mesh)
-  specs = hf_specs(cfg)
-  axes = model.param_axes(cfg)
-  np_dtype = np.dtype(jnp.dtype(cfg.dtype))
-  made: list[jax.Array] = []
   with contextlib.ExitStack() as stack:
     weights = _Weights(checkpoint_dir, stack)
+    specs = hf_specs(cfg)
     weights.check(specs, cfg)
-    try:
-      flat = {}
-      for path, spec in specs.items():
-        logical = axes["layers"][path[1]][path[2]] if path[0] == "layers" else axes[path[0]]
-        target = mesh_lib.sharding(mesh, logical)
-        # Each device's callback reads its own block of the HF tensor, in the HF layout.
-        arr = jax.make_array_from_callback(
-            spec.hf_shape, hf_sharding(spec, target), lambda index, name=spec.name: weights.read(name, index)
-        )
-        if spec.view != spec.hf_shape or spec.perm != tuple(range(len(spec.perm))) or arr.dtype != np_dtype:
-          # The transpose runs on the devices: numpy's strided transpose on the host is several times slower than
-          # reading the checkpoint. The HF-layout blocks are freed when `arr` is rebound.
-          arr = _relayout(spec.view, spec.perm, np_dtype, target)(arr)
-        made.append(arr)
-        flat[path] = arr
-    except BaseException:
-      for arr in made:
-        arr.delete()
-      raise
-  params = {path[0]: arr for path, arr in flat.items() if path[0] != "layers"}
-  params["layers"] = [{} for _ in range(cfg.num_layers)]
-  for path, arr in flat.items():
-    if path[0] == "layers":
-      params["layers"][path[1]][path[2]] = arr
+    params = place(cfg, mesh, specs, weights.read)
   logging.info(
       "loaded %s (%s, %d layers, %s) from %s in %.1f s",
       architecture(hf),
@@ -386,3 +360,39 @@ def load(checkpoint_dir: str, mesh: jax.sharding.Mesh, dtype: str | None = None)
       time.perf_counter() - t0,
   )
   return cfg, params
+
+
+def place(cfg: ModelConfig, mesh: jax.sharding.Mesh, specs: dict, read) -> dict:
+  """The parameters of `specs` (hf_specs) on `mesh` in jaxkv's layout and `cfg.dtype`.
+
+  `read(name, index)` returns the block `index` (a tuple of slices) of the HF tensor `name`, in the HF layout, in
+  any float dtype: each device's callback reads only its own block. An error deletes the arrays made so far.
+  """
+  axes = model.param_axes(cfg)
+  np_dtype = np.dtype(jnp.dtype(cfg.dtype))
+  made: list[jax.Array] = []
+  try:
+    flat = {}
+    for path, spec in specs.items():
+      logical = axes["layers"][path[1]][path[2]] if path[0] == "layers" else axes[path[0]]
+      target = mesh_lib.sharding(mesh, logical)
+      # Each device's callback reads its own block of the HF tensor, in the HF layout.
+      arr = jax.make_array_from_callback(
+          spec.hf_shape, hf_sharding(spec, target), lambda index, name=spec.name: read(name, index)
+      )
+      if spec.view != spec.hf_shape or spec.perm != tuple(range(len(spec.perm))) or arr.dtype != np_dtype:
+        # The transpose runs on the devices: numpy's strided transpose on the host is several times slower than
+        # reading the checkpoint. The HF-layout blocks are freed when `arr` is rebound.
+        arr = _relayout(spec.view, spec.perm, np_dtype, target)(arr)
+      made.append(arr)
+      flat[path] = arr
+  except BaseException:
+    for arr in made:
+      arr.delete()
+    raise
+  params = {path[0]: arr for path, arr in flat.items() if path[0] != "layers"}
+  params["layers"] = [{} for _ in range(cfg.num_layers)]
+  for path, arr in flat.items():
+    if path[0] == "layers":
+      params["layers"][path[1]][path[2]] = arr
+  return params

@@ -12,6 +12,7 @@ from jaxkv import checkpoint
 from jaxkv import config as config_lib
 from jaxkv import distributed
 from jaxkv import engine as engine_lib
+from jaxkv import gguf_loader
 from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
@@ -33,16 +34,22 @@ def make_layout(config: config_lib.Config, mesh) -> layout_lib.Layout:
   return layout_lib.make_layout(config.split.mode, mesh, config.model.num_layers, split)
 
 
-def build_from_checkpoint(config: config_lib.Config, checkpoint_dir: str, dtype: str | None = None):
-  """Returns (config, mesh, params, engine) with the model and weights of a Hugging Face checkpoint folder.
+def build_from_checkpoint(
+    config: config_lib.Config, checkpoint_dir: str | None, dtype: str | None = None, *, gguf: str | None = None
+):
+  """Returns (config, mesh, params, engine) with the model and weights of a Hugging Face checkpoint folder, or of
+  the GGUF file `gguf` (then checkpoint_dir is None).
 
-  The returned config is `config` with its model replaced by the checkpoint's (jaxkv.checkpoint.load); the kv,
-  engine, sampling and mesh settings are kept.
+  The returned config is `config` with its model replaced by the checkpoint's (jaxkv.checkpoint.load,
+  jaxkv.gguf_loader.load); the kv, engine, sampling and mesh settings are kept.
   """
   if config.split.mode != "tensor":
     raise ValueError(f"checkpoints load in split mode tensor only; got split mode {config.split.mode!r}")
   mesh = mesh_lib.make_mesh(config.mesh)
-  model_config, params = checkpoint.load(checkpoint_dir, mesh, dtype)
+  if gguf is not None:
+    model_config, params = gguf_loader.load(gguf, mesh, dtype)
+  else:
+    model_config, params = checkpoint.load(checkpoint_dir, mesh, dtype)
   config = dataclasses.replace(config, model=model_config)
   return config, mesh, params, engine_lib.Engine(config, mesh, params)
 
@@ -115,32 +122,41 @@ def serve_random(config_dict, sequences: int, parallel: int, max_length: int, ma
 
 def generate_checkpoint(
     config_dict,
-    checkpoint_dir: str,
+    checkpoint_dir: str | None,
     *,
     prompts: Sequence[str] | None = None,
     lengths: Sequence[int] = (),
     max_new_tokens: int,
     seed: int,
     dtype: str | None = None,
+    gguf: str | None = None,
+    chat: bool = False,
 ) -> dict:
-  """Generates with a checkpoint folder's model and weights; returns a JSON-ready dict.
+  """Generates with a checkpoint folder's (or the GGUF file `gguf`'s) model and weights; returns a JSON-ready dict.
 
-  With `prompts` (text, one per sequence) the folder's tokenizer.json encodes them and decodes the output: the
-  dict gains `prompts`, `prompt_tokens` and `text` (the decoded new tokens per sequence). Without, the prompts are
-  random token ids of the given `lengths`, as in `generate_random`. The model section of `config_dict` is
-  replaced by the checkpoint's (`model` in the dict); its kv, engine, sampling and mesh settings apply.
+  With `prompts` (text, one per sequence) the checkpoint's tokenizer encodes them (as user turns in its chat
+  template with `chat`) and decodes the output: the dict gains `prompts`, `prompt_tokens` and `text` (the decoded
+  new tokens per sequence). Without, the prompts are random token ids of the given `lengths`, as in
+  `generate_random`. The model section of `config_dict` is replaced by the checkpoint's (`model` in the dict); its
+  kv, engine, sampling and mesh settings apply.
   """
   if not prompts and not lengths:
     raise ValueError("give text prompts or random prompt lengths")
-  tok = tokenizer_lib.Tokenizer.from_dir(checkpoint_dir) if prompts else None  # Before the weights: fails fast.
-  config, _, _, engine = build_from_checkpoint(config_lib.from_config_dict(config_dict), checkpoint_dir, dtype)
+  if chat and not prompts:
+    raise ValueError("the chat template applies to text prompts: give prompts")
+  tok = None
+  if prompts:  # Before the weights: fails fast.
+    tok = gguf_loader.tokenizer(gguf) if gguf is not None else tokenizer_lib.Tokenizer.from_dir(checkpoint_dir)
+  config, _, _, engine = build_from_checkpoint(
+      config_lib.from_config_dict(config_dict), checkpoint_dir, dtype, gguf=gguf
+  )
   if tok is not None:
-    ids = [tok.encode(p) for p in prompts]
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) if chat else tok.encode(p) for p in prompts]
   else:
     ids = random_prompts(config.model.vocab_size, lengths, seed)
   res, kv_bytes = _generate(engine, ids, max_new_tokens, seed)
   out = _result(res, kv_bytes, config_dict, [len(p) for p in ids], max_new_tokens, seed)
-  out.update(checkpoint_dir=checkpoint_dir, model=dataclasses.asdict(config.model))
+  out.update(checkpoint_dir=checkpoint_dir, gguf=gguf, model=dataclasses.asdict(config.model))
   if tok is not None:
-    out.update(prompts=list(prompts), prompt_tokens=ids, text=[tok.decode(t) for t in res.tokens])
+    out.update(prompts=list(prompts), chat=chat, prompt_tokens=ids, text=[tok.decode(t) for t in res.tokens])
   return out
