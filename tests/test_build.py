@@ -24,6 +24,7 @@ NON_IMPORT_DEPS = {"jaxkv/cli.py": {"experiments/tiny.py"}}
 RUN_BY_PATH = {
     "tests/test_host_attention.py": "tools/probe_host_attention.py",
     "tests/test_host_attention_engine.py": "tools/probe_held_merge.py",
+    "tests/test_gguf.py": "tools/kv_quality.py",
 }
 
 
