@@ -123,6 +123,11 @@ def _llama3_factors(scaling: dict, theta: float, head_dim: int) -> np.ndarray:
 def hf_config(reader) -> dict:
   """A config.json-style dict from the GGUF metadata (jaxkv.checkpoint.model_config reads it), or ValueError."""
   meta = metadata(reader)
+  if meta.get("split.count", 1) > 1:
+    raise ValueError(
+        f"GGUF file split into {meta['split.count']} parts: jaxkv reads one file (merge them with llama.cpp's "
+        "llama-gguf-split --merge)"
+    )
   arch = meta.get("general.architecture")
   if arch not in ARCHITECTURES:
     raise ValueError(

