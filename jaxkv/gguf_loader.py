@@ -4,8 +4,8 @@ The metadata becomes a config.json-style dict that jaxkv.checkpoint.model_config
 tensor is named by its Hugging Face counterpart, so that jaxkv.checkpoint.place builds the parameters exactly as for
 a safetensors folder: per device, a callback reads that device's block of the HF-layout tensor. Here the callback
 dequantizes (`gguf.quants.dequantize`) only the rows of the memory-mapped file that the block needs (and, for a block
-of columns, only the quantization blocks that cover them), then casts to the model dtype: the host holds one
-device's block of one tensor at a time, never the model.
+of columns, only the quantization blocks that cover them), then casts to the model dtype: the host holds the
+blocks of one tensor at a time (JAX sends them together), never the model.
 
 GGUF tensor [numpy shape, = HF shape]       -> HF tensor
   token_embd.weight [V, D]                  -> model.embed_tokens.weight
