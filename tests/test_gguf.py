@@ -18,6 +18,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+import tokenizers
 from safetensors.numpy import save_file
 
 import helpers
@@ -25,6 +26,7 @@ from jaxkv import checkpoint
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import gguf_loader
+from jaxkv import tokenizer as tokenizer_lib
 
 gguf = pytest.importorskip("gguf", reason="the GGUF tests need the gguf extra: pip install -e '.[gguf]'")
 
@@ -377,3 +379,47 @@ def test_kv_quality_tool_on_a_short_text(smollm2, smollm2_params):
   assert res["model"]["perplexity"] == res["model"]["perplexity"] and 1 < res["model"]["perplexity"] < 100
   for k in ("int8", "float8_e4m3fn"):
     assert 0 < res[k]["mean_kl"] < 0.1 and res[k]["top1_agreement"] >= 0.9, (k, res[k])
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_gguf_tokenizer_adds_bos_as_transformers_does(tmp_path, add_bos):
+  """A byte-level BPE vocabulary in the metadata: jaxkv's ids (the backend's post-processor) are transformers'."""
+  transformers = pytest.importorskip("transformers", reason="the GGUF tokenizer needs transformers: the gguf extra")
+  tokens = ["<s>", "</s>", "a", "b", "\u0120", "ab", "\u0120ab"] + [f"<unused{i}>" for i in range(V - 7)]
+  writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+  writer.add_tokenizer_model("gpt2")
+  writer.add_tokenizer_pre("default")
+  writer.add_token_list(tokens)
+  writer.add_token_types([gguf.TokenType.CONTROL] * 2 + [gguf.TokenType.NORMAL] * (len(tokens) - 2))
+  writer.add_token_merges(["a b", "\u0120 ab"])
+  writer.add_bos_token_id(0)
+  writer.add_eos_token_id(1)
+  writer.add_add_bos_token(add_bos)
+  writer.add_chat_template("{% for m in messages %}{{ bos_token }}{{ m['content'] }}{{ eos_token }}{% endfor %}")
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  tok = gguf_loader.tokenizer(str(tmp_path / "t.gguf"))
+  hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
+  for text in ("ab ab", "ba"):
+    assert tok.encode(text) == hf_tok(text).input_ids, text
+  assert tok.encode("ab ab") == [0] * add_bos + [5, 6]
+  assert tok.apply_chat_template([{"role": "user", "content": "ab"}]) == "<s>ab</s>"
+  assert tok.encode_chat([{"role": "user", "content": "ab"}]) == [0, 5, 1]
+
+
+def test_folder_chat_template(tmp_path):
+  """--checkpoint_dir's chat template: tokenizer_config.json's, or chat_template.jinja's, which wins."""
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, "<bos>": 1, "hi": 2}, unk_token="<unk>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  tok.add_special_tokens(["<bos>"])
+  tok.save(str(tmp_path / "tokenizer.json"))
+  with pytest.raises(ValueError, match="has no chat template"):
+    tokenizer_lib.Tokenizer.from_dir(str(tmp_path)).apply_chat_template([{"role": "user", "content": "hi"}])
+  config = {"chat_template": "{{ bos_token }}{{ messages[0]['content'] }}", "bos_token": {"content": "<bos>"}}
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  messages = [{"role": "user", "content": "hi"}]
+  assert tokenizer_lib.Tokenizer.from_dir(str(tmp_path)).encode_chat(messages) == [1, 2]
+  (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }} {{ messages[0]['content'] }}")
+  assert tokenizer_lib.Tokenizer.from_dir(str(tmp_path)).encode_chat(messages) == [2, 2]
