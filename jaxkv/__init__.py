@@ -4,6 +4,7 @@ from jaxkv.checkpoint import load as load_checkpoint
 from jaxkv.config import Config, EngineConfig, KVConfig, ModelConfig, RopeScaling, SamplingConfig
 from jaxkv.config import from_config_dict
 from jaxkv.engine import Engine, GenerateResult
+from jaxkv.gguf_loader import load as load_gguf
 from jaxkv.mesh import make_mesh, sharding
 from jaxkv.model import init_params
 from jaxkv.run import build, build_from_checkpoint
@@ -25,5 +26,6 @@ __all__ = [
     "build",
     "build_from_checkpoint",
     "load_checkpoint",
+    "load_gguf",
     "Tokenizer",
 ]

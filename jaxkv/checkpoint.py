@@ -354,43 +354,13 @@ def load(
   t0 = time.perf_counter()
   hf = read_config(checkpoint_dir)
   cfg = model_config(hf, dtype)
-  layer_mesh = (lambda l: mesh) if layout is None else layout.mesh
-  top_mesh = mesh if layout is None else layout.first
   for m in [mesh] if layout is None else layout.meshes:
     mesh_lib.check_divisible(cfg, m)
-  specs = hf_specs(cfg)
-  axes = model.param_axes(cfg)
-  np_dtype = np.dtype(jnp.dtype(cfg.dtype))
-  made: list[jax.Array] = []
   with contextlib.ExitStack() as stack:
     weights = _Weights(checkpoint_dir, stack)
+    specs = hf_specs(cfg)
     weights.check(specs, cfg)
-    try:
-      flat = {}
-      for path, spec in specs.items():
-        if path[0] == "layers":
-          target = mesh_lib.sharding(layer_mesh(path[1]), axes["layers"][path[1]][path[2]])
-        else:
-          target = mesh_lib.sharding(top_mesh, axes[path[0]])
-        # Each device's callback reads its own block of the HF tensor, in the HF layout.
-        arr = jax.make_array_from_callback(
-            spec.hf_shape, hf_sharding(spec, target), lambda index, name=spec.name: weights.read(name, index)
-        )
-        if spec.view != spec.hf_shape or spec.perm != tuple(range(len(spec.perm))) or arr.dtype != np_dtype:
-          # The transpose runs on the devices: numpy's strided transpose on the host is several times slower than
-          # reading the checkpoint. The HF-layout blocks are freed when `arr` is rebound.
-          arr = _relayout(spec.view, spec.perm, np_dtype, target)(arr)
-        made.append(arr)
-        flat[path] = arr
-    except BaseException:
-      for arr in made:
-        arr.delete()
-      raise
-  params = {path[0]: arr for path, arr in flat.items() if path[0] != "layers"}
-  params["layers"] = [{} for _ in range(cfg.num_layers)]
-  for path, arr in flat.items():
-    if path[0] == "layers":
-      params["layers"][path[1]][path[2]] = arr
+    params = place(cfg, mesh, specs, weights.read, layout)
   logging.info(
       "loaded %s (%s, %d layers, %s) from %s in %.1f s",
       architecture(hf),
@@ -401,3 +371,44 @@ def load(
       time.perf_counter() - t0,
   )
   return cfg, params
+
+
+def place(cfg: ModelConfig, mesh: jax.sharding.Mesh, specs: dict, read, layout=None) -> dict:
+  """The parameters of `specs` (hf_specs) on `mesh` in jaxkv's layout and `cfg.dtype`; with a jaxkv.layout.Layout,
+  each layer on its stage's mesh and the top on the first stage's (as jaxkv.model.init_params places them).
+
+  `read(name, index)` returns the block `index` (a tuple of slices) of the HF tensor `name`, in the HF layout, in
+  any float dtype: each device's callback reads only its own block. An error deletes the arrays made so far.
+  """
+  layer_mesh = (lambda l: mesh) if layout is None else layout.mesh
+  top_mesh = mesh if layout is None else layout.first
+  axes = model.param_axes(cfg)
+  np_dtype = np.dtype(jnp.dtype(cfg.dtype))
+  made: list[jax.Array] = []
+  try:
+    flat = {}
+    for path, spec in specs.items():
+      if path[0] == "layers":
+        target = mesh_lib.sharding(layer_mesh(path[1]), axes["layers"][path[1]][path[2]])
+      else:
+        target = mesh_lib.sharding(top_mesh, axes[path[0]])
+      # Each device's callback reads its own block of the HF tensor, in the HF layout.
+      arr = jax.make_array_from_callback(
+          spec.hf_shape, hf_sharding(spec, target), lambda index, name=spec.name: read(name, index)
+      )
+      if spec.view != spec.hf_shape or spec.perm != tuple(range(len(spec.perm))) or arr.dtype != np_dtype:
+        # The transpose runs on the devices: numpy's strided transpose on the host is several times slower than
+        # reading the checkpoint. The HF-layout blocks are freed when `arr` is rebound.
+        arr = _relayout(spec.view, spec.perm, np_dtype, target)(arr)
+      made.append(arr)
+      flat[path] = arr
+  except BaseException:
+    for arr in made:
+      arr.delete()
+    raise
+  params = {path[0]: arr for path, arr in flat.items() if path[0] != "layers"}
+  params["layers"] = [{} for _ in range(cfg.num_layers)]
+  for path, arr in flat.items():
+    if path[0] == "layers":
+      params["layers"][path[1]][path[2]] = arr
+  return params

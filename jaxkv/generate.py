@@ -1,7 +1,8 @@
 """Generate: `python -m jaxkv.generate` (tiny random model, random prompt ids, 4 CPU devices).
 
-With --checkpoint_dir the model and weights come from a Hugging Face checkpoint folder (jaxkv.checkpoint), and
---prompt (repeatable) gives text prompts that its tokenizer.json encodes; the new tokens are printed decoded.
+With --checkpoint_dir the model and weights come from a Hugging Face checkpoint folder (jaxkv.checkpoint), with
+--gguf from a GGUF file (jaxkv.gguf_loader), and --prompt (repeatable) gives text prompts that its tokenizer encodes
+(in its chat template with --chat); the new tokens are printed decoded.
 Without --prompt, prompts are random token ids of --prompt_len. Prints the tokens and the tokens/logits hashes;
 --json_out writes them with the resolved config and the transport telemetry.
 
@@ -38,14 +39,27 @@ CHECKPOINT_DIR = flags.DEFINE_string(
     "Hugging Face checkpoint folder (config.json, safetensors weights, tokenizer.json for --prompt): its model "
     "replaces --config's model section; --config still gives the kv, engine, sampling and mesh settings.",
 )
+GGUF = flags.DEFINE_string(
+    "gguf",
+    None,
+    "A GGUF file (llama.cpp's format) of the llama or qwen3 architecture, instead of --checkpoint_dir: its model "
+    "replaces --config's model section, its weights are dequantized to --checkpoint_dtype, and its metadata gives "
+    "the tokenizer for --prompt (needs transformers).",
+)
 PROMPT = flags.DEFINE_multi_string(
-    "prompt", None, "Text prompt, one sequence each time the flag is given; needs --checkpoint_dir's tokenizer.json."
+    "prompt",
+    None,
+    "Text prompt, one sequence each time the flag is given; needs --checkpoint_dir's tokenizer.json or --gguf.",
+)
+CHAT = flags.DEFINE_bool(
+    "chat", False, "Apply the checkpoint's chat template to each --prompt (a user turn, then the assistant's)."
 )
 CHECKPOINT_DTYPE = flags.DEFINE_enum(
     "checkpoint_dtype",
     None,
     ["bfloat16", "float16", "float32"],
-    "With --checkpoint_dir: weights, activations and KV dtype (default: config.json's torch_dtype, else bfloat16).",
+    "With --checkpoint_dir or --gguf: weights, activations and KV dtype (default: config.json's torch_dtype, else "
+    "bfloat16; bfloat16 for --gguf).",
 )
 
 
@@ -82,14 +96,19 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   texts = PROMPT.value or []
-  if texts and not CHECKPOINT_DIR.value:
-    raise app.UsageError("--prompt needs --checkpoint_dir (the model and its tokenizer.json)")
+  checkpoint = CHECKPOINT_DIR.value or GGUF.value
+  if CHECKPOINT_DIR.value and GGUF.value:
+    raise app.UsageError("give --checkpoint_dir or --gguf, not both")
+  if texts and not checkpoint:
+    raise app.UsageError("--prompt needs --checkpoint_dir or --gguf (the model and its tokenizer)")
+  if CHAT.value and not texts:
+    raise app.UsageError("--chat applies the chat template to --prompt: give --prompt")
   if texts and BATCH.value not in (None, len(texts)):
     raise app.UsageError(f"--batch={BATCH.value} but {len(texts)} --prompt values")
-  if CHECKPOINT_DTYPE.value and not CHECKPOINT_DIR.value:
-    raise app.UsageError("--checkpoint_dtype needs --checkpoint_dir (else set --config.model.dtype)")
-  if SEQUENCES.value and (CHECKPOINT_DIR.value or BATCH.value is not None):
-    raise app.UsageError("--sequences serves random requests: it does not take --checkpoint_dir or --batch")
+  if CHECKPOINT_DTYPE.value and not checkpoint:
+    raise app.UsageError("--checkpoint_dtype needs --checkpoint_dir or --gguf (else set --config.model.dtype)")
+  if SEQUENCES.value and (checkpoint or BATCH.value is not None):
+    raise app.UsageError("--sequences serves random requests: it does not take --checkpoint_dir, --gguf or --batch")
   if SEQUENCES.value < 0 or PARALLEL.value < 1:
     raise app.UsageError(f"--sequences must be >= 0 and --parallel >= 1, got {SEQUENCES.value}, {PARALLEL.value}")
   lens = [] if texts else prompt_lengths(PROMPT_LEN.value, BATCH.value)
@@ -106,7 +125,7 @@ def main(argv):
     if distributed.is_main():
       _report_served(out, JSON_OUT.value)
     return
-  if CHECKPOINT_DIR.value:
+  if checkpoint:
     out = run.generate_checkpoint(
         cd,
         CHECKPOINT_DIR.value,
@@ -115,6 +134,8 @@ def main(argv):
         max_new_tokens=MAX_NEW.value,
         seed=SEED.value,
         dtype=CHECKPOINT_DTYPE.value,
+        gguf=GGUF.value,
+        chat=CHAT.value,
     )
   else:
     out = run.generate_random(cd, lens, MAX_NEW.value, SEED.value)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import jax
 
 from jaxkv import checkpoint
+from jaxkv import gguf_loader
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import layout as layout_lib
@@ -64,14 +65,19 @@ def layout(config: config_lib.Config, mesh: jax.sharding.Mesh) -> layout_lib.Lay
   return layout_lib.make_layout(config.split.mode, mesh, config.model.num_layers, split)
 
 
-def resolve(config_dict, checkpoint_dir: str | None = None, dtype: str | None = None) -> Job:
+def resolve(config_dict, checkpoint_dir: str | None = None, dtype: str | None = None, gguf: str | None = None) -> Job:
   """The checked Job of an experiment ConfigDict (or a Config), with the model of `checkpoint_dir` (its
-  config.json; dtype overrides its torch_dtype) when given. Reads no weights."""
+  config.json; dtype overrides its torch_dtype) or of the GGUF file `gguf` (its metadata; dtype default bfloat16)
+  when given. Reads no weights."""
   model, max_positions = None, None
-  if checkpoint_dir:
+  if checkpoint_dir or gguf:
     with input_errors(FAILURE):
-      hf = checkpoint.read_config(checkpoint_dir)
-      model = checkpoint.model_config(hf, dtype)
+      if gguf:
+        hf = gguf_loader.hf_config(gguf_loader.open_reader(gguf))
+        model = checkpoint.model_config(hf, dtype or "bfloat16")
+      else:
+        hf = checkpoint.read_config(checkpoint_dir)
+        model = checkpoint.model_config(hf, dtype)
     max_positions = hf.get("max_position_embeddings")
   with input_errors():
     if isinstance(config_dict, config_lib.Config):

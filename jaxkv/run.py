@@ -15,6 +15,7 @@ from jaxkv import compile_cache
 from jaxkv import config as config_lib
 from jaxkv import distributed
 from jaxkv import engine as engine_lib
+from jaxkv import gguf_loader
 from jaxkv import model
 from jaxkv import preflight
 from jaxkv import serving
@@ -30,14 +31,18 @@ def build(config: config_lib.Config, seed: int):
 make_layout = preflight.layout  # The layout of config.split over a mesh.
 
 
-def build_from_checkpoint(config: config_lib.Config, checkpoint_dir: str, dtype: str | None = None):
-  """Returns (config, mesh, params, engine) with the model and weights of a Hugging Face checkpoint folder.
+def build_from_checkpoint(
+    config: config_lib.Config, checkpoint_dir: str | None, dtype: str | None = None, *, gguf: str | None = None
+):
+  """Returns (config, mesh, params, engine) with the model and weights of a Hugging Face checkpoint folder, or of
+  the GGUF file `gguf` (then checkpoint_dir is None).
 
-  The returned config is `config` with its model replaced by the checkpoint's (jaxkv.checkpoint.load); the kv,
-  engine, sampling, mesh and split settings are kept. The checks of jaxkv.preflight run first.
+  The returned config is `config` with its model replaced by the checkpoint's (jaxkv.checkpoint.load,
+  jaxkv.gguf_loader.load); the kv, engine, sampling, mesh and split settings are kept. The checks of jaxkv.preflight
+  run first.
   """
-  job = preflight.resolve(config, checkpoint_dir, dtype)
-  engine = _checkpoint_engine(job, checkpoint_dir, dtype)
+  job = preflight.resolve(config, checkpoint_dir, dtype, gguf)
+  engine = _checkpoint_engine(job, checkpoint_dir, dtype, gguf)
   return job.config, job.mesh, engine.params, engine
 
 
@@ -47,9 +52,14 @@ def _random_engine(job: preflight.Job, seed: int):
   return params, engine_lib.Engine(job.config, job.mesh, params, job.layout)
 
 
-def _checkpoint_engine(job: preflight.Job, checkpoint_dir: str, dtype: str | None) -> engine_lib.Engine:
-  """The engine of a checked job (preflight.resolve with the same folder and dtype) with the checkpoint's weights."""
-  model_config, params = checkpoint.load(checkpoint_dir, job.mesh, dtype, job.layout)
+def _checkpoint_engine(
+    job: preflight.Job, checkpoint_dir: str | None, dtype: str | None, gguf: str | None = None
+) -> engine_lib.Engine:
+  """The engine of a checked job (preflight.resolve with the same folder or file and dtype) with its weights."""
+  if gguf is not None:
+    model_config, params = gguf_loader.load(gguf, job.mesh, dtype, job.layout)
+  else:
+    model_config, params = checkpoint.load(checkpoint_dir, job.mesh, dtype, job.layout)
   assert model_config == job.config.model, (model_config, job.config.model)
   return engine_lib.Engine(job.config, job.mesh, params, job.layout)
 
@@ -153,43 +163,48 @@ def serve_random(config_dict, sequences: int, parallel: int, max_length: int, ma
 
 def generate_checkpoint(
     config_dict,
-    checkpoint_dir: str,
+    checkpoint_dir: str | None,
     *,
     prompts: Sequence[str] | None = None,
     lengths: Sequence[int] = (),
     max_new_tokens: int,
     seed: int,
     dtype: str | None = None,
+    gguf: str | None = None,
+    chat: bool = False,
 ) -> dict:
-  """Generates with a checkpoint folder's model and weights; returns a JSON-ready dict.
+  """Generates with a checkpoint folder's (or the GGUF file `gguf`'s) model and weights; returns a JSON-ready dict.
 
-  With `prompts` (text, one per sequence) the folder's tokenizer.json encodes them and decodes the output: the
-  dict gains `prompts`, `prompt_tokens` and `text` (the decoded new tokens per sequence). Without, the prompts are
-  random token ids of the given `lengths`, as in `generate_random`. The model section of `config_dict` is
-  replaced by the checkpoint's (`model` in the dict); its kv, engine, sampling and mesh settings apply. The
-  checks (jaxkv.preflight) run against the checkpoint's model, and the prompts are encoded, before any weight is
-  read.
+  With `prompts` (text, one per sequence) the checkpoint's tokenizer encodes them (as user turns in its chat
+  template with `chat`) and decodes the output: the dict gains `prompts`, `prompt_tokens` and `text` (the decoded
+  new tokens per sequence). Without, the prompts are random token ids of the given `lengths`, as in
+  `generate_random`. The model section of `config_dict` is replaced by the checkpoint's (`model` in the dict); its
+  kv, engine, sampling and mesh settings apply. The checks (jaxkv.preflight) run against the checkpoint's model,
+  and the prompts are encoded, before any weight is read.
   """
   if not prompts and not lengths:
     raise ValueError("give text prompts or random prompt lengths")
-  job = preflight.resolve(config_dict, checkpoint_dir, dtype)
+  if chat and not prompts:
+    raise ValueError("the chat template applies to text prompts: give prompts")
+  job = preflight.resolve(config_dict, checkpoint_dir, dtype, gguf)
   tok = None
   if prompts:
     with preflight.input_errors(preflight.FAILURE):
-      tok = tokenizer_lib.Tokenizer.from_dir(checkpoint_dir)
-    ids = [tok.encode(p) for p in prompts]
+      tok = gguf_loader.tokenizer(gguf) if gguf is not None else tokenizer_lib.Tokenizer.from_dir(checkpoint_dir)
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) if chat else tok.encode(p) for p in prompts]
   else:
     ids = random_prompts(job.config.model.vocab_size, lengths, seed)
   preflight.check_prompts(job, ids, max_new_tokens)
   with compile_cache.CompileCounter() as counter:
-    engine = _checkpoint_engine(job, checkpoint_dir, dtype)
+    engine = _checkpoint_engine(job, checkpoint_dir, dtype, gguf)
     res, kv_bytes, decode_start = _generate(engine, ids, max_new_tokens, seed)
   out = _result(res, kv_bytes, config_dict, [len(p) for p in ids], max_new_tokens, seed)
   out.update(
       checkpoint_dir=checkpoint_dir,
+      gguf=gguf,
       model=dataclasses.asdict(job.config.model),
       compilation=compilation(counter, decode_start),
   )
   if tok is not None:
-    out.update(prompts=list(prompts), prompt_tokens=ids, text=[tok.decode(t) for t in res.tokens])
+    out.update(prompts=list(prompts), chat=chat, prompt_tokens=ids, text=[tok.decode(t) for t in res.tokens])
   return out

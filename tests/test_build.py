@@ -24,11 +24,13 @@ NON_IMPORT_DEPS = {
     "jaxkv/cli.py": {"experiments/tiny.py"},
     "tests/test_compile_cache.py": {"jaxkv/generate.py"},
     "tests/test_gates.py": {"jaxkv/gates.py"},
+    "tests/test_gguf.py": {"jaxkv/generate.py"},
 }
 # Tests that load a script of tools/ by path (a data file): the script's imports are the test's deps too.
 RUN_BY_PATH = {
     "tests/test_host_attention.py": "tools/probe_host_attention.py",
     "tests/test_host_attention_engine.py": "tools/probe_held_merge.py",
+    "tests/test_gguf.py": "tools/kv_quality.py",
 }
 
 

