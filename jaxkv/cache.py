@@ -127,7 +127,8 @@ class KVCache:
       self.streamed = (kv.placement == "host",) * model.num_layers  # streamed[l]: window l in pinned host memory.
     if any(self.streamed):
       needed = self.host_bytes_per_process()
-      check_host_memory(needed, model, self.format, batch, self.rows_bound(), available_host_bytes())
+      check_host_memory(needed, model, self.format, batch, self.rows_bound(), host_ram_for_cache())
+      _POOL_HELD[0] = max(_POOL_HELD[0], needed)
     self.host_split: host_split_lib.Split | None = None  # With kv.host_attention: the host's share.
     self.host_threads: int | None = None  # With kv.host_attention: the kernel's threads.
     # With host attention, seconds the dispatching thread and the kernel's worker spent per part of the split layers
@@ -246,6 +247,17 @@ def pinned_pool_limit_bytes() -> int | None:
   return None
 
 
+# The largest host cache this process has placed, bytes: on the GPU the pinned pool keeps the memory it grew to
+# (a BFC allocator), so that MemAvailable no longer counts what the next cache of that size will reuse.
+_POOL_HELD = [0]
+
+
+def host_ram_for_cache() -> int | None:
+  """Host bytes a new host cache may take: available_host_bytes() plus what the pinned pool may already hold."""
+  available = available_host_bytes()
+  return None if available is None else available + _POOL_HELD[0]
+
+
 def available_host_bytes() -> int | None:
   """The host RAM available to a new allocation: MemAvailable of /proc/meminfo (Linux), else the free physical pages
   (os.sysconf), else None (unknown)."""
@@ -275,7 +287,8 @@ def check_host_memory(
   )
   if available is not None and needed > available:
     raise ValueError(
-        f"{what}, but this host has {available / 2**30:.2f} GiB of RAM available (MemAvailable). Lower the batch "
+        f"{what}, but this host has {available / 2**30:.2f} GiB of RAM available for it (MemAvailable, plus what "
+        "the pinned pool already holds). Lower the batch "
         "or the capacity (--capacity, engine.capacity), store the KV in int8 (--kv_dtype=int8), or keep more layers "
         "on the devices (--kv_placement=auto)."
     )
