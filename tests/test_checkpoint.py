@@ -19,6 +19,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import helpers
+from experiments import llama3_8b
+from experiments import qwen3_32b
 from experiments import tiny
 from jaxkv import checkpoint
 from jaxkv import config as config_lib
@@ -224,6 +226,17 @@ def test_rope_scaling_matches_transformers(arch, theta, rope):
   np.testing.assert_allclose(model.rope_frequencies(cfg), want_inv.numpy(), rtol=1e-6)  # torch: float32 powers.
   assert model.rope_attention_scale(cfg) == pytest.approx(want_scale, rel=1e-12)
   assert rope["rope_type"] == "llama3" or model.rope_attention_scale(cfg) != 1.0
+
+
+def test_long_context_experiments_match_the_checkpoints_scaling():
+  """experiments/llama3_8b.py:3.1 and qwen3_32b.py:yarn scale RoPE as the released checkpoints' config.json do."""
+  llama = hf_config(rope_theta=500_000.0, rope_scaling=dict(LLAMA3_ROPE, original_max_position_embeddings=8192))
+  qwen3 = hf_config("Qwen3ForCausalLM", rope_theta=1_000_000.0, rope_scaling=QWEN3_YARN)
+  for experiment, arg, hf in ((llama3_8b, "3.1", llama), (qwen3_32b, "yarn", qwen3)):
+    want = checkpoint.model_config(hf)
+    got = config_lib.from_config_dict(experiment.get_config(arg)).model
+    assert (got.rope_scaling, got.rope_theta) == (want.rope_scaling, want.rope_theta), experiment.__name__
+    assert config_lib.from_config_dict(experiment.get_config()).model.rope_scaling is None
 
 
 def test_config_fields_of_transformers_4_and_5():
