@@ -216,6 +216,13 @@ def main():
   for r in rows:
     if r.get("reason"):
       print(f"{r['context']} {r['arm']}: {r['status']}: {r['reason'][:300]}")
+  for c in summary["cells"]:
+    kv = ", ".join(f"{d} {g:.1f}" for d, g in c["kv_gib"].items())
+    host = ", ".join(f"{d} {g:.1f}" for d, g in c["host_gib_estimate"].items())
+    print(
+        f"context {c['context']}: KV {kv} GiB; auto's pinned host estimate {host} GiB; pool "
+        f"{c.get('pinned_pool_gib', '-')} GiB (host RAM available {ram_gib:.1f} GiB)"
+    )
   pf = summary["prefill"]
   if pf:
     print(f"real-prompt prefill, {pf['context']} tokens, auto_d2: {_fmt(pf['prefill_s'], '.2f')} s ({pf['status']})")
