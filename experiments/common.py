@@ -22,10 +22,25 @@ def base_config() -> ml_collections.ConfigDict:
           dtype="bfloat16",
       )
   )
+  # RoPE scaling for long contexts (jaxkv.config.RopeScaling): rope_type "llama3" (Llama-3.1) reads factor,
+  # low/high_freq_factor and original_max_position; "yarn" (Qwen3) reads factor, original_max_position, beta_fast,
+  # beta_slow, mscale, mscale_all_dim, attention_factor and truncate (None = as transformers derives it).
   c.model.rope_scaling = ml_collections.ConfigDict(
-      dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
+      dict(
+          rope_type="llama3",
+          factor=8.0,
+          low_freq_factor=1.0,
+          high_freq_factor=4.0,
+          original_max_position=8192,
+          beta_fast=32.0,
+          beta_slow=1.0,
+          mscale=ml_collections.FieldReference(None, field_type=float),
+          mscale_all_dim=ml_collections.FieldReference(None, field_type=float),
+          attention_factor=ml_collections.FieldReference(None, field_type=float),
+          truncate=True,
+      )
   )
-  c.model.use_rope_scaling = False  # True: apply model.rope_scaling (Llama-3.1 style).
+  c.model.use_rope_scaling = False  # True: apply model.rope_scaling.
   c.kv = ml_collections.ConfigDict(
       dict(
           placement="device",

@@ -1,4 +1,7 @@
-"""Llama-3(.1)-8B geometry, random weights. arg "3.1" turns on Llama-3.1 rope scaling."""
+"""Llama-3(.1)-8B geometry, random weights.
+
+arg "3.1" turns on Llama-3.1 rope scaling (128k contexts); run it with --capacity=131328 (128k + a block) or more.
+"""
 
 from experiments import common
 

@@ -1,10 +1,15 @@
-"""Qwen3-32B geometry, random weights: 64 layers, 64 query / 8 KV heads of 128, per-head q/k RMSNorm."""
+"""Qwen3-32B geometry, random weights: 64 layers, 64 query / 8 KV heads of 128, per-head q/k RMSNorm.
+
+arg "yarn" turns on the YaRN rope scaling that the Qwen3 model cards set for 128k contexts (factor 4 over the
+pretrained 32k); run it with --capacity=131328 (128k + a block).
+"""
 
 from experiments import common
 
 
 def get_config(arg=None):
-  del arg
+  if arg not in (None, "", "yarn"):
+    raise ValueError(f"experiments/qwen3_32b.py takes no arg or 'yarn', got {arg!r}")
   c = common.base_config()
   c.model.update(
       vocab_size=151_936,
@@ -18,5 +23,7 @@ def get_config(arg=None):
       rms_eps=1e-6,
       qk_norm=True,
   )
+  c.model.rope_scaling.update(rope_type="yarn", factor=4.0, original_max_position=32_768)
+  c.model.use_rope_scaling = arg == "yarn"
   c.engine.update(capacity=32_768 + 256, prefill_chunk=2048)
   return c

@@ -127,7 +127,9 @@ class KVCache:
     else:
       self.streamed = (kv.placement == "host",) * model.num_layers  # streamed[l]: window l in pinned host memory.
     if any(self.streamed):
-      check_pinned_pool(self.host_bytes_per_process(), model, self.format, batch, self.rows_bound())
+      needed = self.host_bytes_per_process()
+      check_host_memory(needed, model, self.format, batch, self.rows_bound(), host_ram_for_cache())
+      _POOL_HELD[0] = max(_POOL_HELD[0], needed)
     self.host_split: host_split_lib.Split | None = None  # With kv.host_attention: the host's share.
     self.host_threads: int | None = None  # With kv.host_attention: the kernel's threads.
     # With host attention, seconds the dispatching thread and the kernel's worker spent per part of the split layers
@@ -268,14 +270,54 @@ def pinned_pool_limit_bytes() -> int | None:
   return None
 
 
-def check_pinned_pool(needed: int, model: ModelConfig, fmt: KVFormat, batch: int, rows: int) -> None:
+# The largest host cache this process has placed, bytes: on the GPU the pinned pool keeps the memory it grew to
+# (a BFC allocator), so that MemAvailable no longer counts what the next cache of that size will reuse.
+_POOL_HELD = [0]
+
+
+def host_ram_for_cache() -> int | None:
+  """Host bytes a new host cache may take: available_host_bytes() plus what the pinned pool may already hold."""
+  available = available_host_bytes()
+  return None if available is None else available + _POOL_HELD[0]
+
+
+def available_host_bytes() -> int | None:
+  """The host RAM available to a new allocation: MemAvailable of /proc/meminfo (Linux), else the free physical pages
+  (os.sysconf), else None (unknown)."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024  # kB.
+  except OSError:
+    pass
+  try:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def check_host_memory(
+    needed: int, model: ModelConfig, fmt: KVFormat, batch: int, rows: int, available: int | None
+) -> None:
+  """Raises a one-line ValueError, before anything is allocated, when the host KV cache (`needed` bytes in this
+  process) exceeds the host RAM `available` (None = unknown: not checked) or the pinned pool's cap."""
+  gib = needed / 2**30
+  what = (
+      f"the host KV cache needs {gib:.2f} GiB of pinned host memory in this process "
+      f"({model.num_layers} layers x 2 x batch {batch} x {model.num_kv_heads} kv heads x {rows} rows x "
+      f"{fmt.row_bytes} B per head row ({fmt.name}), plus one layer in flight)"
+  )
+  if available is not None and needed > available:
+    raise ValueError(
+        f"{what}, but this host has {available / 2**30:.2f} GiB of RAM available for it (MemAvailable, plus what "
+        "the pinned pool already holds). Lower the batch "
+        "or the capacity (--capacity, engine.capacity), store the KV in int8 (--kv_dtype=int8), or keep more layers "
+        "on the devices (--kv_placement=auto)."
+    )
   limit = pinned_pool_limit_bytes()
   if limit is not None and needed > limit:
-    gib = needed / 2**30
     raise ValueError(
-        f"the host KV cache needs {gib:.2f} GiB of pinned host memory in this process "
-        f"({model.num_layers} layers x 2 x batch {batch} x {model.num_kv_heads} kv heads x {rows} rows x "
-        f"{fmt.row_bytes} B per head row ({fmt.name}), plus one layer in flight), but the pinned "
-        f"pool is limited to {limit / 2**30:.2f} GiB. Raise it before starting, e.g. "
-        f"{POOL_ENV}={int(np.ceil(gib)) + 1}, or lower the batch or engine.capacity."
+        f"{what}, but the pinned pool is limited to {limit / 2**30:.2f} GiB. Raise it before starting, e.g. "
+        f"{POOL_ENV}={int(np.ceil(gib)) + 1}, or lower the batch or the capacity (--capacity, engine.capacity)."
     )

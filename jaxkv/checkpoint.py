@@ -94,17 +94,42 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
   kind = params.get("rope_type", params.get("type", "default"))
   if kind == "default":
     return float(theta), None
-  if kind != "llama3":
-    raise ValueError(f"unsupported rope scaling type {kind!r}: jaxkv reads 'default' (none) and 'llama3'")
-  try:
-    scaling = RopeScaling(
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position=int(params["original_max_position_embeddings"]),
+  if kind not in ("llama3", "yarn"):
+    raise ValueError(
+        f"unsupported rope scaling type {kind!r}: jaxkv reads 'default' (none), 'llama3' (Llama-3.1) and 'yarn' "
+        "(Qwen3)"
     )
+  original = params.get("original_max_position_embeddings")
+  if original is None:
+    raise ValueError(f"{kind} rope scaling without 'original_max_position_embeddings': {params!r}")
+  factor = params.get("factor")
+  if kind == "yarn" and factor is None and hf.get("max_position_embeddings"):  # As transformers.
+    factor = hf["max_position_embeddings"] / original
+  common = dict(rope_type=kind, original_max_position=int(original))
+  try:
+    if kind == "llama3":
+      scaling = RopeScaling(
+          factor=float(params["factor"]),
+          low_freq_factor=float(params["low_freq_factor"]),
+          high_freq_factor=float(params["high_freq_factor"]),
+          **common,
+      )
+    else:
+      if factor is None:
+        raise KeyError("factor")
+      optional = {
+          k: float(params[k]) for k in ("mscale", "mscale_all_dim", "attention_factor") if params.get(k) is not None
+      }
+      scaling = RopeScaling(
+          factor=float(factor),
+          beta_fast=float(params.get("beta_fast") or 32.0),
+          beta_slow=float(params.get("beta_slow") or 1.0),
+          truncate=bool(params.get("truncate", True)),
+          **optional,
+          **common,
+      )
   except KeyError as e:
-    raise ValueError(f"llama3 rope scaling without {e.args[0]!r}: {params!r}") from e
+    raise ValueError(f"{kind} rope scaling without {e.args[0]!r}: {params!r}") from e
   return float(theta), scaling
 
 

@@ -58,6 +58,13 @@ COMPILATION_CACHE_DIR = flags.DEFINE_string(
     f"same bits in each), in a subfolder per jax version. Default: ${compile_cache.ENV}, else $XDG_CACHE_HOME/jaxkv "
     "or ~/.cache/jaxkv ($JAX_COMPILATION_CACHE_DIR as it is, when set). Empty = off.",
 )
+CAPACITY = flags.DEFINE_integer(
+    "capacity",
+    None,
+    "Cache rows per sequence: the longest prompt plus its new tokens must fit (default: config engine.capacity). "
+    "E.g. 131328 for a 128k context with experiments/llama3_8b.py:3.1.",
+    lower_bound=1,
+)
 KV_PLACEMENT = flags.DEFINE_enum(
     "kv_placement", None, list(config_lib.PLACEMENTS), "KV cache placement (default: config kv.placement)."
 )
@@ -128,7 +135,7 @@ DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
 )
 
 # --help's groups of the shared flags; each app adds its own (see run()).
-CONFIG_GROUP = [CONFIG, CPU_DEVICES, COMPILATION_CACHE_DIR]
+CONFIG_GROUP = [CONFIG, CPU_DEVICES, CAPACITY, COMPILATION_CACHE_DIR]
 KV_GROUP = [
     KV_PLACEMENT,
     KV_DTYPE,
@@ -214,13 +221,15 @@ def write_json(obj: dict, path: str | None) -> None:
 
 
 def resolved_config_dict():
-  """The experiment ConfigDict with the --kv_* flags applied."""
+  """The experiment ConfigDict with --capacity and the --kv_* flags applied."""
   path = config_flags.get_config_filename(flags.FLAGS["config"])
   if not os.path.isfile(path):
     raise preflight.InputError(
         f"--config={path}: no such file", f"configs are Python files, e.g. --config={os.path.relpath(_DEFAULT_CONFIG)}"
     )
   cd = CONFIG.value.unlock()
+  if CAPACITY.value is not None:
+    cd.engine.capacity = CAPACITY.value
   for field, flag in _KV_FLAGS.items():
     if flag.value is not None:
       cd.kv[field] = flag.value

@@ -7,6 +7,7 @@ these dataclasses so that library code never sees a ConfigDict.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 PLACEMENTS = ("device", "host", "auto")
@@ -17,14 +18,56 @@ KV_DTYPES = ("model", "bfloat16", "float32", "int8", "float8_e4m3fn")
 INT8_BLOCK = 32  # int8 KV: values per scale along head_dim (llama.cpp q8_0).
 
 
+ROPE_TYPES = ("llama3", "yarn")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-  """Llama-3 style frequency scaling (HF `rope_scaling` with rope_type "llama3")."""
+  """RoPE frequency scaling for contexts past the pretrained one (HF `rope_scaling`), as transformers computes it.
+
+  rope_type "llama3" (Llama-3.1): frequencies with wavelengths above original_max_position / low_freq_factor are
+    divided by factor, those below original_max_position / high_freq_factor kept, the band between smoothed.
+  rope_type "yarn" (Qwen3's long-context setting): frequencies that turn more than beta_fast times over
+    original_max_position are kept, fewer than beta_slow times divided by factor, a linear ramp over the dimensions
+    between (the bounds rounded outwards when truncate); cos and sin are multiplied by `attention_scale` (the HF
+    attention_factor, or from factor, mscale and mscale_all_dim when it is None).
+  """
 
   factor: float = 8.0
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
+  low_freq_factor: float = 1.0  # llama3 only.
+  high_freq_factor: float = 4.0  # llama3 only.
   original_max_position: int = 8192
+  rope_type: str = "llama3"
+  beta_fast: float = 32.0  # yarn only, and the rest.
+  beta_slow: float = 1.0
+  mscale: float | None = None
+  mscale_all_dim: float | None = None
+  attention_factor: float | None = None
+  truncate: bool = True
+
+  def __post_init__(self):
+    if self.rope_type not in ROPE_TYPES:
+      raise ValueError(f"model.rope_scaling.rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+    if self.factor <= 0 or self.original_max_position <= 0:
+      raise ValueError(
+          f"model.rope_scaling needs factor > 0 and original_max_position > 0, got {self.factor} and "
+          f"{self.original_max_position}"
+      )
+
+  @property
+  def attention_scale(self) -> float:
+    """The factor on cos and sin: 1 for llama3; for yarn as transformers' _compute_yarn_parameters."""
+    if self.rope_type != "yarn":
+      return 1.0
+    if self.attention_factor is not None:
+      return float(self.attention_factor)
+
+    def get_mscale(scale, m=1.0):
+      return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if self.mscale and self.mscale_all_dim:
+      return float(get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim))
+    return get_mscale(self.factor)
 
 
 @dataclasses.dataclass(frozen=True)

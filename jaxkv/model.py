@@ -123,10 +123,13 @@ def rms_norm(x, w, eps):
 
 
 def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
-  """f32[Dh // 2] inverse frequencies, with Llama-3 scaling when configured."""
+  """f32[Dh // 2] inverse frequencies, with the configured scaling (llama3 or yarn, as transformers computes them).
+
+  Computed in float64 and rounded once (transformers computes them in float32).
+  """
   inv = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
   s = cfg.rope_scaling
-  if s is not None:
+  if s is not None and s.rope_type == "llama3":
     low_wavelen = s.original_max_position / s.low_freq_factor
     high_wavelen = s.original_max_position / s.high_freq_factor
     wavelen = 2 * np.pi / inv
@@ -134,14 +137,36 @@ def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
     scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
     mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
     inv = np.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)
+  elif s is not None and s.rope_type == "yarn":
+    dim = cfg.head_dim
+
+    def correction_dim(rotations):  # The dimension whose frequency turns `rotations` times over the original context.
+      return dim * math.log(s.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+      high += 0.001  # As transformers: no division by zero.
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)  # 0: kept, 1: scaled.
+    inv = inv / s.factor * ramp + inv * (1 - ramp)
   return inv.astype(np.float32)
 
 
-def apply_rope(x, pos, inv_freq):
-  """x [B, T, N, Dh]; pos i32[B, T]. Rotate-half convention (as the HF Llama/Qwen3 checkpoints)."""
+def rope_attention_scale(cfg: ModelConfig) -> float:
+  """The factor on RoPE's cos and sin (YaRN's attention factor; 1 otherwise)."""
+  return 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.attention_scale
+
+
+def apply_rope(x, pos, inv_freq, scale: float = 1.0):
+  """x [B, T, N, Dh]; pos i32[B, T]; scale multiplies cos and sin (YaRN). Rotate-half convention (as the HF
+  Llama/Qwen3 checkpoints)."""
   ang = pos.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
   cos = jnp.cos(ang)[:, :, None, :]
   sin = jnp.sin(ang)[:, :, None, :]
+  if scale != 1.0:
+    cos, sin = cos * scale, sin * scale
   x32 = x.astype(jnp.float32)
   x1, x2 = jnp.split(x32, 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -156,8 +181,8 @@ def qkv(p, x, pos, cfg: ModelConfig):
   if cfg.qk_norm:
     q = rms_norm(q, p["q_norm"], cfg.rms_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_eps)
-  inv = rope_frequencies(cfg)
-  return apply_rope(q, pos, inv), apply_rope(k, pos, inv), v
+  inv, scale = rope_frequencies(cfg), rope_attention_scale(cfg)
+  return apply_rope(q, pos, inv, scale), apply_rope(k, pos, inv, scale), v
 
 
 def attention(q, kv, mask):

@@ -18,6 +18,8 @@ import tokenizers
 from safetensors import safe_open
 
 import helpers
+from experiments import llama3_8b
+from experiments import qwen3_32b
 from experiments import tiny
 from hf_checkpoints import GEOMETRY, hf_config, hf_tensors, write_checkpoint
 from jaxkv import checkpoint
@@ -33,6 +35,10 @@ from jaxkv import tokenizer as tokenizer_lib
 # (wavelengths below 8 kept, 8..32 smoothed, above 32 divided by the factor).
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
 LLAMA3_ORIGINAL = 32
+# YaRN with a short original context and narrow betas, so that the tiny head_dim's 8 frequencies (rope_theta 1e4,
+# wavelengths 6, 20, 63, ...) fall in all three parts: dimension 0 kept, 1-2 on the ramp, 3-7 divided by the factor.
+# The prompts and tokens run to position 51, past the original 16.
+YARN_ROPE = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=2.0, beta_slow=0.1)
 PROMPT_LENS = (11, 20)  # Two prefill chunks of 16 for the longer one; left padding for the shorter.
 NEW_TOKENS = 32
 # Relative error of the logits: max |jaxkv - transformers| / max |transformers| over every step and sequence.
@@ -119,6 +125,44 @@ def test_raw_reader_matches_safetensors(tmp_path):
       np.testing.assert_array_equal(checkpoint.read_raw(path, name), tensors[name])
 
 
+# As the Qwen3 model cards set it for 128k contexts.
+QWEN3_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768)
+
+
+@pytest.mark.parametrize(
+    "arch,theta,rope",
+    [
+        ("LlamaForCausalLM", 500_000.0, dict(LLAMA3_ROPE, original_max_position_embeddings=8192)),  # Llama-3.1.
+        ("Qwen3ForCausalLM", 1_000_000.0, QWEN3_YARN),
+        ("Qwen3ForCausalLM", 1_000_000.0, dict(QWEN3_YARN, beta_fast=16.0, mscale=0.8, mscale_all_dim=0.5)),
+        ("Qwen3ForCausalLM", 1_000_000.0, dict(QWEN3_YARN, attention_factor=1.5, truncate=False)),
+    ],
+)
+def test_rope_scaling_matches_transformers(arch, theta, rope):
+  """Frequencies and the cos/sin factor of an 8B/32B head (128, real rope_theta) against transformers' own."""
+  transformers = pytest.importorskip("transformers", reason="needs the parity extra: pip install -e '.[parity]'")
+  from transformers import modeling_rope_utils  # pylint: disable=g-import-not-at-top
+
+  geometry = dict(GEOMETRY, hidden_size=1024, num_attention_heads=8, head_dim=128, max_position_embeddings=131072)
+  hf_cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**geometry, rope_theta=theta, rope_scaling=rope)
+  want_inv, want_scale = modeling_rope_utils.ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_cfg, "cpu")
+  cfg = checkpoint.model_config(hf_config(arch, **geometry, rope_theta=theta, rope_scaling=rope))
+  np.testing.assert_allclose(model.rope_frequencies(cfg), want_inv.numpy(), rtol=1e-6)  # torch: float32 powers.
+  assert model.rope_attention_scale(cfg) == pytest.approx(want_scale, rel=1e-12)
+  assert rope["rope_type"] == "llama3" or model.rope_attention_scale(cfg) != 1.0
+
+
+def test_long_context_experiments_match_the_checkpoints_scaling():
+  """experiments/llama3_8b.py:3.1 and qwen3_32b.py:yarn scale RoPE as the released checkpoints' config.json do."""
+  llama = hf_config(rope_theta=500_000.0, rope_scaling=dict(LLAMA3_ROPE, original_max_position_embeddings=8192))
+  qwen3 = hf_config("Qwen3ForCausalLM", rope_theta=1_000_000.0, rope_scaling=QWEN3_YARN)
+  for experiment, arg, hf in ((llama3_8b, "3.1", llama), (qwen3_32b, "yarn", qwen3)):
+    want = checkpoint.model_config(hf)
+    got = config_lib.from_config_dict(experiment.get_config(arg)).model
+    assert (got.rope_scaling, got.rope_theta) == (want.rope_scaling, want.rope_theta), experiment.__name__
+    assert config_lib.from_config_dict(experiment.get_config()).model.rope_scaling is None
+
+
 def test_config_fields_of_transformers_4_and_5():
   geometry = dict(hf_config(), rope_theta=500_000.0)
   llama3 = dict(LLAMA3_ROPE, original_max_position_embeddings=8192)
@@ -131,6 +175,10 @@ def test_config_fields_of_transformers_4_and_5():
   no_head_dim = {k: v for k, v in hf_config("Qwen3ForCausalLM").items() if k != "head_dim"}
   cfg = checkpoint.model_config(no_head_dim | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
   assert cfg.head_dim == 64 // 8 and cfg.qk_norm and cfg.rope_scaling is None and cfg.rope_theta == 1e6
+  qwen3_yarn = hf_config("Qwen3ForCausalLM", rope_scaling=QWEN3_YARN)
+  assert checkpoint.model_config(qwen3_yarn).rope_scaling == config_lib.RopeScaling(
+      factor=4.0, original_max_position=32768, rope_type="yarn"
+  )
   assert checkpoint.model_config(hf_config(torch_dtype=None)).dtype == "bfloat16"
   assert checkpoint.model_config(hf_config(), dtype="bfloat16").dtype == "bfloat16"
 
@@ -149,7 +197,14 @@ def _config(**overrides):
 
 BAD = {
     "unknown architecture": (_config(architectures=["MistralForCausalLM"]), r"unsupported architecture.*Mistral"),
-    "rope scaling type": (_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), r"rope scaling type 'yarn'"),
+    "rope scaling type": (
+        _config(rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
+        r"rope scaling type 'dynamic'.*'llama3' \(Llama-3.1\) and 'yarn'",
+    ),
+    "yarn without original": (
+        _config(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+        r"yarn rope scaling without 'original_max_position_embeddings'",
+    ),
     "attention bias": (_config(attention_bias=True), r"attention_bias"),
     "mlp bias": (_config(mlp_bias=True), r"mlp_bias"),
     "sliding window": (
@@ -399,6 +454,8 @@ FAMILIES = {
     ),
     # Qwen3: per-head q/k RMSNorm, tied embeddings, sharded into several files with an index.
     "qwen3": dict(arch="Qwen3ForCausalLM", config=dict(tie_word_embeddings=True), shard="100KB"),
+    # Qwen3's long-context setting: YaRN rope scaling (its attention factor scales cos and sin).
+    "qwen3_yarn": dict(arch="Qwen3ForCausalLM", config=dict(rope_scaling=YARN_ROPE), shard="10GB"),
 }
 
 
@@ -457,8 +514,11 @@ def test_logits_and_greedy_tokens_match_transformers(hf_reference, family, tenso
   assert (checkpoint.INDEX_FILE in files) == (family == "qwen3"), files
   mesh = helpers.mesh(tensor)
   cfg, params = checkpoint.load(path, mesh)
-  assert cfg.dtype == "float32" and cfg.qk_norm == (family == "qwen3") and cfg.tie_embeddings == (family == "qwen3")
-  assert (cfg.rope_scaling is not None) == (family == "llama")
+  qwen3 = family.startswith("qwen3")
+  assert cfg.dtype == "float32" and cfg.qk_norm == qwen3 and cfg.tie_embeddings == (family == "qwen3")
+  assert {"llama": "llama3", "qwen3": None, "qwen3_yarn": "yarn"}[family] == getattr(
+      cfg.rope_scaling, "rope_type", None
+  )
   config = config_lib.Config(
       model=cfg,
       kv=config_lib.KVConfig(placement="host", pipeline_depth=2, block=8),

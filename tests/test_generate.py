@@ -46,6 +46,7 @@ def test_bad_flags_are_usage_errors(tmp_path):
       (["--prompt_len=3,x"], "comma-separated integers"),
       (["--batch=3", "--prompt_len=1,2"], "--batch=3"),
       (["--sequences=4", "--parallel=0"], "--parallel >= 1"),
+      (["--capacity=0"], "--capacity=0"),
   ):
     proc = subprocess.run(
         [sys.executable, "-m", generate_app.__name__, "--cpu_devices=1", *flags],
@@ -58,10 +59,10 @@ def test_bad_flags_are_usage_errors(tmp_path):
     assert proc.returncode != 0 and match in proc.stderr, proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("override", ["--config.model.num_layers=2"])
-def test_config_fields_are_overridable(tmp_path, override):
-  _, out = _generate(tmp_path, "override", override, "--max_new_tokens=3")
+def test_config_fields_and_the_capacity_are_overridable(tmp_path):
+  _, out = _generate(tmp_path, "override", "--config.model.num_layers=2", "--capacity=640", "--max_new_tokens=3")
   assert out["config"]["model"]["num_layers"] == 2 and [len(t) for t in out["tokens"]] == [3] * 4
+  assert out["config"]["engine"]["capacity"] == 640
 
 
 def test_sequences_are_served_on_parallel_slots(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 
 from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
+from jaxkv import kv_quant
 from jaxkv import transport as transport_lib
 
 BLOCK = 8
@@ -152,6 +153,29 @@ def test_pinned_pool_limit_is_checked_before_allocating(monkeypatch):
   with pytest.raises(ValueError, match=r"pinned host memory.*XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=\d+"):
     eng.generate(helpers.prompts([3]), 2)
   helpers.engine(1, placement="device", capacity=4096).generate(helpers.prompts([3]), 2)  # Device: no check.
+
+
+def test_host_ram_is_checked_before_allocating(monkeypatch):
+  """The RAM figure comes from the test: a host cache larger than it is refused, naming the GiB and what to lower."""
+  eng = helpers.engine(1, placement="host", capacity=4096)
+  monkeypatch.setattr(cache_lib, "available_host_bytes", lambda: 2**20)  # 1 MiB of RAM available,
+  monkeypatch.setattr(cache_lib, "_POOL_HELD", [0])  # none held by the pinned pool.
+  live = len(jax.live_arrays())
+  with pytest.raises(ValueError, match=r"needs \d+\.\d\d GiB .* this host has 0\.00 GiB of RAM available.*--capacity"):
+    eng.generate(helpers.prompts([3]), 2)
+  assert len(jax.live_arrays()) == live  # Nothing was allocated.
+  monkeypatch.setattr(cache_lib, "available_host_bytes", lambda: 2**40)
+  eng.generate(helpers.prompts([3]), 2)
+  held = cache_lib._POOL_HELD[0]  # pylint: disable=protected-access
+  assert held > 2**20
+  monkeypatch.setattr(cache_lib, "available_host_bytes", lambda: 2**20)  # The pool's memory is counted as free.
+  eng.generate(helpers.prompts([3]), 2)
+  cfg = helpers.tiny_config().model
+  fmt = kv_quant.KVFormat.of(cfg, "model")
+  cache_lib.check_host_memory(10 * 2**30, cfg, fmt, 1, 4096, available=11 * 2**30)  # Fits: no error.
+  cache_lib.check_host_memory(10 * 2**30, cfg, fmt, 1, 4096, available=None)  # Unknown: not checked.
+  with pytest.raises(ValueError, match=r"needs 10\.00 GiB .* has 9\.50 GiB of RAM available"):
+    cache_lib.check_host_memory(10 * 2**30, cfg, fmt, 1, 4096, available=int(9.5 * 2**30))
 
 
 def test_debug_telemetry_has_per_step_and_per_layer_records():
