@@ -1,9 +1,10 @@
 """Probe (GPU): the structure of a device-resident decode step, Llama-3-8B geometry, 4096-row windows, batch 1 and 8.
 
 Times 32 layers in steady state (20 + 3 steps dispatched back to back, one wait at the end; no head) as:
-  per_layer      one jitted `decode` call per layer (the engine's kernel with kv.group_layers=1)
+  per_layer      one jitted call per layer (model.decode_layer, as the engine with kv.group_layers=1)
   group_plain    one call for all 32 layers, each layer attending its window with the open page appended (a copy)
   group_split    one call, each layer attending its window and its open page apart, merged (model.decode_layer)
+(before commit 5533781 model.decode_layer was group_plain's layer)
   group_noattn   one call, the layers without attention: the weights' matrix products alone (their floor)
 and the one-call step waited for each time (dispatch and execution in series). Prints a JSON line per batch and
 writes $OUT/p2_$TAG.json. Run from the repo root: PYTHONPATH=. TAG=default python3 tools/probe_decode_structure.py
@@ -22,22 +23,18 @@ mesh, params, eng = run.build(cfg, 0)
 L = mc.num_layers; layers = params["layers"]; fns = eng.fns
 kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device"); rep = mesh_lib.replicated(mesh)
 fmt = KVFormat.of(mc)
-def layer_plain(p, x, w, o, meta):
-  return model.decode_layer(p, x, w, o, meta[:-3], meta[-3], cfg=mc, kv_format=fmt)
+def layer_plain(p, x, w, o, meta):  # the open page appended to the window (a copy), attended together
+  start, end = meta[:-3], meta[-3]
+  q, o2 = model._query_and_write(p, x, o, start, end, end - w.shape[3], mc, fmt)
+  rows = jnp.arange(w.shape[3] + o2.shape[3])
+  mask = (rows[None] >= start[:, None]) & (rows[None] <= end)
+  out = model.attention(q, fmt.unpack(jnp.concatenate([w, o2], axis=3)), mask[:, None, :])
+  return model.attn_out_and_mlp(p, x[:, None, :], out, mc)[:, 0, :], o2
 def layer_noattn(p, x, w, o, meta):
   q, o2 = model._query_and_write(p, x, o, meta[:-3], meta[-3], meta[-3] - w.shape[3], mc, fmt)
   return model.attn_out_and_mlp(p, x[:, None, :], q.astype(x.dtype), mc)[:, 0, :], o2
-def layer_split(p, x, w, o, meta):  # window and open page attended apart, merged: no concat copy
-  start, end = meta[:-3], meta[-3]
-  q, o2 = model._query_and_write(p, x, o, start, end, end - w.shape[3], mc, fmt)
-  b, _, h, dh = q.shape; k = o2.shape[2]
-  qg = q[:, 0].reshape(b, k, h // k, dh)
-  W, P = w.shape[3], o2.shape[3]
-  rw = jnp.arange(W); ro = W + jnp.arange(P)
-  m1 = (rw[None] >= start[:, None]) & (rw[None] <= end); m2 = (ro[None] >= start[:, None]) & (ro[None] <= end)
-  a1, l1 = model.partial_attention(qg, w, m1); a2, l2 = model.partial_attention(qg, o2, m2)
-  a, _ = model.merge_partials(a1, l1, a2, l2)
-  return model.attn_out_and_mlp(p, x[:, None, :], a.reshape(b, 1, h, dh).astype(x.dtype), mc)[:, 0, :], o2
+def layer_split(p, x, w, o, meta):  # window and open page attended apart, merged
+  return model.decode_layer(p, x, w, o, meta[:-3], meta[-3], cfg=mc, kv_format=fmt)
 def group(layer_fn):
   def g(ps, x, ws, os_, meta):
     new = []
