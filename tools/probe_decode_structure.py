@@ -20,7 +20,7 @@ cd = llama3_8b.get_config(); cd.engine.capacity = 8192
 if os.environ.get("SMOKE"): cd.model.num_layers = 4; cd.model.d_model = 256; cd.model.mlp_dim = 512; cd.model.vocab_size = 512
 cfg = C.from_config_dict(cd); mc = cfg.model
 mesh, params, eng = run.build(cfg, 0)
-L = mc.num_layers; layers = params["layers"]; fns = eng.fns
+L = mc.num_layers; layers = params["layers"]
 kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device"); rep = mesh_lib.replicated(mesh)
 fmt = KVFormat.of(mc)
 def layer_plain(p, x, w, o, meta):  # the open page appended to the window (a copy), attended together
@@ -35,6 +35,9 @@ def layer_noattn(p, x, w, o, meta):
   return model.attn_out_and_mlp(p, x[:, None, :], q.astype(x.dtype), mc)[:, 0, :], o2
 def layer_split(p, x, w, o, meta):  # window and open page attended apart, merged
   return model.decode_layer(p, x, w, o, meta[:-3], meta[-3], cfg=mc, kv_format=fmt)
+one_layer = jax.jit(layer_split, donate_argnums=(3,))  # One call per layer.
+
+
 def group(layer_fn):
   def g(ps, x, ws, os_, meta):
     new = []
@@ -58,7 +61,7 @@ for B in [1, 8]:
   def per_layer():
     x = x0
     for l in range(L):
-      x, opens[l] = fns.decode(layers[l], x, ws[l], opens[l], meta)
+      x, opens[l] = one_layer(layers[l], x, ws[l], opens[l], meta)
     return x
   r = {"per_layer": steady(per_layer)}
   for name, fn in [("group_plain", layer_plain), ("group_noattn", layer_noattn), ("group_split", layer_split)]:
