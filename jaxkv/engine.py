@@ -130,7 +130,7 @@ def _functions(
   pinned_heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None), "pinned_host")
   lse_heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None))  # The partials' lse.
   fmt = KVFormat.of(cfg, kv_dtype)
-  attention_impl = model.prefill_attention_impl(prefill_attention, cfg, fmt, mesh.devices.flat[0])
+  attention_impl = model.prefill_attention_impl(prefill_attention, cfg, fmt, mesh.local_devices[0])
 
   def prefill(p, x, window, meta):
     return model.prefill_layer(p, x, window, meta[:-3], cfg=cfg, kv_format=fmt, attention_impl=attention_impl)

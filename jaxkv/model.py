@@ -21,6 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from jaxkv import mesh as mesh_lib
 from jaxkv.config import PREFILL_ATTENTIONS, ModelConfig
@@ -267,12 +268,48 @@ def prefill_attention_impl(choice: str, cfg: ModelConfig, fmt: KVFormat, device)
   if cfg.head_dim % 8 or cfg.head_dim > max_head_dim:
     missing.append(f"head_dim a multiple of 8 up to {max_head_dim} (it is {cfg.head_dim})")
   if not missing:
-    return "cudnn"
+    error = cudnn_check(device, cfg.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    if error is None:
+      return "cudnn"
+    missing.append(f"cuDNN's flash attention to run and match the XLA attention on {device}: {error}")
   if choice == "cudnn":
     raise ValueError(
         f"engine.prefill_attention cudnn needs {'; '.join(missing)}; use engine.prefill_attention auto or xla"
     )
+  if not missing[0].startswith("a CUDA GPU"):
+    logging.warning("prefill attention: plain XLA, not cuDNN, which needs %s", "; ".join(missing))
   return "xla"
+
+
+CUDNN_CHECK_TOLERANCE = 2e-2  # Relative error (Frobenius) of the fused prefill attention vs `attention`, bf16/f16.
+
+
+@functools.lru_cache(maxsize=None)
+def cudnn_check(device, dtype: str, heads: int, kv_heads: int, head_dim: int) -> str | None:
+  """Runs `fused_prefill_attention` with `cudnn_attention` once on `device` in a small case of the model's heads (two
+  sequences, one left-padded into the chunk, a chunk of 64 rows after 128): None when it runs and its relative error
+  against `attention` is within CUDNN_CHECK_TOLERANCE, else what went wrong (cuDNN missing or too old, another
+  kernel contract)."""
+  rng = np.random.default_rng(0)
+  c, w = 64, 128
+  put = lambda a: jax.device_put(jnp.asarray(a, dtype), device)
+  q = put(rng.standard_normal((2, c, heads, head_dim)))
+  chunk_kv = put(rng.standard_normal((2, 2, kv_heads, c, head_dim)))
+  prefix_kv = put(rng.standard_normal((2, 2, kv_heads, w, head_dim)))
+  start = jax.device_put(jnp.array([0, w + 9], jnp.int32), device)
+  rows, keys = w + jnp.arange(c), jnp.arange(w + c)
+  mask = (keys[None, None, :] <= rows[None, :, None]) & (keys[None, None, :] >= start[:, None, None])
+  mask = mask | (keys[None, None, :] == rows[None, :, None])
+  try:
+    fused = jax.jit(fused_prefill_attention, static_argnums=4)(q, chunk_kv, prefix_kv, start, cudnn_attention)
+    fused = np.asarray(fused, np.float32)
+  except Exception as e:  # pylint: disable=broad-exception-caught  (any failure means: not here)
+    return f"{type(e).__name__}: {str(e)[:300]}"
+  ref = np.asarray(jax.jit(attention)(q, jnp.concatenate([prefix_kv, chunk_kv], axis=3), mask), np.float32)
+  err = float(np.linalg.norm(fused - ref) / np.linalg.norm(ref))
+  if not err <= CUDNN_CHECK_TOLERANCE:
+    return f"relative error {err:.3g} > {CUDNN_CHECK_TOLERANCE}"
+  return None
 
 
 def cudnn_attention(q, k, v, q_len, kv_len, causal: bool):

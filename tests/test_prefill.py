@@ -67,6 +67,7 @@ def _gpu(capability="9.0"):
   return types.SimpleNamespace(platform="gpu", compute_capability=capability)
 
 
+@mock.patch.object(model, "cudnn_check", lambda *args: None)  # cuDNN runs (and matches) on the fake GPU.
 def test_prefill_attention_impl_picks_cudnn_only_where_it_runs():
   bf16 = dataclasses.replace(helpers.tiny_config().model, dtype="bfloat16", head_dim=128)
   f32 = dataclasses.replace(bf16, dtype="float32")
@@ -85,6 +86,20 @@ def test_prefill_attention_impl_picks_cudnn_only_where_it_runs():
     impl("cudnn", bf16, KVFormat.of(bf16), cpu)
   with pytest.raises(ValueError, match="bfloat16 or float16"):
     impl("cudnn", f32, KVFormat.of(f32), _gpu())
+
+
+def test_prefill_attention_impl_falls_back_when_the_cudnn_check_fails():
+  bf16 = dataclasses.replace(helpers.tiny_config().model, dtype="bfloat16", head_dim=128)
+  with mock.patch.object(model, "cudnn_check", lambda *args: "relative error 0.3 > 0.02"):
+    assert model.prefill_attention_impl("auto", bf16, KVFormat.of(bf16), _gpu()) == "xla"
+    with pytest.raises(ValueError, match="relative error 0.3"):
+      model.prefill_attention_impl("cudnn", bf16, KVFormat.of(bf16), _gpu())
+
+
+def test_the_cudnn_check_reports_a_kernel_that_cannot_run():
+  """On CPU cuDNN is missing: the check says why instead of raising."""
+  error = model.cudnn_check.__wrapped__(jax.devices("cpu")[0], "bfloat16", 4, 2, 16)
+  assert error and "cuDNN" in error
 
 
 def test_the_engine_runs_the_xla_prefill_on_cpu_and_refuses_cudnn():
