@@ -2,6 +2,8 @@
 host placement keeping the prompt's earlier rows on the devices (same bits, no re-delivery)."""
 
 import dataclasses
+import importlib.util
+import pathlib
 import types
 from unittest import mock
 
@@ -11,10 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import tiny
+from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import model
 from jaxkv import residency
+from jaxkv import run as run_lib
 from jaxkv.kv_quant import KVFormat
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def emulated_kernel(q, k, v, q_len, kv_len, causal):
@@ -170,3 +177,26 @@ def test_host_prefill_with_zero_rows_and_host_attention_keeps_the_bits(fraction)
   if not fraction:
     device = helpers.engine(2).generate(prompts, 4, zero_rows=16, keep_logits=True)
     np.testing.assert_array_equal(kept.logits, device.logits)
+
+
+def check_script():
+  spec = importlib.util.spec_from_file_location("check_prefill", ROOT / "tools" / "check_prefill.py")
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  return script
+
+
+def test_the_gpu_check_script_reports_a_cudnn_failure_and_times_the_placements():
+  """tools/check_prefill.py on CPU with the tiny model: cuDNN's failure is a row, not a crash; the placements give
+  the same bits and the host keeps the rows on the devices."""
+  script = check_script()
+  acc = script.accuracy(helpers.tiny_config(dtype="bfloat16").model, 8, [0, 8], [[0], [0, 11]])
+  assert [r["ok"] for r in acc] == [False] * 4 and all("cuDNN" in r["error"] and r["xla_ms"] > 0 for r in acc)
+  cd = tiny.get_config()
+  cd.mesh.tensor = 2
+  mesh, params, _ = run_lib.build(config_lib.from_config_dict(cd), 0)
+  rows = script.prefill_times(cd, [40], ["device", "host"], ["xla"], mesh, params)
+  assert [(r["placement"], r["attention"]) for r in rows] == [("device", "xla"), ("host", "xla")]
+  assert all(r["same_bits_as_placements"] and r["same_bits_twice"] and r["warm_prefill_s"] > 0 for r in rows)
+  assert rows[1]["keep"] and rows[1]["prefill_h2d_bytes"] == 0 < rows[1]["prefill_d2h_bytes"]
+  assert "| 40 | xla (xla) | host | 16 |" in script._table(acc, rows)  # pylint: disable=protected-access
