@@ -52,10 +52,13 @@ def markdown(out: dict) -> str:
       "step that the links carry in sequence (split mode tensor: one device's heads; layer: every layer, as the "
       "stages receive in turn) / step time / link peak, where the link peak of a cell is the best of the link "
       "peak put above and the transfer-only steps' rates (one device's link)",
+      "- prefill s = time to the first token (median of the rounds; with a synthetic context the jaxkv arms "
+      "prefill only the last chunk, the peer the whole prompts)",
       "",
-      "| context | batch | arm | KV MiB/step/device | tok/s | ms/step | spread ms (min–max) | gain vs ordered "
-      "| overlap ratio | link efficiency | ring MiB/device | peak device MiB (process) | dispatches/step |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "| context | batch | arm | KV MiB/step/device | tok/s | ms/step | spread ms (min–max) | prefill s "
+      "| gain vs ordered | overlap ratio | link efficiency | ring MiB/device | peak device MiB (process) "
+      "| dispatches/step |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for cell in out["cells"]:
     for name, a in cell["arms"].items():
@@ -66,7 +69,8 @@ def markdown(out: dict) -> str:
       ms = a["ms_per_step"]
       lines.append(
           f"{head} {a['tok_s']['median']:.2f} | {ms['median']:.2f} | {ms['min']:.2f}–{ms['max']:.2f} | "
-          f"{_num(a['gain_vs_ordered'], '.2f')} | {_num(a['overlap_ratio'], '.3f')} | "
+          f"{_num((a.get('prefill_s') or {}).get('median'), '.3f')} | {_num(a['gain_vs_ordered'], '.2f')} | "
+          f"{_num(a['overlap_ratio'], '.3f')} | "
           f"{_num(a['link_efficiency'], '.2f')} | {_mib(a['ring_bytes_per_device_configured'])} | "
           f"{_mib(a['device_peak_bytes_in_use_process'])} | "
           f"{_num(a.get('transport', {}).get('dispatches_per_step'), '.1f')} |"

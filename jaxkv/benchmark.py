@@ -10,7 +10,8 @@ and for every other KV dtype of a host arm, then one untimed warm-up generate pe
 `rounds` timed generates per arm in alternating order (round 0 A B C, round 1 C B A, ...).
 A sample is one generate of `new_tokens` tokens from `batch` random prompts of `context` tokens (with
 synthetic_context, all but the last prefill chunk of each stored as zeros, not prefilled):
-ms/step = 1e3 * decode_s / decode_steps, tok/s = batch * decode_steps / decode_s.
+ms/step = 1e3 * decode_s / decode_steps, tok/s = batch * decode_steps / decode_s; prefill_s is the time to the first
+token (the peer's too: its prefill of the whole prompts).
 
 An arm that does not fit (pinned pool ValueError, XLA RESOURCE_EXHAUSTED / out of memory, or a peer that
 cannot run) is reported skipped with its reason, from then on in that cell.
@@ -378,6 +379,7 @@ def _summarize(cell: dict, peak_gbps: float) -> None:
     ok = rec["status"] == "ok"
     rec["ms_per_step"] = _stats([s["ms_per_step"] for s in rec["samples"]]) if ok else None
     rec["tok_s"] = _stats([s["tok_s"] for s in rec["samples"]]) if ok else None
+    rec["prefill_s"] = _stats([s["prefill_s"] for s in rec["samples"]]) if ok else None  # Time to first token.
     warm = rec.get("warmup") or {}
     rec["device_peak_bytes_in_use_process"] = warm.get("device_peak_bytes_in_use_process")
 

@@ -157,6 +157,7 @@ class KVCache:
     self._head_views: list[list | None] = [None] * model.num_layers  # host_attention.kernel_views of heads[l].
     self.opens: list[jax.Array | None] = [None] * model.num_layers
     self.rows = 0  # W, the same for every layer.
+    self.prefill_summary: dict = {}  # The last prefill's attention and plan (jaxkv.engine.prefill_plan).
 
   def hand_back(self, sharding: jax.sharding.Sharding) -> host_attention.HandBack:
     """With host attention: the array that carries the host's partials f32[B, K, G, Dh + 1] to a stage's devices,
@@ -182,6 +183,15 @@ class KVCache:
     local = sum(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
     share = self.row_bytes(mesh_lib.tensor_size(self.mesh)) * local
     return share * self.rows_bound() * (sum(self.streamed) + 1)
+
+  def streamed_bytes_per_device(self, rows: int) -> int:
+    """Bytes that `rows` rows of every streamed layer take on the fullest device (its heads of the layers on it)."""
+    per_device = collections.Counter()
+    for l, streamed in enumerate(self.streamed):
+      mesh = self.device_shardings[l].mesh
+      for d in mesh.devices.flat if streamed else ():
+        per_device[d] += self.row_bytes(mesh_lib.tensor_size(mesh)) * rows
+    return max(per_device.values(), default=0)
 
   def store_zeros(self, rows: int) -> None:
     """Stores zeros as rows [0, rows) of every layer's window: rows no prompt computes (left padding of a prompt

@@ -13,6 +13,7 @@ from typing import Any
 PLACEMENTS = ("device", "host", "auto")
 SPLIT_MODES = ("none", "layer", "tensor")
 HOST_ATTENTION_WAITS = ("auto", "thread", "device")
+PREFILL_ATTENTIONS = ("auto", "xla", "cudnn")  # engine.prefill_attention (jaxkv.model.prefill_attention_impl).
 # KV cache storage: "model" = the model dtype; two float dtypes; two quantized ones (see jaxkv.kv_quant).
 KV_DTYPES = ("model", "bfloat16", "float32", "int8", "float8_e4m3fn")
 INT8_BLOCK = 32  # int8 KV: values per scale along head_dim (llama.cpp q8_0).
@@ -209,14 +210,22 @@ def check_kv_dtype(kv_dtype: str, head_dim: int | None = None) -> None:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """capacity: cache rows per sequence (longest prompt + new tokens must fit).
-  prefill_chunk: prompt rows per prefill step, a multiple of kv.block."""
+  prefill_chunk: prompt rows per prefill step, a multiple of kv.block.
+  prefill_attention: the prefill's attention, one of PREFILL_ATTENTIONS: "xla" (plain XLA, the reference),
+    "cudnn" (cuDNN's flash attention: GPU, bfloat16 or float16) or "auto" (cudnn where it can run, else xla;
+    jaxkv.model.prefill_attention_impl)."""
 
   capacity: int = 256
   prefill_chunk: int = 256
+  prefill_attention: str = "auto"
 
   def __post_init__(self):
     if self.capacity <= 0 or self.prefill_chunk <= 0:
       raise ValueError("engine.capacity and engine.prefill_chunk must be positive")
+    if self.prefill_attention not in PREFILL_ATTENTIONS:
+      raise ValueError(
+          f"engine.prefill_attention must be one of {', '.join(PREFILL_ATTENTIONS)}, got {self.prefill_attention!r}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)

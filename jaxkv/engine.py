@@ -36,6 +36,7 @@ from jaxkv import host_wait
 from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
+from jaxkv import residency
 from jaxkv import sampling as sampling_lib
 from jaxkv.config import Config, ModelConfig, SamplingConfig
 from jaxkv.kv_quant import KVFormat
@@ -83,6 +84,7 @@ class _Fns:
   merge_query: object
   merge_query_published: object
   pinned_heads: jax.sharding.Sharding  # q's copy for the host and the host's partial (host_attention.HandBack).
+  prefill_attention: str  # The prefill attention that runs: "xla" or "cudnn" (model.prefill_attention_impl).
 
 
 class _HeldMerge(NamedTuple):
@@ -116,17 +118,25 @@ def _poll(ready: Callable[[], bool], threads: int) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConfig, kv_dtype: str = "model") -> _Fns:
-  """The jitted per-layer functions, shared by every engine (and delivery mode) on one mesh and KV dtype."""
+def _functions(
+    cfg: ModelConfig,
+    mesh: jax.sharding.Mesh,
+    sampling: SamplingConfig,
+    kv_dtype: str = "model",
+    prefill_attention: str = "auto",
+) -> _Fns:
+  """The jitted per-layer functions, shared by every engine (and delivery mode) on one mesh, KV dtype and prefill
+  attention (engine.prefill_attention, resolved for the mesh's devices: model.prefill_attention_impl)."""
   rep = mesh_lib.replicated(mesh)
   kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
   heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None))  # q and the partials' o.
   pinned_heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None), "pinned_host")
   lse_heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None))  # The partials' lse.
   fmt = KVFormat.of(cfg, kv_dtype)
+  attention_impl = model.prefill_attention_impl(prefill_attention, cfg, fmt, mesh.local_devices[0])
 
   def prefill(p, x, window, meta):
-    return model.prefill_layer(p, x, window, meta[:-3], cfg=cfg, kv_format=fmt)
+    return model.prefill_layer(p, x, window, meta[:-3], cfg=cfg, kv_format=fmt, attention_impl=attention_impl)
 
   def decode(p, x, window, open_page, meta):
     return model.decode_layer(p, x, window, open_page, meta[:-3], meta[-3], cfg=cfg, kv_format=fmt)
@@ -212,6 +222,7 @@ def _functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConf
           static_argnames=("slot", "q_slot"),
       ),
       pinned_heads=pinned_heads,
+      prefill_attention=attention_impl,
   )
 
 
@@ -257,7 +268,10 @@ class Engine:
       mesh_lib.check_divisible(config.model, m)
     self.config, self.mesh, self.params = config, mesh, params
     lay = self.layout
-    self.stage_fns = tuple(_functions(config.model, m, config.sampling, config.kv.dtype) for m in lay.meshes)
+    self.stage_fns = tuple(
+        _functions(config.model, m, config.sampling, config.kv.dtype, config.engine.prefill_attention)
+        for m in lay.meshes
+    )
     self.fns = self.stage_fns[lay.stage_of[-1]]  # The head's: the last stage.
     self._first = self.stage_fns[lay.stage_of[0]]  # The embedding's.
     self._rep, self._rep_first = mesh_lib.replicated(lay.last), mesh_lib.replicated(lay.first)
@@ -325,11 +339,20 @@ class Engine:
     rows must already be in the cache (zeros are fine when they are left padding). The last chunk calls
     finish(l, window_rows_device, open_page) -> D2H bytes instead of storing its grown window: rows
     [0, longest // block * block) and the open page. counters(transport, d2h, rows) runs after each chunk.
+
+    Where the prompt's rows fit in device memory (`prefill_plan`), each layer's grown window stays on the devices
+    from one chunk to the next: the first chunk gets its window (the rows below `first`, if any) through the
+    transport, the later chunks get it from the devices, and the rows reach the cache's memory once, in the last
+    chunk (finish). Otherwise every chunk gets its window through the transport and stores it grown. Either way
+    each layer's prefill function sees the same values: the same bits.
     """
     block, chunk = self.config.kv.block, self.config.engine.prefill_chunk
     layers, stage_of = self.params["layers"], self.layout.stage_of
     n_chunks = -(-longest // chunk)
     w_final = longest // block * block
+    plan = prefill_plan(cache, n_chunks - first, chunk, self.config.kv.headroom_mib)
+    cache.prefill_summary = dict(plan, attention=self.stage_fns[0].prefill_attention)
+    kept: list = [None] * len(layers)  # With plan["keep"]: each layer's window so far, on the devices.
     x = None
     for c in range(first, n_chunks):
       last = c == n_chunks - 1
@@ -337,18 +360,26 @@ class Engine:
       metas = self.to_stages(self._meta(start, c * chunk, 0, seed))
       d2h = 0
 
-      def compute(l, window):
+      def compute(l, window):  # window: layer l's rows [0, c * chunk) on the devices, or None.
         nonlocal x, d2h
-        window = cache.full_window(l, window)  # With host attention the tail was delivered.
         shapes.add(("prefill", 0 if window is None else window.shape[3]))
         fns = self.layer_fns(l)
         x, rows = fns.prefill(layers[l], self.to_layer(x, l), window, metas[stage_of[l]])
         if last:
           d2h += finish(l, *fns.split(window, rows, w_rows=w_final, block=block))
+        elif plan["keep"]:
+          kept[l] = fns.grow(window, rows)
         else:
           d2h += cache.store(l, fns.grow(window, rows))
 
-      transport.run_pass(compute, next_pass=not last or next_pass)
+      if plan["keep"] and c > first:  # The windows are on the devices: nothing to deliver.
+        for l in range(len(layers)):
+          compute(l, kept[l])
+      else:  # With host attention the tail is delivered: the head is moved back and prepended.
+        transport.run_pass(
+            lambda l, tail: compute(l, cache.full_window(l, tail)),
+            next_pass=next_pass if last else not plan["keep"],
+        )
       counters(transport, d2h, (c + 1) * chunk)
     return self.fns.last_row(x, distributed.put_host(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
 
@@ -598,7 +629,7 @@ class Engine:
       while pending and not finished:  # Steps still in flight; none after every sequence ended.
         finished = self._take(rec, pending.popleft(), on_step, cache)
     t_end = time.perf_counter()
-    telemetry = dict(transport.summary(), compiled_shapes=len(shapes), **rec.totals())
+    telemetry = dict(transport.summary(), compiled_shapes=len(shapes), prefill=cache.prefill_summary, **rec.totals())
     if cache.host_split is not None:
       telemetry["host_attention"] = dict(telemetry["host_attention"], **host_thread_ms(cache.host_times))
     if cfg.kv.transport_debug >= 1:
@@ -617,6 +648,33 @@ class Engine:
     if on_step is not None:
       on_step(step, cache)
     return done
+
+
+def prefill_plan(cache: cache_lib.KVCache, chunks: int, chunk: int, headroom_mib: int) -> dict:
+  """Whether a prefill of `chunks` chunks keeps each streamed layer's window on the devices from one chunk to the
+  next (Engine.prefill): when the fullest device has room, beside what it holds now and kv.headroom_mib, for every
+  streamed layer's rows [0, chunks * chunk) (what the last chunk's windows hold, with its grown one); always where
+  the backend reports no device memory (CPU). Otherwise each chunk gets its window through the transport and stores
+  it grown, as decode does.
+
+  Returns keep (bool), bytes_per_device (the rows kept on the fullest device), free_bytes_per_device (None without
+  memory stats) and reason."""
+  need = cache.streamed_bytes_per_device(chunks * chunk)
+  devices = {d for s in cache.device_shardings for d in s.mesh.devices.flat if d.process_index == jax.process_index()}
+  free = residency.free_device_bytes(sorted(devices, key=lambda d: d.id)) if need else None
+  plan = dict(keep=False, bytes_per_device=need, free_bytes_per_device=free)
+  if not need or chunks < 2:
+    return dict(plan, reason="nothing streamed" if not need else "one chunk: nothing to keep")
+  room = None if free is None else free - headroom_mib * 2**20
+  if room is not None and need > room:
+    reason = (
+        f"the streamed layers' {need / 2**20:.0f} MiB of prompt rows per device exceed the free device memory "
+        f"{free / 2**20:.0f} MiB - --kv_headroom_mib={headroom_mib}: every chunk gets its window through the transport"
+    )
+    logging.warning("prefill: %s", reason)
+    return dict(plan, reason=reason)
+  where = "no device memory limit" if room is None else f"within {room / 2**20:.0f} MiB free - headroom"
+  return dict(plan, keep=True, reason=f"earlier rows stay on the devices ({need / 2**20:.0f} MiB per device, {where})")
 
 
 def host_thread_ms(times: collections.Counter) -> dict:

@@ -21,9 +21,10 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from jaxkv import mesh as mesh_lib
-from jaxkv.config import ModelConfig
+from jaxkv.config import PREFILL_ATTENTIONS, ModelConfig
 from jaxkv.kv_quant import KVFormat
 
 LAYER_AXES = {
@@ -211,11 +212,14 @@ def attn_out_and_mlp(p, x, o, cfg: ModelConfig):
   return x + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, p["w_down"])
 
 
-def prefill_layer(p, x, window, start, *, cfg: ModelConfig, kv_format: KVFormat | None = None):
+def prefill_layer(
+    p, x, window, start, *, cfg: ModelConfig, kv_format: KVFormat | None = None, attention_impl: str = "xla"
+):
   """One layer over a chunk of C prompt rows that starts at row W = window.shape[3].
 
   x [B, C, D]; window stored [2, B, K, W, E] rows [0, W) or None (first chunk); start i32[B] first valid row;
-  kv_format: how rows are stored (default: the model dtype).
+  kv_format: how rows are stored (default: the model dtype); attention_impl: "xla" (`blocked_attention`, the
+  reference) or "cudnn" (`fused_prefill_attention`; see `prefill_attention_impl`).
   Returns x [B, C, D] and the chunk's stored kv [2, B, K, C, E]. The chunk attends to its rows as stored
   (packed, then unpacked): the values decode will see.
   Rows before `start` are left padding: their keys are masked for everyone, and a padding query attends to
@@ -228,6 +232,10 @@ def prefill_layer(p, x, window, start, *, cfg: ModelConfig, kv_format: KVFormat 
   pos = jnp.maximum(rows[None, :] - start[:, None], 0)  # [B, C]
   q, k, v = qkv(p, x, pos, cfg)
   chunk = fmt.pack(jnp.stack([k, v]).transpose(0, 1, 3, 2, 4))  # [2, B, K, C, E]
+  if attention_impl == "cudnn":
+    prefix = None if window is None else fmt.unpack(window)
+    o = fused_prefill_attention(q, fmt.unpack(chunk), prefix, start, cudnn_attention)
+    return attn_out_and_mlp(p, x, o, cfg), chunk
   kv = fmt.unpack(chunk if window is None else jnp.concatenate([window, chunk], axis=3))
   key_rows = jnp.arange(w_rows + c, dtype=jnp.int32)
   causal = (key_rows[None, None, :] <= rows[None, :, None]) & (key_rows[None, None, :] >= start[:, None, None])
@@ -258,6 +266,143 @@ def blocked_attention(q, kv, mask):
   ms = mask.reshape(b, n, qb, -1).swapaxes(0, 1)
   o = jax.lax.map(lambda a: attention(a[0], kv, a[1]), (qs, ms))  # [n, B, qb, H, Dh]
   return o.swapaxes(0, 1).reshape(b, t, h, dh)
+
+
+FUSED_DTYPES = ("bfloat16", "float16")  # What cuDNN's flash attention takes.
+
+
+def prefill_attention_impl(choice: str, cfg: ModelConfig, fmt: KVFormat, device) -> str:
+  """The prefill attention that runs on `device` (a jax Device): "xla" or "cudnn".
+
+  choice (engine.prefill_attention): "xla"; "cudnn", ValueError when it cannot run; "auto", "cudnn" where it can
+  run, else "xla". cuDNN's flash attention needs a CUDA GPU, q and the KV values (unpacked) both in bfloat16 or
+  float16, and head_dim a multiple of 8 up to 128 (256 from compute capability 9.0, Hopper)."""
+  if choice not in PREFILL_ATTENTIONS:
+    raise ValueError(f"engine.prefill_attention must be one of {', '.join(PREFILL_ATTENTIONS)}, got {choice!r}")
+  if choice == "xla":
+    return "xla"
+  capability = getattr(device, "compute_capability", None)
+  max_head_dim = 256 if capability and tuple(int(v) for v in str(capability).split(".")) >= (9, 0) else 128
+  missing = []
+  if device.platform != "gpu" or capability is None:
+    missing.append(f"a CUDA GPU (the devices are {device.platform})")
+  if cfg.dtype not in FUSED_DTYPES:
+    missing.append(f"model.dtype bfloat16 or float16 (it is {cfg.dtype})")
+  elif fmt.values_dtype != jnp.dtype(cfg.dtype):
+    missing.append(f"KV values in the model dtype (kv.dtype {fmt.name} holds {fmt.values_dtype})")
+  if cfg.head_dim % 8 or cfg.head_dim > max_head_dim:
+    missing.append(f"head_dim a multiple of 8 up to {max_head_dim} (it is {cfg.head_dim})")
+  if not missing:
+    error = cudnn_check(device, cfg.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    if error is None:
+      return "cudnn"
+    missing.append(f"cuDNN's flash attention to run and match the XLA attention on {device}: {error}")
+  if choice == "cudnn":
+    raise ValueError(
+        f"engine.prefill_attention cudnn needs {'; '.join(missing)}; use engine.prefill_attention auto or xla"
+    )
+  if not missing[0].startswith("a CUDA GPU"):
+    logging.warning("prefill attention: plain XLA, not cuDNN, which needs %s", "; ".join(missing))
+  return "xla"
+
+
+CUDNN_CHECK_TOLERANCE = 2e-2  # Relative error (Frobenius) of the fused prefill attention vs `attention`, bf16/f16.
+
+
+@functools.lru_cache(maxsize=None)
+def cudnn_check(device, dtype: str, heads: int, kv_heads: int, head_dim: int) -> str | None:
+  """Runs `fused_prefill_attention` with `cudnn_attention` once on `device` in a small case of the model's heads (two
+  sequences, one left-padded into the chunk, a chunk of 64 rows after 128): None when it runs and its relative error
+  against `attention` is within CUDNN_CHECK_TOLERANCE, else what went wrong (cuDNN missing or too old, another
+  kernel contract)."""
+  rng = np.random.default_rng(0)
+  c, w = 64, 128
+  put = lambda a: jax.device_put(jnp.asarray(a, dtype), device)
+  q = put(rng.standard_normal((2, c, heads, head_dim)))
+  chunk_kv = put(rng.standard_normal((2, 2, kv_heads, c, head_dim)))
+  prefix_kv = put(rng.standard_normal((2, 2, kv_heads, w, head_dim)))
+  start = jax.device_put(jnp.array([0, w + 9], jnp.int32), device)
+  rows, keys = w + jnp.arange(c), jnp.arange(w + c)
+  mask = (keys[None, None, :] <= rows[None, :, None]) & (keys[None, None, :] >= start[:, None, None])
+  mask = mask | (keys[None, None, :] == rows[None, :, None])
+  try:
+    fused = jax.jit(fused_prefill_attention, static_argnums=4)(q, chunk_kv, prefix_kv, start, cudnn_attention)
+    fused = np.asarray(fused, np.float32)
+  except Exception as e:  # pylint: disable=broad-exception-caught  (any failure means: not here)
+    return f"{type(e).__name__}: {str(e)[:300]}"
+  ref = np.asarray(jax.jit(attention)(q, jnp.concatenate([prefix_kv, chunk_kv], axis=3), mask), np.float32)
+  err = float(np.linalg.norm(fused - ref) / np.linalg.norm(ref))
+  if not err <= CUDNN_CHECK_TOLERANCE:
+    return f"relative error {err:.3g} > {CUDNN_CHECK_TOLERANCE}"
+  return None
+
+
+def cudnn_attention(q, k, v, q_len, kv_len, causal: bool):
+  """cuDNN's flash attention (GPU only), as `fused_prefill_attention` calls its kernel.
+
+  q [B, T, H, Dh]; k, v [B, S, K, Dh] (K divides H: query head h reads KV head h // (H / K)), all bfloat16 or all
+  float16; q_len, kv_len i32[B] >= 1: queries [0, q_len) and keys [0, kv_len) are valid (right padding); causal:
+  key j only for queries i >= j (top-left). Returns o [B, T, H, Dh] of q's dtype (rows past q_len undefined) and
+  lse f32[B, H, T], the log-sum-exp of each query's scaled scores.
+
+  This is the function behind jax.nn.dot_product_attention(implementation="cudnn"), called directly because that
+  one rounds the log-sum-exp to q's dtype (bfloat16 steps by 1/8 between 16 and 32: too coarse to merge two
+  partials)."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=g-import-not-at-top
+
+  mask = fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
+  o, lse = fa.dot_product_attention(
+      q,
+      k,
+      v,
+      q_seqlen=q_len,
+      kv_seqlen=kv_len,
+      scale=1.0 / math.sqrt(q.shape[-1]),
+      mask_type=mask,
+      qkv_layout="BTNH",
+      return_residual=True,
+  )
+  return o, lse.astype(jnp.float32)
+
+
+def fused_prefill_attention(q, chunk_kv, prefix_kv, start, kernel):
+  """The attention of `prefill_layer` with a fused (flash) kernel: row r of sequence b attends rows [start[b], r];
+  a left-padding query (r < start[b]) gets its own value row, as `attention` gives it.
+
+  q [B, C, H, Dh] rows [W, W + C); chunk_kv [2, B, K, C, Dh] the values of those rows (unpacked); prefix_kv
+  [2, B, K, W, Dh] rows [0, W) or None (W = 0); start i32[B]; kernel: `cudnn_attention` or a function of its
+  contract. Returns [B, C, H, Dh] of q's dtype.
+
+  The kernel masks only right padding and a top-left causal diagonal, so the chunk's offset from its keys is split
+  into two calls whose partials are merged by their log-sum-exps (`merge_partials`, in f32):
+    the chunk over itself, causal: each sequence's rows are rolled up by its padding in the chunk,
+      p = clip(start - W, 0, C), so its valid rows come first (q and kv lengths C - p);
+    the chunk over the prefix, no causal mask: the prefix rows reversed, so its valid rows [start, W) come first
+      (kv length W - start); a sequence with none takes the first call alone.
+  """
+  b, c, h, dh = q.shape
+  w_rows = 0 if prefix_kv is None else prefix_kv.shape[3]
+  pad = jnp.clip(start - w_rows, 0, c)  # [B]
+  lanes = jnp.arange(c, dtype=jnp.int32)[None, :]
+  roll = lambda a, i: jnp.take_along_axis(a, i.reshape(i.shape + (1,) * (a.ndim - 2)), axis=1)
+  up, down = (lanes + pad[:, None]) % c, (lanes - pad[:, None]) % c  # [B, C]
+  kv = chunk_kv.transpose(0, 1, 3, 2, 4)  # [2, B, C, K, Dh]
+  n = jnp.maximum(c - pad, 1).astype(jnp.int32)
+  o, lse = kernel(roll(q, up), roll(kv[0], up), roll(kv[1], up), n, n, True)
+  o = roll(o, down)
+  lse = jnp.take_along_axis(lse, down[:, None, :], axis=2)  # [B, H, C]
+  if prefix_kv is not None:
+    prefix = prefix_kv[:, :, :, ::-1].transpose(0, 1, 3, 2, 4)  # [2, B, W, K, Dh], row W - 1 first.
+    m = jnp.clip(w_rows - start, 0, w_rows).astype(jnp.int32)
+    o1, lse1 = kernel(q, prefix[0], prefix[1], jnp.full((b,), c, jnp.int32), jnp.maximum(m, 1), False)
+    has = m[:, None, None] > 0  # [B, 1, 1]
+    lse1 = jnp.where(has, lse1, -jnp.inf)
+    o1 = jnp.where(has[..., None], o1.astype(jnp.float32), 0.0)
+    t = lambda a: a.transpose(0, 2, 1)  # [B, H, C] -> [B, C, H]
+    o = merge_partials(o1, t(lse1), o.astype(jnp.float32), t(lse))[0]
+  own = jnp.repeat(kv[1], h // kv.shape[3], axis=2)  # [B, C, H, Dh]: each query head's own value row.
+  valid = w_rows + lanes >= start[:, None]  # [B, C]
+  return jnp.where(valid[:, :, None, None], o.astype(q.dtype), own.astype(q.dtype))
 
 
 def decode_layer(p, x, window, open_page, start, end, *, cfg: ModelConfig, kv_format: KVFormat | None = None):

@@ -66,6 +66,7 @@ ARM_FIELDS = {
     "kv_bytes_per_step_per_device",
     "link_bound_tok_s",
     "x_link_bound",
+    "prefill_s",
 }
 SAMPLE_FIELDS = {
     "round",
@@ -142,6 +143,7 @@ def test_each_arm_has_numbers(bench):
       assert all(s["decode_steps"] == 7 for s in a["samples"])
       assert 0 < a["tok_s"]["min"] <= a["tok_s"]["median"] <= a["tok_s"]["max"]
       assert a["ms_per_step"]["median"] > 0 and a["gain_vs_ordered"] > 0
+      assert 0 < a["prefill_s"]["min"] <= a["prefill_s"]["median"] <= a["prefill_s"]["max"]  # Time to first token.
       assert (a["x_link_bound"] is None) if name == "device" else a["x_link_bound"] > 0
       assert (a["overlap_ratio"] is None) == name.endswith("_ha")  # Host attention: no plain overlap bound.
       assert (a["link_efficiency"] is None) == (name == "device")
@@ -184,6 +186,8 @@ def test_markdown_and_plot(bench):
     md = f.read()
   for name in ARMS:
     assert f"| 40 | 2 | {name} |" in md
+  row = next(l for l in md.splitlines() if l.startswith("| 40 | 2 | host_d2 |")).split(" | ")
+  assert float(row[7]) == round(out["cells"][1]["arms"]["host_d2"]["prefill_s"]["median"], 3)  # The prefill s column.
   assert f"| 16 | 2 | {benchmark.PEER_ARM} | 0.2 | skipped" in md  # KV MiB/step/device, then the reason.
   assert "| 40 | 2 | int8 | 40 |" in md  # The int8 arm's transfer ceilings.
   assert "| 40 | 2 | host_d1_ha | " in md.split("## Host attention")[1]

@@ -1,0 +1,202 @@
+"""Prefill: the fused attention's split-and-merge against the plain XLA attention, the choice of implementation, and
+host placement keeping the prompt's earlier rows on the devices (same bits, no re-delivery)."""
+
+import dataclasses
+import importlib.util
+import pathlib
+import types
+from unittest import mock
+
+import helpers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import tiny
+from jaxkv import config as config_lib
+from jaxkv import engine as engine_lib
+from jaxkv import model
+from jaxkv import residency
+from jaxkv import run as run_lib
+from jaxkv.kv_quant import KVFormat
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def emulated_kernel(q, k, v, q_len, kv_len, causal):
+  """model.cudnn_attention's contract in plain jnp (f32 softmax): q [B, T, H, Dh]; k, v [B, S, K, Dh]; queries
+  [0, q_len) and keys [0, kv_len) valid; causal: top-left. Rows past q_len come back NaN, so a caller that read them
+  would fail."""
+  b, t, h, dh = q.shape
+  s_rows, kh = k.shape[1], k.shape[2]
+  qg = q.reshape(b, t, kh, h // kh, dh).astype(jnp.float32)
+  s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) / np.sqrt(dh)
+  i, j = jnp.arange(t)[:, None], jnp.arange(s_rows)[None, :]
+  mask = (j[None] < kv_len[:, None, None]) & ((j <= i)[None] if causal else True)  # [B, T, S]
+  s = jnp.where(mask[:, None, None], s, -jnp.inf)
+  lse = jax.nn.logsumexp(s, axis=-1)  # [B, K, G, T]
+  o = jnp.einsum("bkgts,bskd->btkgd", jnp.exp(s - lse[..., None]), v.astype(jnp.float32)).reshape(b, t, h, dh)
+  valid_q = jnp.arange(t)[None, :] < q_len[:, None]  # [B, T]
+  o = jnp.where(valid_q[:, :, None, None], o, jnp.nan).astype(q.dtype)
+  lse = jnp.where(valid_q[:, None, :], lse.reshape(b, h, t), jnp.nan)
+  return o, lse
+
+
+def _xla_reference(q, chunk_kv, prefix_kv, start):
+  """prefill_layer's XLA attention over [prefix, chunk] with its mask."""
+  w = 0 if prefix_kv is None else prefix_kv.shape[3]
+  c = q.shape[1]
+  kv = chunk_kv if prefix_kv is None else jnp.concatenate([prefix_kv, chunk_kv], axis=3)
+  rows = w + jnp.arange(c)
+  keys = jnp.arange(w + c)
+  mask = (keys[None, None, :] <= rows[None, :, None]) & (keys[None, None, :] >= start[:, None, None])
+  return model.attention(q, kv, mask | (keys[None, None, :] == rows[None, :, None]))
+
+
+@pytest.mark.parametrize("w", [0, 16])
+def test_fused_prefill_attention_matches_the_xla_attention(w):
+  """Left padding ending in the prefix, at its end, inside the chunk, and past the chunk (all padding), GQA."""
+  rng = np.random.default_rng(w)
+  c, h, k, dh = 8, 4, 2, 8
+  start = jnp.array([0, 5, w, w + 3, w + c + 2], jnp.int32)
+  b = len(start)
+  q = jnp.asarray(rng.standard_normal((b, c, h, dh)), jnp.float32)
+  chunk_kv = jnp.asarray(rng.standard_normal((2, b, k, c, dh)), jnp.float32)
+  prefix_kv = jnp.asarray(rng.standard_normal((2, b, k, w, dh)), jnp.float32) if w else None
+  fused = jax.jit(model.fused_prefill_attention, static_argnums=4)(q, chunk_kv, prefix_kv, start, emulated_kernel)
+  ref = _xla_reference(q, chunk_kv, prefix_kv, start)
+  assert np.isfinite(np.asarray(fused)).all()
+  np.testing.assert_allclose(fused, ref, rtol=2e-6, atol=2e-6)
+
+
+def _gpu(capability="9.0"):
+  return types.SimpleNamespace(platform="gpu", compute_capability=capability)
+
+
+@mock.patch.object(model, "cudnn_check", lambda *args: None)  # cuDNN runs (and matches) on the fake GPU.
+def test_prefill_attention_impl_picks_cudnn_only_where_it_runs():
+  bf16 = dataclasses.replace(helpers.tiny_config().model, dtype="bfloat16", head_dim=128)
+  f32 = dataclasses.replace(bf16, dtype="float32")
+  cpu = jax.devices("cpu")[0]
+  impl = model.prefill_attention_impl
+  assert impl("auto", bf16, KVFormat.of(bf16), _gpu()) == "cudnn"
+  assert impl("auto", bf16, KVFormat.of(bf16, "int8"), _gpu()) == "cudnn"  # Unpacked to bf16.
+  assert impl("auto", bf16, KVFormat.of(bf16, "float32"), _gpu()) == "xla"  # f32 values: not the model dtype.
+  assert impl("auto", f32, KVFormat.of(f32), _gpu()) == "xla"
+  assert impl("auto", bf16, KVFormat.of(bf16), cpu) == "xla"
+  assert impl("xla", bf16, KVFormat.of(bf16), _gpu()) == "xla"
+  wide = dataclasses.replace(bf16, head_dim=256)
+  assert impl("auto", wide, KVFormat.of(wide), _gpu("9.0")) == "cudnn"
+  assert impl("auto", wide, KVFormat.of(wide), _gpu("8.0")) == "xla"
+  with pytest.raises(ValueError, match="CUDA GPU"):
+    impl("cudnn", bf16, KVFormat.of(bf16), cpu)
+  with pytest.raises(ValueError, match="bfloat16 or float16"):
+    impl("cudnn", f32, KVFormat.of(f32), _gpu())
+
+
+def test_prefill_attention_impl_falls_back_when_the_cudnn_check_fails():
+  bf16 = dataclasses.replace(helpers.tiny_config().model, dtype="bfloat16", head_dim=128)
+  with mock.patch.object(model, "cudnn_check", lambda *args: "relative error 0.3 > 0.02"):
+    assert model.prefill_attention_impl("auto", bf16, KVFormat.of(bf16), _gpu()) == "xla"
+    with pytest.raises(ValueError, match="relative error 0.3"):
+      model.prefill_attention_impl("cudnn", bf16, KVFormat.of(bf16), _gpu())
+
+
+def test_the_cudnn_check_reports_a_kernel_that_cannot_run():
+  """On CPU cuDNN is missing: the check says why instead of raising."""
+  error = model.cudnn_check.__wrapped__(jax.devices("cpu")[0], "bfloat16", 4, 2, 16)
+  assert error and "cuDNN" in error
+
+
+def test_the_engine_runs_the_xla_prefill_on_cpu_and_refuses_cudnn():
+  cfg = helpers.tiny_config()
+  auto = helpers.engine(2)
+  assert auto.stage_fns[0].prefill_attention == "xla"
+  xla_cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, prefill_attention="xla"))
+  xla = engine_lib.Engine(xla_cfg, helpers.mesh(2), helpers.params(2))
+  prompts = helpers.prompts([20, 7])
+  a, b = auto.generate(prompts, 3), xla.generate(prompts, 3)
+  assert (a.tokens_sha256, a.logits_sha256) == (b.tokens_sha256, b.logits_sha256)
+  assert a.transport["prefill"]["attention"] == "xla"
+  cudnn_cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, prefill_attention="cudnn"))
+  with pytest.raises(ValueError, match="engine.prefill_attention cudnn needs"):
+    engine_lib.Engine(cudnn_cfg, helpers.mesh(2), helpers.params(2))
+
+
+LENGTHS = (40, 23)  # Three chunks of 16: the first prompt's rows span them all, the second starts in the second.
+
+
+def _prefill_h2d(res) -> int:
+  return sum(s["h2d_bytes"] for s in res.transport["steps"] if s["kind"] == "prefill")
+
+
+@pytest.mark.parametrize("tensor", [1, 4])
+def test_host_prefill_keeps_earlier_rows_on_the_devices_with_the_same_bits(tensor):
+  prompts = helpers.prompts(LENGTHS)
+  ref = helpers.engine(tensor).generate(prompts, 4, keep_logits=True)
+  res = helpers.engine(tensor, placement="host", depth=2, debug=1).generate(prompts, 4, keep_logits=True)
+  np.testing.assert_array_equal(res.logits, ref.logits)
+  assert (res.tokens_sha256, res.logits_sha256) == (ref.tokens_sha256, ref.logits_sha256)
+  plan = res.transport["prefill"]
+  assert plan["keep"] and "stay on the devices" in plan["reason"]
+  assert _prefill_h2d(res) == 0  # No chunk got a window from the host.
+  cfg = helpers.tiny_config().model
+  row = 2 * len(LENGTHS) * cfg.num_kv_heads * cfg.head_dim * 4  # K and V of one row, the batch, f32.
+  assert plan["bytes_per_device"] == cfg.num_layers * row // tensor * 48
+  # The rows reached the host once: the 40 // 8 * 8 = 40 full-block rows of each layer.
+  prefill_d2h = sum(s["d2h_bytes"] for s in res.transport["steps"] if s["kind"] == "prefill")
+  assert prefill_d2h == cfg.num_layers * row * 40
+
+
+def test_host_prefill_past_the_device_budget_redelivers_each_chunk_with_the_same_bits():
+  prompts = helpers.prompts(LENGTHS)
+  kept = helpers.engine(2, placement="host", depth=2, debug=1).generate(prompts, 4)
+  with mock.patch.object(residency, "free_device_bytes", lambda devices: 0):  # A full device.
+    res = helpers.engine(2, placement="host", depth=2, debug=1).generate(prompts, 4)
+  assert (res.tokens_sha256, res.logits_sha256) == (kept.tokens_sha256, kept.logits_sha256)
+  plan = res.transport["prefill"]
+  assert not plan["keep"] and "exceed the free device memory" in plan["reason"]
+  cfg = helpers.tiny_config().model
+  row = 2 * len(LENGTHS) * cfg.num_kv_heads * cfg.head_dim * 4
+  assert _prefill_h2d(res) == cfg.num_layers * row * (16 + 32)  # Chunks 1 and 2 got rows [0, 16) and [0, 32).
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_host_prefill_with_zero_rows_and_host_attention_keeps_the_bits(fraction):
+  """A synthetic context (rows below the first chunk prefilled are zeros, delivered once) and host attention's
+  head/tail store: keeping the rows on the devices gives the bits of re-delivering them."""
+  prompts = helpers.prompts(LENGTHS)
+  kw = dict(placement="host", depth=1, host_attention=bool(fraction), host_attention_fraction=fraction)
+  kept = helpers.engine(2, **kw).generate(prompts, 4, zero_rows=16, keep_logits=True)
+  assert kept.transport["prefill"]["keep"]
+  with mock.patch.object(residency, "free_device_bytes", lambda devices: 0):
+    res = helpers.engine(2, **kw).generate(prompts, 4, zero_rows=16, keep_logits=True)
+  assert not res.transport["prefill"]["keep"]
+  np.testing.assert_array_equal(res.logits, kept.logits)
+  if not fraction:
+    device = helpers.engine(2).generate(prompts, 4, zero_rows=16, keep_logits=True)
+    np.testing.assert_array_equal(kept.logits, device.logits)
+
+
+def check_script():
+  spec = importlib.util.spec_from_file_location("check_prefill", ROOT / "tools" / "check_prefill.py")
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  return script
+
+
+def test_the_gpu_check_script_reports_a_cudnn_failure_and_times_the_placements():
+  """tools/check_prefill.py on CPU with the tiny model: cuDNN's failure is a row, not a crash; the placements give
+  the same bits and the host keeps the rows on the devices."""
+  script = check_script()
+  acc = script.accuracy(helpers.tiny_config(dtype="bfloat16").model, 8, [0, 8], [[0], [0, 11]])
+  assert [r["ok"] for r in acc] == [False] * 4 and all("cuDNN" in r["error"] and r["xla_ms"] > 0 for r in acc)
+  cd = tiny.get_config()
+  cd.mesh.tensor = 2
+  mesh, params, _ = run_lib.build(config_lib.from_config_dict(cd), 0)
+  rows = script.prefill_times(cd, [40], ["device", "host"], ["xla"], mesh, params)
+  assert [(r["placement"], r["attention"]) for r in rows] == [("device", "xla"), ("host", "xla")]
+  assert all(r["same_bits_as_placements"] and r["same_bits_twice"] and r["warm_prefill_s"] > 0 for r in rows)
+  assert rows[1]["keep"] and rows[1]["prefill_h2d_bytes"] == 0 < rows[1]["prefill_d2h_bytes"]
+  assert "| 40 | xla (xla) | host | 16 |" in script._table(acc, rows)  # pylint: disable=protected-access
