@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import os
 
 import jax
 import pytest
@@ -18,9 +20,26 @@ from jaxkv import mesh as mesh_lib
 from jaxkv import model
 
 MESH_SIZES = (1, 2, 4, 8)
+# CI (.ci/run exports CI=true) installs everything that tests may need: the C++ compiler and every extra. There a test
+# that would skip for a missing one runs instead, and fails.
+IN_CI = os.environ.get("CI") == "true"
+
+
+def unless_installed(missing: bool, reason: str):
+  """A skipif marker for a test that needs something optional, which CI installs: never a skip in CI."""
+  return pytest.mark.skipif(missing and not IN_CI, reason=reason)
+
+
+def import_extra(module: str, extra: str):
+  """The module, or a skip that names the extra installing it (in CI, which installs every extra: the import)."""
+  if IN_CI:
+    return importlib.import_module(module)
+  return pytest.importorskip(module, reason=f"needs the {extra} extra: pip install -e '.[{extra}]'")
+
+
 # jaxkv.host_wait's ops are C++ built at first use: their tests need the compiler that kv.host_attention_wait "device"
 # needs (g++ or $CXX).
-NEEDS_CXX = pytest.mark.skipif(host_wait.compiler() is None, reason="no C++ compiler (g++ or $CXX) for jaxkv.host_wait")
+NEEDS_CXX = unless_installed(host_wait.compiler() is None, "no C++ compiler (g++ or $CXX) for jaxkv.host_wait")
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,6 +108,13 @@ def with_kv(eng, **fields):
   """The same engine (weights, mesh) with these kv fields replaced."""
   kv = dataclasses.replace(eng.config.kv, **fields)
   return type(eng)(dataclasses.replace(eng.config, kv=kv), eng.mesh, eng.params, eng.layout)
+
+
+def device_memory(monkeypatch, free_bytes: int) -> None:
+  """Every device reports memory stats with `free_bytes` free, as a GPU does (CPU devices report none), so that the
+  residency planner and the ring's depth choice size themselves from free device memory."""
+  stats = dict(bytes_limit=free_bytes + 2**20, bytes_in_use=2**20)
+  monkeypatch.setattr(type(jax.devices()[0]), "memory_stats", lambda self: dict(stats))
 
 
 def layer_bytes(eng, batch: int) -> int:

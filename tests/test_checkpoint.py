@@ -402,10 +402,8 @@ FAMILIES = {
 def hf_reference(tmp_path_factory):
   """family -> (checkpoint dir, prompts, greedy tokens [B][NEW_TOKENS], logits f32[NEW_TOKENS, B, V]) from
   transformers, built on first use."""
-  torch = pytest.importorskip("torch", reason="the parity tests need the parity extra: pip install -e '.[parity]'")
-  transformers = pytest.importorskip(
-      "transformers", reason="the parity tests need the parity extra: pip install -e '.[parity]'"
-  )
+  torch = helpers.import_extra("torch", "parity")
+  transformers = helpers.import_extra("transformers", "parity")
   cache = {}
 
   def get(family):
