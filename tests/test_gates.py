@@ -94,6 +94,8 @@ def test_the_gates_app_exits_non_zero_when_a_gate_fails(tmp_path):
           "--cpu_devices=1",
           "--arms=device,host_d1_bfloat16",
           "--new_tokens=3",
+          "--config.engine.capacity=32",  # Fewer window shapes to compile.
+          "--config.model.num_layers=2",
           "--sequences=2",
           "--parallel=2",
           f"--json_out={out}",
