@@ -14,12 +14,11 @@ import os
 import jax
 import numpy as np
 import pytest
-import tokenizers
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 import helpers
 from experiments import tiny
+from helpers import GEOMETRY, WORDS, hf_config, hf_tensors, write_checkpoint, write_tokenizer
 from jaxkv import checkpoint
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
@@ -28,17 +27,6 @@ from jaxkv import model
 from jaxkv import run
 from jaxkv import tokenizer as tokenizer_lib
 
-# Tiny geometry: the test meshes' tensor axis (1 and 4) divides 4 KV heads, 8 heads, 128 MLP columns and 256 ids.
-GEOMETRY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    num_hidden_layers=3,  # Three layers, so that pipeline depth 2 runs uncapped (depth <= layers - 1).
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=16,
-    intermediate_size=128,
-    rms_norm_eps=1e-6,
-)
 # Llama-3 scaling with a short original context, so that the tiny head_dim has frequencies in all three bands
 # (wavelengths below 8 kept, 8..32 smoothed, above 32 divided by the factor).
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
@@ -49,72 +37,6 @@ NEW_TOKENS = 32
 # Both run in float32; what differs is the order of the float32 sums (XLA vs torch) and RoPE's inverse
 # frequencies (jaxkv computes them in float64 before rounding, torch in float32): measured ~5e-7.
 LOGITS_RTOL = 1e-5
-
-
-# Checkpoints written with safetensors.numpy (no torch).
-
-
-def hf_config(arch: str = "LlamaForCausalLM", **overrides) -> dict:
-  cfg = dict(GEOMETRY, architectures=[arch], model_type="llama" if arch == "LlamaForCausalLM" else "qwen3")
-  cfg.update(rope_theta=10_000.0, tie_word_embeddings=False, torch_dtype="float32")
-  cfg.update(overrides)
-  return cfg
-
-
-def hf_tensors(hf: dict, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
-  """Random tensors with HF names and layouts for a config.json dict."""
-  rng = np.random.default_rng(seed)
-  d, h, k = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
-  dh, f, v = hf["head_dim"], hf["intermediate_size"], hf["vocab_size"]
-
-  def w(*shape):
-    return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(dtype)
-
-  def norm(n):
-    return (1 + 0.1 * rng.standard_normal(n)).astype(dtype)
-
-  t = {"model.embed_tokens.weight": rng.standard_normal((v, d)).astype(dtype), "model.norm.weight": norm(d)}
-  if not hf.get("tie_word_embeddings"):
-    t["lm_head.weight"] = w(v, d)
-  for l in range(hf["num_hidden_layers"]):
-    p = f"model.layers.{l}."
-    t.update(
-        {
-            p + "input_layernorm.weight": norm(d),
-            p + "self_attn.q_proj.weight": w(h * dh, d),
-            p + "self_attn.k_proj.weight": w(k * dh, d),
-            p + "self_attn.v_proj.weight": w(k * dh, d),
-            p + "self_attn.o_proj.weight": w(d, h * dh),
-            p + "post_attention_layernorm.weight": norm(d),
-            p + "mlp.gate_proj.weight": w(f, d),
-            p + "mlp.up_proj.weight": w(f, d),
-            p + "mlp.down_proj.weight": w(d, f),
-        }
-    )
-    if hf["architectures"] == ["Qwen3ForCausalLM"]:
-      t[p + "self_attn.q_norm.weight"] = norm(dh)
-      t[p + "self_attn.k_norm.weight"] = norm(dh)
-  return t
-
-
-def write_checkpoint(path, hf: dict, tensors: dict, shards: int = 1) -> str:
-  """config.json and model.safetensors, or `shards` files listed by model.safetensors.index.json."""
-  os.makedirs(path, exist_ok=True)
-  with open(os.path.join(path, checkpoint.CONFIG_FILE), "w") as f:
-    json.dump(hf, f)
-  if shards == 1:
-    save_file(tensors, os.path.join(path, checkpoint.WEIGHTS_FILE), metadata={"format": "pt"})
-    return str(path)
-  names = sorted(tensors)
-  weight_map = {}
-  for i in range(shards):
-    file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-    part = {n: tensors[n] for n in names[i::shards]}
-    save_file(part, os.path.join(path, file), metadata={"format": "pt"})
-    weight_map.update({n: file for n in part})
-  with open(os.path.join(path, checkpoint.INDEX_FILE), "w") as f:
-    json.dump({"metadata": {}, "weight_map": weight_map}, f)
-  return str(path)
 
 
 def expected_params(hf: dict, tensors: dict) -> dict:
@@ -334,18 +256,6 @@ def test_a_failed_read_deletes_what_was_loaded(tmp_path, monkeypatch):
 
 
 # Tokenizer and the generate path with text prompts.
-
-WORDS = {"<unk>": 0, "<bos>": 1, **{f"w{i}": i for i in range(2, 256)}}
-
-
-def write_tokenizer(path, bos: bool = True) -> None:
-  """A word-level tokenizer.json over the whole tiny vocabulary; with `bos`, its post-processor adds <bos>."""
-  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(WORDS, unk_token="<unk>"))
-  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-  tok.add_special_tokens(["<bos>"])
-  if bos:
-    tok.post_processor = tokenizers.processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-  tok.save(os.path.join(path, tokenizer_lib.TOKENIZER_FILE))
 
 
 @pytest.mark.parametrize("bos", [True, False])
