@@ -155,6 +155,10 @@ BAD = {
         r"use_sliding_window",
     ),
     "activation": (_config(hidden_act="gelu"), r"hidden_act 'gelu'"),
+    "quantized": (
+        _config(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+        r"unsupported quantized checkpoint \(quant_method 'fp8'\)",
+    ),
     "missing tensor": (_drop("model.layers.1.mlp.up_proj.weight"), r"no tensor model\.layers\.1\.mlp\.up_proj\.weight"),
     "missing lm_head": (_drop("lm_head.weight"), r"no tensor lm_head\.weight"),
     "shape mismatch": (

@@ -88,9 +88,10 @@ def test_unknown_config_field_is_named():
     config_lib.from_config_dict(cd)
 
 
-def test_engine_rejects_a_mesh_that_does_not_split_the_model():
+@pytest.mark.parametrize("field, value", [("mlp_dim", 100), ("vocab_size", 260)])
+def test_engine_rejects_a_mesh_that_does_not_split_the_model(field, value):
   cfg = helpers.tiny_config()
   params = helpers.params(1)
-  mc = dataclasses.replace(cfg.model, mlp_dim=100)
-  with pytest.raises(ValueError, match="mlp_dim = 100 is not divisible by the tensor axis size 8"):
+  mc = dataclasses.replace(cfg.model, **{field: value})
+  with pytest.raises(ValueError, match=f"{field} = {value} is not divisible by the tensor axis size 8; choose"):
     engine_lib.Engine(dataclasses.replace(cfg, model=mc), helpers.mesh(8), params)
