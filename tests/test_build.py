@@ -28,8 +28,14 @@ def _experiments(root: pathlib.Path) -> set[str]:
 
 
 # Deps that no import statement shows, from the repository root: experiments/tiny.py is jaxkv/cli.py's default --config
-# file, loaded by path; tests/test_experiments.py imports every experiment by name.
-NON_IMPORT_DEPS = {"jaxkv/cli.py": lambda root: {"experiments/tiny.py"}, "tests/test_experiments.py": _experiments}
+# file, loaded by path; tests/test_experiments.py imports every experiment by name; tests run the bench and gates apps
+# as `python -m` without importing them (an app's flags would clash with another's in one process).
+NON_IMPORT_DEPS = {
+    "jaxkv/cli.py": lambda root: {"experiments/tiny.py"},
+    "tests/test_experiments.py": _experiments,
+    "tests/test_bench.py": lambda root: {"jaxkv/bench.py"},
+    "tests/test_gates.py": lambda root: {"jaxkv/gates.py"},
+}
 # Tests that load a script of tools/ by path (a data file): the script's imports are the test's deps too.
 RUN_BY_PATH = {
     "tests/test_host_attention.py": "tools/probe_host_attention.py",

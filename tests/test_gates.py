@@ -11,7 +11,6 @@ import helpers
 import pytest
 
 from jaxkv import gate_suite
-from jaxkv import gates as gates_app
 from jaxkv import transport as transport_lib
 
 
@@ -90,7 +89,7 @@ def test_the_gates_app_exits_non_zero_when_a_gate_fails(tmp_path):
       [
           sys.executable,
           "-m",
-          gates_app.__name__,
+          "jaxkv.gates",  # Not imported here: its flags would clash with other apps'.
           "--cpu_devices=1",
           "--arms=device,host_d1_bfloat16",
           "--new_tokens=3",
@@ -100,7 +99,7 @@ def test_the_gates_app_exits_non_zero_when_a_gate_fails(tmp_path):
           "--parallel=2",
           f"--json_out={out}",
       ],
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(gates_app.__file__))),
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(gate_suite.__file__))),
       env=env,
       capture_output=True,
       text=True,
