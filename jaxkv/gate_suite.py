@@ -2,8 +2,10 @@
 
 A task is one prompt (a length; ids drawn from the seed) decoded greedily for `new_tokens`. Its hash is the
 sha256 of the tokens hash and the logits hash of its generate; the exactness gate passes when every arm gives
-every task the same hash. The memory gate records, per arm, the ring high-water bytes per device against the
-configured ring, and the process's device memory peak where the backend reports one (GPU).
+every task the same hash. The memory gate passes when, in every arm and task, the ring's high-water bytes per device
+stay within the ring that the task's windows need: its slots (depth + 2) times the largest window the task delivers
+(the configured ring, sized for windows at full capacity, is far larger for short windows and is reported beside it,
+with the process's device memory peak where the backend reports one: GPU).
 
 The parallel gate serves `sequences` requests (prompt lengths and max_new_tokens drawn from the seed) on
 `parallel` slots with slot reuse (jaxkv.serving) and passes when every arm gives the same transcript hash.
@@ -23,8 +25,10 @@ import jax
 import numpy as np
 
 from jaxkv import benchmark
+from jaxkv import mesh as mesh_lib
 from jaxkv import run as run_lib
 from jaxkv import serving
+from jaxkv.cache import KVCache
 from jaxkv.config import Config, SamplingConfig
 from jaxkv.engine import Engine
 
@@ -55,6 +59,20 @@ def parallel_requests(config: Config, sequences: int, new_tokens: int, seed: int
   return [serving.Request(tuple(p), n, seed=i) for i, (p, n) in enumerate(zip(prompts, news))]
 
 
+def window_rows(config: Config, prompt_length: int, new_tokens: int) -> int:
+  """Rows of the largest window that a task of one prompt delivers: the last decode step's (full blocks below the row
+  it writes), or with no decode step the last prefill chunk's."""
+  prefill = (prompt_length - 1) // config.engine.prefill_chunk * config.engine.prefill_chunk
+  return max([prefill, *benchmark.decode_window_rows(prompt_length, new_tokens - 1, config.kv.block)])
+
+
+def row_bytes_per_device(config: Config, mesh) -> int:
+  """Bytes of one cache row of one sequence on each device of layer 0's stage (its share of the KV heads)."""
+  first = run_lib.make_layout(config, mesh).first
+  kv = dataclasses.replace(config.kv, placement="device", host_attention=False, host_attention_fraction=0.0)
+  return KVCache(config.model, kv, first, 1, config.engine.capacity).row_bytes(mesh_lib.tensor_size(first))
+
+
 def _task_hash(res) -> str:
   return hashlib.sha256(f"{res.tokens_sha256}:{res.logits_sha256}".encode()).hexdigest()
 
@@ -83,14 +101,18 @@ def run(
     hashes[arm] = [_task_hash(r) for r in results]
     served = serving.Server(engine, parallel).serve(requests)
     transcripts[arm] = served.transcript_sha256
-    ring = max(r.transport["ring_high_water_bytes_per_device"] for r in results)
+    high = [r.transport["ring_high_water_bytes_per_device"] for r in results]
+    row = row_bytes_per_device(engine.config, mesh)
+    needed = [r.transport["ring_slots"] * window_rows(config, n, new_tokens) * row for r, n in zip(results, lengths)]
     configured = results[0].transport["ring_bytes_per_device_configured"]
     memory[arm] = dict(
-        ring_high_water_bytes_per_device=ring,
+        ring_high_water_bytes_per_device=max(high),
+        ring_bytes_per_device_needed=max(needed),
         ring_bytes_per_device_configured=configured,
         device_peak_bytes_in_use_process=benchmark.device_peak(mesh),
-        passed=ring <= configured,
+        over_needed_prompt_lengths=[n for n, h, w in zip(lengths, high, needed) if h > w],  # Tasks that fail.
     )
+    memory[arm]["passed"] = not memory[arm]["over_needed_prompt_lengths"] and max(high) <= configured
   tasks = [
       dict(prompt_length=n, hashes={arm: hashes[arm][i] for arm in arms}, passed=len({hashes[a][i] for a in arms}) == 1)
       for i, n in enumerate(lengths)
@@ -110,7 +132,7 @@ def run(
           sequences=sequences,
           prompt_lengths=[len(r.prompt) for r in requests],
           max_new_tokens=[r.max_new_tokens for r in requests],
-          insertions=served.transport.get("insertions", 0),  # A Counter's key: absent when no slot was reused.
+          insertions=served.transport.get("insertions", 0),  # Absent: no slot was reused.
           epochs=served.transport["epochs"],
           transcripts=transcripts,
       ),

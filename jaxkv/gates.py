@@ -112,8 +112,9 @@ def _report(report: dict, json_out: str | None) -> None:
     print(f"task prompt {t['prompt_length']:>6}: {'ok  ' if t['passed'] else 'DIFF'} {first[:16]}")
   for arm, m in report["memory"]["arms"].items():
     print(
-        f"memory {arm:>8}: ring high-water {m['ring_high_water_bytes_per_device']} B/device "
-        f"(configured {m['ring_bytes_per_device_configured']}), device peak {m['device_peak_bytes_in_use_process']}"
+        f"memory {arm:>8}: ring high-water {m['ring_high_water_bytes_per_device']} B/device (needed "
+        f"{m['ring_bytes_per_device_needed']}, configured {m['ring_bytes_per_device_configured']}), device peak "
+        f"{m['device_peak_bytes_in_use_process']}"
     )
   print(f"exactness gate: {'PASS' if report['exactness']['passed'] else 'FAIL'}")
   print(f"memory gate: {'PASS' if report['memory']['passed'] else 'FAIL'}")

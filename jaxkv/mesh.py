@@ -94,11 +94,11 @@ def tensor_size(mesh: jax.sharding.Mesh) -> int:
 
 
 def check_divisible(model, mesh: jax.sharding.Mesh) -> None:
-  """Fails with a clear error when a sharded dimension does not split over the tensor axis."""
+  """Fails with a clear error when a sharded dimension does not split over the tensor axis. (num_heads, a multiple of
+  num_kv_heads, splits wherever they do.)"""
   t = tensor_size(mesh)
   for what, n in (
       ("num_kv_heads", model.num_kv_heads),
-      ("num_heads", model.num_heads),
       ("mlp_dim", model.mlp_dim),
       ("vocab_size", model.vocab_size),
   ):

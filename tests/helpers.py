@@ -5,22 +5,47 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import json
+import os
 
 import jax
+import numpy as np
 import pytest
+import tokenizers
+from safetensors.numpy import save_file
 
 from experiments import tiny
 from jaxkv import cache as cache_lib
+from jaxkv import checkpoint
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import host_wait
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
+from jaxkv import tokenizer as tokenizer_lib
 
 MESH_SIZES = (1, 2, 4, 8)
+# CI (.ci/run exports CI=true) installs everything that tests may need: the C++ compiler and every extra. There a test
+# that would skip for a missing one runs instead, and fails.
+IN_CI = os.environ.get("CI") == "true"
+
+
+def unless_installed(missing: bool, reason: str):
+  """A skipif marker for a test that needs something optional, which CI installs: never a skip in CI."""
+  return pytest.mark.skipif(missing and not IN_CI, reason=reason)
+
+
+def import_extra(module: str, extra: str):
+  """The module, or a skip that names the extra installing it (in CI, which installs every extra: the import)."""
+  if IN_CI:
+    return importlib.import_module(module)
+  return pytest.importorskip(module, reason=f"needs the {extra} extra: pip install -e '.[{extra}]'")
+
+
 # jaxkv.host_wait's ops are C++ built at first use: their tests need the compiler that kv.host_attention_wait "device"
 # needs (g++ or $CXX).
-NEEDS_CXX = pytest.mark.skipif(host_wait.compiler() is None, reason="no C++ compiler (g++ or $CXX) for jaxkv.host_wait")
+NEEDS_CXX = unless_installed(host_wait.compiler() is None, "no C++ compiler (g++ or $CXX) for jaxkv.host_wait")
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,8 +118,106 @@ def with_kv(eng, **fields):
   return type(eng)(dataclasses.replace(eng.config, kv=kv), eng.mesh, eng.params, eng.layout)
 
 
+def device_memory(monkeypatch, free_bytes: int) -> None:
+  """Every device reports memory stats with `free_bytes` free, as a GPU does (CPU devices report none), so that the
+  residency planner and the ring's depth choice size themselves from free device memory."""
+  stats = dict(bytes_limit=free_bytes + 2**20, bytes_in_use=2**20)
+  monkeypatch.setattr(type(jax.devices()[0]), "memory_stats", lambda self: dict(stats))
+
+
 def layer_bytes(eng, batch: int) -> int:
   """Bytes per device of one layer's KV at the engine's capacity for `batch` sequences (the planner's unit)."""
   kv = dataclasses.replace(eng.config.kv, placement="device", host_attention=False, host_attention_fraction=0.0)
   probe = cache_lib.KVCache(eng.config.model, kv, eng.mesh, batch, eng.config.engine.capacity)
   return probe.row_bytes(mesh_lib.tensor_size(eng.mesh)) * probe.rows_bound()
+
+
+# Hugging Face checkpoint folders, written with safetensors.numpy (no torch).
+
+# Tiny geometry: the test meshes' tensor axis (1 and 4) divides 4 KV heads, 8 heads, 128 MLP columns and 256 ids.
+GEOMETRY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=3,  # Three layers, so that pipeline depth 2 runs uncapped (depth <= layers - 1).
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=16,
+    intermediate_size=128,
+    rms_norm_eps=1e-6,
+)
+
+
+def hf_config(arch: str = "LlamaForCausalLM", **overrides) -> dict:
+  cfg = dict(GEOMETRY, architectures=[arch], model_type="llama" if arch == "LlamaForCausalLM" else "qwen3")
+  cfg.update(rope_theta=10_000.0, tie_word_embeddings=False, torch_dtype="float32")
+  cfg.update(overrides)
+  return cfg
+
+
+def hf_tensors(hf: dict, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+  """Random tensors with HF names and layouts for a config.json dict."""
+  rng = np.random.default_rng(seed)
+  d, h, k = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
+  dh, f, v = hf["head_dim"], hf["intermediate_size"], hf["vocab_size"]
+
+  def w(*shape):
+    return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(dtype)
+
+  def norm(n):
+    return (1 + 0.1 * rng.standard_normal(n)).astype(dtype)
+
+  t = {"model.embed_tokens.weight": rng.standard_normal((v, d)).astype(dtype), "model.norm.weight": norm(d)}
+  if not hf.get("tie_word_embeddings"):
+    t["lm_head.weight"] = w(v, d)
+  for l in range(hf["num_hidden_layers"]):
+    p = f"model.layers.{l}."
+    t.update(
+        {
+            p + "input_layernorm.weight": norm(d),
+            p + "self_attn.q_proj.weight": w(h * dh, d),
+            p + "self_attn.k_proj.weight": w(k * dh, d),
+            p + "self_attn.v_proj.weight": w(k * dh, d),
+            p + "self_attn.o_proj.weight": w(d, h * dh),
+            p + "post_attention_layernorm.weight": norm(d),
+            p + "mlp.gate_proj.weight": w(f, d),
+            p + "mlp.up_proj.weight": w(f, d),
+            p + "mlp.down_proj.weight": w(d, f),
+        }
+    )
+    if hf["architectures"] == ["Qwen3ForCausalLM"]:
+      t[p + "self_attn.q_norm.weight"] = norm(dh)
+      t[p + "self_attn.k_norm.weight"] = norm(dh)
+  return t
+
+
+def write_checkpoint(path, hf: dict, tensors: dict, shards: int = 1) -> str:
+  """config.json and model.safetensors, or `shards` files listed by model.safetensors.index.json."""
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, checkpoint.CONFIG_FILE), "w") as f:
+    json.dump(hf, f)
+  if shards == 1:
+    save_file(tensors, os.path.join(path, checkpoint.WEIGHTS_FILE), metadata={"format": "pt"})
+    return str(path)
+  names = sorted(tensors)
+  weight_map = {}
+  for i in range(shards):
+    file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+    part = {n: tensors[n] for n in names[i::shards]}
+    save_file(part, os.path.join(path, file), metadata={"format": "pt"})
+    weight_map.update({n: file for n in part})
+  with open(os.path.join(path, checkpoint.INDEX_FILE), "w") as f:
+    json.dump({"metadata": {}, "weight_map": weight_map}, f)
+  return str(path)
+
+
+WORDS = {"<unk>": 0, "<bos>": 1, **{f"w{i}": i for i in range(2, 256)}}
+
+
+def write_tokenizer(path, bos: bool = True) -> None:
+  """A word-level tokenizer.json over the whole tiny vocabulary; with `bos`, its post-processor adds <bos>."""
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(WORDS, unk_token="<unk>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  tok.add_special_tokens(["<bos>"])
+  if bos:
+    tok.post_processor = tokenizers.processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+  tok.save(os.path.join(path, tokenizer_lib.TOKENIZER_FILE))

@@ -2,7 +2,12 @@
 
 import dataclasses
 import json
+import os
+import statistics
+import subprocess
+import sys
 
+import helpers
 import jax
 import pytest
 
@@ -13,6 +18,7 @@ from jaxkv import cache as cache_lib
 from jaxkv import ceilings
 from jaxkv import mesh as mesh_lib
 from jaxkv import peer_hf
+from jaxkv import residency
 from jaxkv import run as run_lib
 from jaxkv.config import SplitConfig, from_config_dict
 
@@ -142,9 +148,9 @@ def test_each_arm_has_numbers(bench):
       assert len(a["samples"]) == ROUNDS and all(SAMPLE_FIELDS <= set(s) for s in a["samples"])
       assert all(s["decode_steps"] == 7 for s in a["samples"])
       assert 0 < a["tok_s"]["min"] <= a["tok_s"]["median"] <= a["tok_s"]["max"]
-      assert a["ms_per_step"]["median"] > 0 and a["gain_vs_ordered"] > 0
+      check_derived(cell, name)
       assert 0 < a["prefill_s"]["min"] <= a["prefill_s"]["median"] <= a["prefill_s"]["max"]  # Time to first token.
-      assert (a["x_link_bound"] is None) if name == "device" else a["x_link_bound"] > 0
+      assert (a["x_link_bound"] is None) == (name == "device")
       assert (a["overlap_ratio"] is None) == name.endswith("_ha")  # Host attention: no plain overlap bound.
       assert (a["link_efficiency"] is None) == (name == "device")
       assert a["kv_dtype"] == ("int8" if name.endswith("_int8") else "model")
@@ -180,6 +186,41 @@ def test_int8_arm_moves_and_reports_the_packed_bytes(bench):
     assert int8["link_efficiency"] == pytest.approx(want)
 
 
+def check_derived(cell: dict, name: str) -> None:
+  """An arm's figures, recomputed from its raw samples and the cell's ceilings (jaxkv.benchmark's module docstring)."""
+  a = cell["arms"][name]
+  tok_s = statistics.median(cell["batch"] * s["decode_steps"] / s["decode_s"] for s in a["samples"])
+  ms = statistics.median(1e3 * s["decode_s"] / s["decode_steps"] for s in a["samples"])
+  assert a["tok_s"]["median"] == pytest.approx(tok_s) and a["ms_per_step"]["median"] == pytest.approx(ms)
+  ordered = cell["arms"][benchmark.ORDERED_ARM]["tok_s"]["median"]
+  assert a["gain_vs_ordered"] == pytest.approx(tok_s / ordered)
+  peak = cell["link_peak_gbps"]
+  if name == "device":
+    return
+  assert a["link_bound_tok_s"] == pytest.approx(cell["batch"] * peak * 1e9 / a["kv_bytes_per_step_in_sequence"])
+  assert a["x_link_bound"] == pytest.approx(tok_s / a["link_bound_tok_s"])
+  if "residency" in a["transport"]:  # auto: against the planner's prediction, the streamed bytes only.
+    plan = a["transport"]["residency"]
+    streamed = (
+        a["kv_bytes_per_step_per_device"]
+        * plan["streamed_layers"]
+        / (plan["streamed_layers"] + plan["resident_layers"])
+    )
+    predicted = residency.predict_step_ms(streamed, peak, cell["compute_only_ms"])
+    assert a["streamed_bytes_per_step_per_device"] == pytest.approx(streamed)
+    assert a["predicted_ms_per_step"] == pytest.approx(predicted)
+    assert a["overlap_ratio"] == pytest.approx(ms / predicted)
+    assert a["link_efficiency"] == pytest.approx(streamed / (ms * 1e-3) / (peak * 1e9))
+    return
+  efficiency = a["kv_bytes_per_step_in_sequence"] / (ms * 1e-3) / (peak * 1e9)
+  if "host_attention" in a["transport"]:
+    assert a["link_efficiency"] == pytest.approx((1 - a["transport"]["host_attention"]["fraction"]) * efficiency)
+    return
+  transfer_ms = (cell["ceilings_kv_dtype"].get(a["kv_dtype"]) or cell["ceilings"])["transfer_only"]["ms_median"]
+  assert a["overlap_ratio"] == pytest.approx(ms / max(cell["compute_only_ms"], transfer_ms))
+  assert a["link_efficiency"] == pytest.approx(efficiency)
+
+
 def test_markdown_and_plot(bench):
   out, paths = bench
   with open(paths["md"]) as f:
@@ -191,11 +232,56 @@ def test_markdown_and_plot(bench):
   assert f"| 16 | 2 | {benchmark.PEER_ARM} | 0.2 | skipped" in md  # KV MiB/step/device, then the reason.
   assert "| 40 | 2 | int8 | 40 |" in md  # The int8 arm's transfer ceilings.
   assert "| 40 | 2 | host_d1_ha | " in md.split("## Host attention")[1]
-  if out["plot"]["status"] == "ok":
-    with open(paths["png"], "rb") as f:
-      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-  else:
-    assert "matplotlib" in out["plot"]["reason"]
+  helpers.import_extra("matplotlib", "plot")
+  assert out["plot"] == dict(status="ok", path=paths["png"])
+  with open(paths["png"], "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_bench_app_with_an_auto_arm(tmp_path):
+  """python -m jaxkv.bench end to end: an auto arm whose budget holds 3 of the 6 layers, its prediction against its
+  measurement, the markdown on stdout and in --md_out, and the PNG."""
+  helpers.import_extra("matplotlib", "plot")
+  # One layer of the cell's cache on each of 2 devices: K and V x batch 1 x 4 heads x 64 B (16 f32) x 32 rows (the
+  # capacity, 16 + 4 rounded up to a block of 8, plus a block).
+  layer = 2 * 1 * 4 * 64 * 32
+  paths = {k: tmp_path / f"bench.{k}" for k in ("json", "md", "png")}
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  flags = [
+      "--cpu_devices=2",
+      "--contexts=16",
+      "--batches=1",
+      "--arms=device,host_d0,auto_d1",
+      "--new_tokens=4",
+      "--rounds=1",
+      "--peak_mib=1",
+      f"--kv_device_budget_gib={3.5 * layer / 2**30!r}",
+      *(f"--{k}_out={p}" for k, p in (("json", paths["json"]), ("md", paths["md"]), ("plot", paths["png"]))),
+  ]
+  proc = subprocess.run(
+      [sys.executable, "-m", "jaxkv.bench", *flags],  # Not imported here: its flags would clash with other apps'.
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(benchmark.__file__))),
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(paths["json"].read_text())
+  md = paths["md"].read_text()
+  assert out["complete"] and out["tensor"] == 2 and out["plot"]["status"] == "ok" and md.strip() in proc.stdout
+  cell = out["cells"][0]
+  assert cell["tokens_match_across_arms"] is True
+  auto = cell["arms"]["auto_d1"]
+  plan = auto["transport"]["residency"]
+  assert plan["layer_bytes_per_device"] == layer and plan["budget_source"] == "kv.device_budget_gib"
+  assert plan["resident_layers"] == plan["streamed_layers"] == 3 and auto["transport"]["depth"] == 1
+  for name in ("device", "host_d0", "auto_d1"):
+    check_derived(cell, name)
+  assert "## Residency planner (auto arms)" in md
+  assert f"| {auto['predicted_ms_per_step']:.2f} | {auto['ms_per_step']['median']:.2f} |" in md
+  with open(paths["png"], "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_arm_that_does_not_fit_is_skipped(monkeypatch):
@@ -276,19 +362,27 @@ def test_arm_names():
     benchmark.run(cfg, _spec(arms=("host_d2_int8",)))
 
 
-def test_peer_starts_or_says_why():
-  """Without torch, transformers or a CUDA device the worker says why; with them it decodes."""
+def test_peer_decodes_on_the_cpu_and_says_why_it_cannot_on_cuda():
+  """The peer's worker (torch and transformers, the parity extra) prefills and decodes greedily on the CPU, with a
+  plain DynamicCache (offloading needs CUDA); where torch sees no CUDA device, starting it on "cuda" says so."""
+  helpers.import_extra("torch", "parity")
+  helpers.import_extra("transformers", "parity")
   model = from_config_dict(tiny.get_config()).model
+  peer = peer_hf.HFPeer.start(model, 64, device="cpu")
   try:
-    peer = peer_hf.HFPeer.start(model, 64)
-  except peer_hf.PeerError as e:
-    assert "torch" in str(e) or "transformers" in str(e) or "CUDA" in str(e), e
-    return
-  try:
-    res = peer.generate([[1, 2, 3, 4]] * 2, 4)
-    assert res["decode_steps"] == 3 and res["decode_s"] > 0
+    assert peer.info["device"] == "cpu" and peer.info["weights_gib"] > 0
+    res = peer.generate([[1, 2, 3, 4], [5, 6, 7, 8]], 4)
+    assert res["decode_steps"] == 3 and res["decode_s"] > 0 and res["prefill_s"] > 0
+    assert res["cache"] == "DynamicCache" and [len(t) for t in res["tokens"]] == [4, 4]
+    assert all(0 <= t < model.vocab_size for seq in res["tokens"] for t in seq)
   finally:
     peer.close()
+  import torch  # pylint: disable=g-import-not-at-top
+
+  if torch.cuda.is_available():
+    return
+  with pytest.raises(peer_hf.PeerError, match="sees no CUDA device"):
+    peer_hf.HFPeer.start(model, 64)
 
 
 class _Window:

@@ -18,13 +18,25 @@ TESTS = "tests"
 PYTEST_MAIN = "tools/pytest_main.py"
 DEVICE_FLAG = "--xla_force_host_platform_device_count="
 CONFTEST = "tests/conftest.py"
-# Deps that no import statement shows: experiments/tiny.py is jaxkv/cli.py's default --config file, loaded by path;
-# tests run apps by module name (`python -m jaxkv.x`; imported, two apps' flags would clash in one process).
+
+
+def _experiments(root: pathlib.Path) -> set[str]:
+  return {p.relative_to(root).as_posix() for p in (root / "experiments").glob("*.py")} - {
+      "experiments/__init__.py",
+      "experiments/common.py",
+  }
+
+
+# Deps that no import statement shows, from the repository root: experiments/tiny.py is jaxkv/cli.py's default --config
+# file, loaded by path; tests/test_experiments.py imports every experiment by name; tests run the bench and gates apps
+# as `python -m` without importing them (an app's flags would clash with another's in one process).
 NON_IMPORT_DEPS = {
-    "jaxkv/cli.py": {"experiments/tiny.py"},
-    "tests/test_compile_cache.py": {"jaxkv/generate.py"},
-    "tests/test_gates.py": {"jaxkv/gates.py"},
-    "tests/test_gguf.py": {"jaxkv/generate.py"},
+    "jaxkv/cli.py": lambda root: {"experiments/tiny.py"},
+    "tests/test_experiments.py": _experiments,
+    "tests/test_bench.py": lambda root: {"jaxkv/bench.py"},
+    "tests/test_gates.py": lambda root: {"jaxkv/gates.py"},
+    "tests/test_compile_cache.py": lambda root: {"jaxkv/generate.py"},
+    "tests/test_gguf.py": lambda root: {"jaxkv/generate.py"},
 }
 # Tests that load a script of tools/ by path (a data file): the script's imports are the test's deps too.
 RUN_BY_PATH = {
@@ -125,7 +137,7 @@ def expected_dep_paths(root: pathlib.Path, target: dict) -> set[str]:
   srcs = [s for s in target.get("srcs", []) if s != PYTEST_MAIN]
   deps = set()
   for src in srcs + [RUN_BY_PATH[s] for s in srcs if s in RUN_BY_PATH]:
-    deps |= first_party_imports(root, src) | NON_IMPORT_DEPS.get(src, set())
+    deps |= first_party_imports(root, src) | NON_IMPORT_DEPS.get(src, lambda _: set())(root)
   if target["kind"] == "py_test" and (root / CONFTEST).is_file():
     deps.add(CONFTEST)  # pytest loads it into every test of tests/.
   return deps - set(srcs)

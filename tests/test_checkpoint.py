@@ -14,14 +14,13 @@ import os
 import jax
 import numpy as np
 import pytest
-import tokenizers
 from safetensors import safe_open
 
 import helpers
 from experiments import llama3_8b
 from experiments import qwen3_32b
 from experiments import tiny
-from hf_checkpoints import GEOMETRY, hf_config, hf_tensors, write_checkpoint
+from helpers import GEOMETRY, WORDS, hf_config, hf_tensors, write_checkpoint, write_tokenizer
 from jaxkv import checkpoint
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
@@ -212,6 +211,10 @@ BAD = {
         r"use_sliding_window",
     ),
     "activation": (_config(hidden_act="gelu"), r"hidden_act 'gelu'"),
+    "quantized": (
+        _config(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+        r"unsupported quantized checkpoint \(quant_method 'fp8'\)",
+    ),
     "missing tensor": (_drop("model.layers.1.mlp.up_proj.weight"), r"no tensor model\.layers\.1\.mlp\.up_proj\.weight"),
     "missing lm_head": (_drop("lm_head.weight"), r"no tensor lm_head\.weight"),
     "shape mismatch": (
@@ -394,18 +397,6 @@ def test_split_mode_layer_loads_each_layer_on_its_device(tmp_path):
 
 # Tokenizer and the generate path with text prompts.
 
-WORDS = {"<unk>": 0, "<bos>": 1, **{f"w{i}": i for i in range(2, 256)}}
-
-
-def write_tokenizer(path, bos: bool = True) -> None:
-  """A word-level tokenizer.json over the whole tiny vocabulary; with `bos`, its post-processor adds <bos>."""
-  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(WORDS, unk_token="<unk>"))
-  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-  tok.add_special_tokens(["<bos>"])
-  if bos:
-    tok.post_processor = tokenizers.processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-  tok.save(os.path.join(path, tokenizer_lib.TOKENIZER_FILE))
-
 
 @pytest.mark.parametrize("bos", [True, False])
 def test_tokenizer_encodes_with_the_post_processor_and_decodes(tmp_path, bos):
@@ -463,10 +454,8 @@ FAMILIES = {
 def hf_reference(tmp_path_factory):
   """family -> (checkpoint dir, prompts, greedy tokens [B][NEW_TOKENS], logits f32[NEW_TOKENS, B, V]) from
   transformers, built on first use."""
-  torch = pytest.importorskip("torch", reason="the parity tests need the parity extra: pip install -e '.[parity]'")
-  transformers = pytest.importorskip(
-      "transformers", reason="the parity tests need the parity extra: pip install -e '.[parity]'"
-  )
+  torch = helpers.import_extra("torch", "parity")
+  transformers = helpers.import_extra("transformers", "parity")
   cache = {}
 
   def get(family):

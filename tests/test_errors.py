@@ -12,7 +12,6 @@ import helpers
 import jax
 import pytest
 
-import hf_checkpoints
 from jaxkv import cli
 
 from experiments import tiny
@@ -97,11 +96,12 @@ def test_unknown_config_field_is_named():
     config_lib.from_config_dict(cd)
 
 
-def test_engine_rejects_a_mesh_that_does_not_split_the_model():
+@pytest.mark.parametrize("field, value", [("mlp_dim", 100), ("vocab_size", 260)])
+def test_engine_rejects_a_mesh_that_does_not_split_the_model(field, value):
   cfg = helpers.tiny_config()
   params = helpers.params(1)
-  mc = dataclasses.replace(cfg.model, mlp_dim=100)
-  with pytest.raises(ValueError, match="mlp_dim = 100 is not divisible by the tensor axis size 8"):
+  mc = dataclasses.replace(cfg.model, **{field: value})
+  with pytest.raises(ValueError, match=f"{field} = {value} is not divisible by the tensor axis size 8; choose"):
     engine_lib.Engine(dataclasses.replace(cfg, model=mc), helpers.mesh(8), params)
 
 
@@ -128,12 +128,12 @@ def _free_port() -> int:
 
 def _cases(tmp) -> dict:
   """name -> (app module, flags, the error line's text, exit status)."""
-  hf = hf_checkpoints.hf_config()
-  ckpt = hf_checkpoints.write_checkpoint(tmp / "ckpt", hf, hf_checkpoints.hf_tensors(hf), shards=2)
+  hf = helpers.hf_config()
+  ckpt = helpers.write_checkpoint(tmp / "ckpt", hf, helpers.hf_tensors(hf), shards=2)
   corrupt = tmp / "corrupt"
   corrupt.mkdir()
   (corrupt / "config.json").write_text("{not json")
-  partial = hf_checkpoints.write_checkpoint(tmp / "partial", hf, hf_checkpoints.hf_tensors(hf), shards=2)
+  partial = helpers.write_checkpoint(tmp / "partial", hf, helpers.hf_tensors(hf), shards=2)
   os.remove(os.path.join(partial, "model-00002-of-00002.safetensors"))
   port = _free_port()
   return {

@@ -1,4 +1,11 @@
-"""The gate suite: arms agree bit for bit on the fixed tasks, and a differing arm fails the gate."""
+"""The gate suite: arms agree bit for bit on the fixed tasks, and a differing arm or a ring that holds more than its
+slots fails the gate; the gates app exits non-zero when one fails."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
 
 import json
 import os
@@ -9,6 +16,7 @@ import helpers
 import pytest
 
 from jaxkv import gate_suite
+from jaxkv import transport as transport_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(gate_suite.__file__)))  # Holds the jaxkv package.
 
@@ -28,8 +36,9 @@ def test_gates_pass_with_one_hash_per_task(report):
     assert set(t["hashes"]) == set(gate_suite.ARMS) and len(set(t["hashes"].values())) == 1
   assert len({next(iter(t["hashes"].values())) for t in tasks}) == len(tasks)  # Tasks differ from each other.
   for arm, m in report["memory"]["arms"].items():
-    assert m["ring_high_water_bytes_per_device"] <= m["ring_bytes_per_device_configured"]
-    assert (m["ring_high_water_bytes_per_device"] > 0) == (arm != "device")
+    high, needed = m["ring_high_water_bytes_per_device"], m["ring_bytes_per_device_needed"]
+    assert high <= needed <= m["ring_bytes_per_device_configured"] and not m["over_needed_prompt_lengths"]
+    assert (high > 0) == (needed > 0) == (arm != "device")
   par = report["parallel"]
   assert par["passed"] and set(par["transcripts"]) == set(gate_suite.ARMS)
   assert len(set(par["transcripts"].values())) == 1
@@ -45,8 +54,6 @@ def test_an_arm_that_differs_fails_the_exactness_gate():
 
 
 def test_capacity_too_small_for_the_tasks_is_a_clear_error():
-  import dataclasses  # pylint: disable=g-import-not-at-top
-
   cfg = helpers.tiny_config()
   small = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, capacity=20))
   with pytest.raises(ValueError, match="too small for the gate tasks"):
@@ -107,3 +114,60 @@ def test_separate_processes_that_differ_fail_the_gate(tmp_path):
   proc, report = _separate(tmp_path, "device,host_d1_bfloat16")
   assert proc.returncode == 1 and not report["passed"] and not report["exactness"]["passed"], proc.stderr[-3000:]
   assert "DIFF" in proc.stdout and "exactness gate: FAIL" in proc.stdout
+
+
+def test_the_needed_ring_is_the_slots_of_the_largest_window_delivered():
+  cfg = helpers.tiny_config()  # kv.block 8, prefill_chunk 16.
+  assert gate_suite.window_rows(cfg, 1, 6) == 0  # Decode windows of rows 1..5: no full block.
+  assert gate_suite.window_rows(cfg, 9, 6) == 8  # The last step writes row 13.
+  assert gate_suite.window_rows(cfg, 123, 6) == 120  # Near capacity: short of the ring's 136-row slots.
+  assert gate_suite.window_rows(cfg, 40, 1) == 32  # No decode step: the last prefill chunk's window.
+  assert gate_suite.row_bytes_per_device(cfg, helpers.mesh(2)) == 2 * 8 // 2 * 16 * 4  # K and V, 4 of 8 heads, f32.
+
+
+def test_a_ring_that_holds_one_delivery_more_fails_the_memory_gate(monkeypatch):
+  """The feeder given one slot more than depth + 1 holds depth + 3 windows: within the configured ring (sized for
+  full capacity) but over what the windows need."""
+  init = transport_lib.Transport.__init__
+
+  def one_more_slot(self, cache, depth, debug=0):
+    init(self, cache, depth, debug)
+    if self.streamed:  # The feeder has taken no slot yet: nothing is queued before the first pass.
+      self._slots = threading.Semaphore(self.depth + 2)  # pylint: disable=protected-access
+
+  monkeypatch.setattr(transport_lib.Transport, "__init__", one_more_slot)
+  out = gate_suite.run(helpers.tiny_config(), helpers.mesh(1), helpers.params(1), ("host_d1",), 6, sequences=2)
+  m = out["memory"]["arms"]["host_d1"]
+  assert not out["passed"] and not out["memory"]["passed"] and out["exactness"]["passed"]
+  # Shorter tasks fail too: their high-water stays within the configured ring, the old bound, which only the tasks near
+  # capacity (the last two) could pass.
+  assert set(m["over_needed_prompt_lengths"]) - set(gate_suite.task_lengths(helpers.tiny_config(), 6)[-2:])
+
+
+def test_the_gates_app_exits_non_zero_when_a_gate_fails(tmp_path):
+  """A bfloat16 cache arm beside the float32 device arm: the app prints FAIL and exits 1."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  out = tmp_path / "gates.json"
+  proc = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "jaxkv.gates",  # Not imported here: its flags would clash with other apps'.
+          "--cpu_devices=1",
+          "--arms=device,host_d1_bfloat16",
+          "--new_tokens=3",
+          "--config.engine.capacity=32",  # Fewer window shapes to compile.
+          "--config.model.num_layers=2",
+          "--sequences=2",
+          "--parallel=2",
+          f"--json_out={out}",
+      ],
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(gate_suite.__file__))),
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert "exactness gate: FAIL" in proc.stdout and "parallel gate" in proc.stdout and "memory gate: PASS" in proc.stdout
+  assert out.exists() and '"passed": false' in out.read_text()

@@ -5,10 +5,12 @@ import os
 import subprocess
 import sys
 
+import helpers
 import pytest
 
-
+from experiments import tiny
 from jaxkv import generate as generate_app
+from jaxkv import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(generate_app.__file__)))  # Holds the jaxkv package.
 
@@ -85,10 +87,53 @@ def test_fewer_or_as_many_requests_as_slots_report_no_reuse(tmp_path, sequences)
 
 
 def test_kv_int8_runs_with_a_checkpoint_whose_head_dim_allows_it(tmp_path):
-  import hf_checkpoints  # pylint: disable=g-import-not-at-top
-
-  hf = hf_checkpoints.hf_config(head_dim=32)  # The default config's model (head_dim 16) is replaced.
-  path = hf_checkpoints.write_checkpoint(tmp_path / "ckpt", hf, hf_checkpoints.hf_tensors(hf))
+  hf = helpers.hf_config(head_dim=32)  # The default config's model (head_dim 16) is replaced.
+  path = helpers.write_checkpoint(tmp_path / "ckpt", hf, helpers.hf_tensors(hf))
   _, out = _generate(tmp_path, "int8", f"--checkpoint_dir={path}", "--kv_dtype=int8", "--max_new_tokens=3")
   assert out["model"]["head_dim"] == 32 and out["config"]["kv"]["dtype"] == "int8"
   assert [len(t) for t in out["tokens"]] == [3] * 4
+
+
+def test_a_checkpoint_with_text_prompts_and_a_dtype(tmp_path):
+  """--checkpoint_dir with two --prompt and --checkpoint_dtype: the tokenizer's ids, the decoded text printed, and
+  the same bits as the library's generate_checkpoint on the same 2 devices."""
+  hf = helpers.hf_config()
+  path = helpers.write_checkpoint(tmp_path / "ckpt", hf, helpers.hf_tensors(hf))
+  helpers.write_tokenizer(path)
+  prompts = ["w5 w6 w7", "w9 w10 w11 w12 w13 w14 w15 w16 w17 w18"]
+  flags = [f"--checkpoint_dir={path}", *(f"--prompt={p}" for p in prompts), "--max_new_tokens=5"]
+  stdout, out = _generate(tmp_path, "ckpt", *flags, "--checkpoint_dtype=bfloat16", "--kv_placement=host")
+  assert out["model"]["dtype"] == "bfloat16" and out["model"]["num_layers"] == 3 and out["checkpoint_dir"] == path
+  assert out["prompts"] == prompts and out["prompt_tokens"] == [[1, 5, 6, 7], [1, *range(9, 19)]]
+  inverse = {i: w for w, i in helpers.WORDS.items()}
+  for toks, text in zip(out["tokens"], out["text"]):
+    assert len(toks) == 5 and text == " ".join(inverse[t] for t in toks if t != 1)
+    assert f"  output: {text}" in stdout
+  cd = tiny.get_config()
+  cd.mesh.tensor = 2
+  want = run.generate_checkpoint(cd, path, prompts=prompts, max_new_tokens=5, seed=0, dtype="bfloat16")
+  assert (out["tokens_sha256"], out["logits_sha256"]) == (want["tokens_sha256"], want["logits_sha256"])
+
+
+def test_split_mode_layer(tmp_path):
+  """--split_mode=layer --layer_split=2,1: 4 layers on the first device and 2 on the second, each streaming its own
+  layers' windows, with the bits of the library's device placement in the same layout."""
+  stdout, out = _generate(
+      tmp_path,
+      "layer",
+      "--split_mode=layer",
+      "--layer_split=2,1",
+      "--kv_placement=host",
+      "--kv_pipeline_depth=1",
+      "--prompt_len=9,3",
+      "--max_new_tokens=6",
+  )
+  assert out["config"]["split"] == dict(mode="layer", layer_split="2,1") and "kv placement host" in stdout
+  first, second = out["transport"]["h2d_bytes_by_device"].values()
+  assert first == 2 * second > 0
+  cd = tiny.get_config()
+  cd.mesh.tensor = 2
+  cd.split.update(mode="layer", layer_split="2,1")
+  want = run.generate_random(cd, [9, 3], 6, 0)
+  assert want["transport"]["h2d_bytes"] == 0
+  assert (out["tokens_sha256"], out["logits_sha256"]) == (want["tokens_sha256"], want["logits_sha256"])

@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxkv import model
 from jaxkv import residency
 from jaxkv import serving
 
@@ -87,3 +88,43 @@ def test_auto_serves_slots_with_the_same_transcript():
   ref = serving.Server(helpers.engine(2, placement="device"), 2).serve(reqs)
   out = serving.Server(_auto(2, 1, 3)[0], 2).serve(reqs)
   assert out.transcript_sha256 == ref.transcript_sha256 and out.transport["insertions"] >= 1
+
+
+@pytest.mark.parametrize("depth, resident", [(1, 2), (2, 3)])
+def test_auto_budget_from_free_device_memory_leaves_room_for_the_ring(monkeypatch, depth, resident):
+  """With the devices' memory stats (no --kv_device_budget_gib), the budget is the free memory minus the ring of
+  depth + 2 windows, the workspace and the headroom: half a layer more than `resident` layers fit after them."""
+  prompts = helpers.prompts(LENGTHS)
+  ref = helpers.engine(2, placement="device").generate(prompts, NEW, keep_logits=True)
+  eng = helpers.engine(2, placement="auto", depth=depth)
+  layer = helpers.layer_bytes(eng, len(LENGTHS))
+  headroom = eng.config.kv.headroom_mib * 2**20
+  workspace = 2 * layer + residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
+  free = (depth + 2) * layer + workspace + headroom + resident * layer + layer // 2
+  helpers.device_memory(monkeypatch, free)
+  res = eng.generate(prompts, NEW, keep_logits=True)
+  plan = res.transport["residency"]
+  assert plan["budget_source"] == "free device memory"
+  assert plan["device_budget_bytes"] == resident * layer + layer // 2
+  assert plan["resident_layers"] == resident and plan["streamed_layers"] == 6 - resident
+  assert res.transport["depth"] == depth and res.transport["fallback_reason"] is None  # The ring fits the rest.
+  np.testing.assert_array_equal(res.logits, ref.logits)
+  assert res.tokens == ref.tokens
+
+
+def test_depth_is_lowered_to_what_free_device_memory_holds(monkeypatch):
+  """Host placement, depth 4 asked: free memory (less the headroom) holding 3.5 windows keeps a ring of 3 (depth 1),
+  says why, and gives the same bits."""
+  prompts = helpers.prompts(LENGTHS)
+  ref = helpers.engine(2, placement="device").generate(prompts, NEW, keep_logits=True)
+  eng = helpers.engine(2, placement="host", depth=4)
+  layer = helpers.layer_bytes(eng, len(LENGTHS))
+  helpers.device_memory(monkeypatch, eng.config.kv.headroom_mib * 2**20 + 3 * layer + layer // 2)
+  res = eng.generate(prompts, NEW, keep_logits=True)
+  t = res.transport
+  assert t["depth_requested"] == 4 and t["depth"] == 1 and t["ring_slots"] == 3
+  assert "free device memory" in t["fallback_reason"] and "using depth 1" in t["fallback_reason"]
+  assert t["ring_bytes_per_device_configured"] == 3 * layer
+  assert 0 < t["ring_high_water_bytes_per_device"] <= 3 * layer
+  np.testing.assert_array_equal(res.logits, ref.logits)
+  assert res.tokens == ref.tokens
