@@ -510,7 +510,7 @@ def test_logits_and_greedy_tokens_match_transformers(hf_reference, family, tenso
   )
   config = config_lib.Config(
       model=cfg,
-      kv=config_lib.KVConfig(placement="host", pipeline_depth=2, block=8),
+      kv=config_lib.KVConfig(placement="host", pipeline_depth=2, block=8, group_layers=1),  # Depth 2 uncapped.
       engine=config_lib.EngineConfig(capacity=64, prefill_chunk=16),
       sampling=config_lib.SamplingConfig(),
       mesh=(("tensor", tensor),),

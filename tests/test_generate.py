@@ -32,12 +32,15 @@ def _generate(tmp_path, name, *flags):
 
 def test_json_shows_equal_hashes_for_device_and_host_pipelined(tmp_path):
   out_dev, dev = _generate(tmp_path, "device", "--kv_placement=device")
-  _, host = _generate(tmp_path, "host", "--kv_placement=host", "--kv_pipeline_depth=2", "--kv_transport_debug=1")
+  # One call per layer (the tiny model's 6 layers are one group otherwise, which caps the depth at 0).
+  host_flags = ("--kv_placement=host", "--kv_pipeline_depth=2", "--kv_transport_debug=1", "--config.kv.group_layers=1")
+  _, host = _generate(tmp_path, "host", *host_flags)
   assert (dev["tokens_sha256"], dev["logits_sha256"]) == (host["tokens_sha256"], host["logits_sha256"])
   assert dev["tokens"] == host["tokens"] and [len(t) for t in dev["tokens"]] == [16] * 4
   assert len(dev["devices"]) == 2
   assert dev["config"]["kv"]["placement"] == "device" and host["config"]["kv"]["placement"] == "host"
   assert host["transport"]["depth"] == 2 and host["transport"]["h2d_bytes"] > 0 and host["transport"]["steps"]
+  assert dev["transport"]["dispatches_per_step"] == 4 and len(host["transport"]["decode_groups"]) == 6
   assert f"logits_sha256 {dev['logits_sha256']}" in out_dev and "sequence 3 (prompt 9 tokens)" in out_dev
   assert "kv placement device, nothing streamed," in out_dev  # No depth where no ring delivers.
 
