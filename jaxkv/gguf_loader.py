@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from jaxkv import chat_template as chat_template_lib
 from jaxkv import checkpoint
 from jaxkv import mesh as mesh_lib
 from jaxkv import tokenizer as tokenizer_lib
@@ -313,9 +314,6 @@ def tokenizer(path: str) -> tokenizer_lib.Tokenizer:
     ) from e
   folder, file = os.path.split(os.path.abspath(path))
   hf_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
-  return tokenizer_lib.Tokenizer(
-      path,
-      backend=hf_tok.backend_tokenizer,
-      chat_template=hf_tok.chat_template,
-      special_tokens=dict(bos_token=hf_tok.bos_token, eos_token=hf_tok.eos_token),
-  )
+  special = dict(bos_token=hf_tok.bos_token, eos_token=hf_tok.eos_token)
+  template = chat_template_lib.ChatTemplate(hf_tok.chat_template, special) if hf_tok.chat_template else None
+  return tokenizer_lib.Tokenizer(path, backend=hf_tok.backend_tokenizer, chat_template=template)

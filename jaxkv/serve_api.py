@@ -370,7 +370,7 @@ def build_model(
   if checkpoint_dir:
     if os.path.isfile(os.path.join(checkpoint_dir, tokenizer_lib.TOKENIZER_FILE)):
       tokenizer = tokenizer_lib.Tokenizer.from_dir(checkpoint_dir)
-      template = chat_template_lib.ChatTemplate.from_dir(checkpoint_dir)
+      template = tokenizer.chat_template
     eos = eos_ids(checkpoint_dir)
     _, _, _, engine = run.build_from_checkpoint(config, checkpoint_dir, dtype)
   else:

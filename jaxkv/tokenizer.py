@@ -1,18 +1,16 @@
-"""The tokenizer of a checkpoint folder: its tokenizer.json, read with Hugging Face `tokenizers`; or one built
-elsewhere (jaxkv.gguf_loader.tokenizer) with its chat template, rendered with jinja2."""
+"""The tokenizer of a checkpoint folder: its tokenizer.json, read with Hugging Face `tokenizers`, and its chat template
+(jaxkv.chat_template); or one built elsewhere (jaxkv.gguf_loader.tokenizer)."""
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 from collections.abc import Sequence
 
 import tokenizers
 
+from jaxkv import chat_template as chat_template_lib
+
 TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 class Tokenizer:
@@ -26,11 +24,10 @@ class Tokenizer:
       self,
       path: str,
       backend: tokenizers.Tokenizer | None = None,
-      chat_template: str | None = None,
-      special_tokens: dict[str, str | None] | None = None,
+      chat_template: chat_template_lib.ChatTemplate | None = None,
   ):
-    """A tokenizer.json at `path`, or `backend` built from the file at `path`. `chat_template` (jinja2) and
-    `special_tokens` ({"bos_token": ..., "eos_token": ...}, the template's variables) serve `encode_chat`."""
+    """A tokenizer.json at `path`, or `backend` built from the file at `path`; `chat_template` serves
+    `encode_chat`."""
     if backend is None:
       if not os.path.isfile(path):
         raise ValueError(f"no tokenizer file {path!r}")
@@ -41,7 +38,6 @@ class Tokenizer:
     self._tok = backend
     self.path = path
     self.chat_template = chat_template
-    self.special_tokens = dict(special_tokens or {})
 
   @classmethod
   def from_dir(cls, checkpoint_dir: str) -> Tokenizer:
@@ -49,17 +45,7 @@ class Tokenizer:
     path = os.path.join(checkpoint_dir, TOKENIZER_FILE)
     if not os.path.isfile(path):
       raise ValueError(f"checkpoint directory {checkpoint_dir!r} has no {TOKENIZER_FILE}: text prompts need one")
-    config = {}  # The chat template and its special tokens, where transformers keeps them.
-    if os.path.isfile(os.path.join(checkpoint_dir, TOKENIZER_CONFIG_FILE)):
-      with open(os.path.join(checkpoint_dir, TOKENIZER_CONFIG_FILE)) as f:
-        config = json.load(f)
-    template = config.get("chat_template")
-    if os.path.isfile(os.path.join(checkpoint_dir, CHAT_TEMPLATE_FILE)):
-      with open(os.path.join(checkpoint_dir, CHAT_TEMPLATE_FILE)) as f:
-        template = f.read()
-    special = {k: config.get(k) for k in ("bos_token", "eos_token")}
-    special = {k: v["content"] if isinstance(v, dict) else v for k, v in special.items()}  # An AddedToken's dict.
-    return cls(path, chat_template=template if isinstance(template, str) else None, special_tokens=special)
+    return cls(path, chat_template=chat_template_lib.ChatTemplate.from_dir(checkpoint_dir))
 
   @property
   def vocab_size(self) -> int:
@@ -76,23 +62,10 @@ class Tokenizer:
 
   def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
     """The text of `messages` ([{"role": "user", "content": ...}, ...]) in the chat template, as transformers'
-    `apply_chat_template(tokenize=False)` renders it (a sandboxed jinja2 environment with the same options)."""
-    if not self.chat_template:
+    `apply_chat_template(tokenize=False)` renders it."""
+    if self.chat_template is None:
       raise ValueError(f"the tokenizer of {self.path!r} has no chat template")
-    import jinja2.ext  # pylint: disable=g-import-not-at-top
-    from jinja2 import sandbox  # pylint: disable=g-import-not-at-top
-
-    def raise_exception(message):
-      raise ValueError(f"chat template: {message}")
-
-    env = sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
-    return env.from_string(self.chat_template).render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens
-    )
+    return self.chat_template.render(list(messages), add_generation_prompt)
 
   def encode_chat(self, messages: Sequence[dict]) -> list[int]:
     """Token ids of `messages` in the chat template, with the prompt for the assistant's turn. The template writes
