@@ -8,6 +8,8 @@ import functools
 import importlib
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -221,3 +223,23 @@ def write_tokenizer(path, bos: bool = True) -> None:
   if bos:
     tok.post_processor = tokenizers.processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
   tok.save(os.path.join(path, tokenizer_lib.TOKENIZER_FILE))
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # The repository: holds the jaxkv package.
+
+
+def run_app(module: str, json_out, *flags: str, timeout: float = 300) -> tuple[str, dict]:
+  """`python -m module --cpu_devices=2 --json_out=json_out *flags` in a process of its own (its own simulated
+  devices); asserts exit 0 and returns its stdout and JSON output."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  proc = subprocess.run(
+      [sys.executable, "-m", module, "--cpu_devices=2", f"--json_out={json_out}", *flags],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(json_out) as f:
+    return proc.stdout, json.load(f)

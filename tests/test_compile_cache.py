@@ -1,10 +1,8 @@
 """The persistent compilation cache: where it lives, what it sets, its counters, and a second process served by it."""
 
-import json
 import os
-import subprocess
-import sys
 
+import helpers
 import jax
 import jaxlib
 import numpy as np
@@ -12,7 +10,6 @@ import pytest
 
 from jaxkv import compile_cache
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(compile_cache.__file__)))  # Holds the jaxkv package.
 VERSIONS = f"jax-{jax.__version__}-jaxlib-{jaxlib.__version__}"
 _OPTIONS = (
     "jax_compilation_cache_dir",
@@ -85,19 +82,8 @@ def test_the_counter_counts_compiles_while_open_and_after_a_time():
 
 
 def _generate(tmp_path, name, cache):
-  out = tmp_path / f"{name}.json"
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  cmd = [sys.executable, "-m", "jaxkv.generate", "--cpu_devices=2", "--prompt_len=5,12", "--max_new_tokens=6"]
-  proc = subprocess.run(
-      [*cmd, "--kv_placement=host", f"--compilation_cache_dir={cache}", f"--json_out={out}"],
-      cwd=ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=300,
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return proc.stdout, json.loads(out.read_text())
+  flags = ("--prompt_len=5,12", "--max_new_tokens=6", "--kv_placement=host", f"--compilation_cache_dir={cache}")
+  return helpers.run_app("jaxkv.generate", tmp_path / f"{name}.json", *flags)
 
 
 def test_a_second_process_loads_every_program_from_the_cache(tmp_path):

@@ -1,6 +1,5 @@
 """The generate app end to end (a subprocess: --cpu_devices must act before JAX starts)."""
 
-import json
 import os
 import subprocess
 import sys
@@ -16,18 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(generate_app.__file__))) 
 
 
 def _generate(tmp_path, name, *flags):
-  out = tmp_path / f"{name}.json"
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  proc = subprocess.run(
-      [sys.executable, "-m", generate_app.__name__, "--cpu_devices=2", f"--json_out={out}", *flags],
-      cwd=ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=300,
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return proc.stdout, json.loads(out.read_text())
+  return helpers.run_app(generate_app.__name__, tmp_path / f"{name}.json", *flags)
 
 
 def test_json_shows_equal_hashes_for_device_and_host_pipelined(tmp_path):
