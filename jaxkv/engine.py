@@ -315,9 +315,11 @@ class Engine:
       keep_logits: bool = False,
       on_step=None,
       zero_rows: int = 0,
+      on_chunk=None,
   ) -> GenerateResult:
     """Generates up to max_new_tokens per prompt. on_step(step, cache), if given, runs after each decode
-    step's tokens are back on the host (for monitoring). zero_rows (a multiple of engine.prefill_chunk below the
+    step's tokens are back on the host, and on_chunk(rows) after each prefill chunk is dispatched, rows the prompt rows
+    prefilled so far (for monitoring). zero_rows (a multiple of engine.prefill_chunk below the
     longest prompt): rows [0, zero_rows) are stored as zeros instead of prefilled through the model, a synthetic
     context for benchmarks (decode reads and attends them like any rows; the tokens differ from a full prefill's)."""
     self.validate(prompts, max_new_tokens, zero_rows)
@@ -325,7 +327,7 @@ class Engine:
     batch = len(prompts)
     cache = cache_lib.KVCache(cfg.model, cfg.kv, self.mesh, batch, cfg.engine.capacity, self.layout)
     transport = Transport(cache, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
-    rec = _Recorder(batch, cfg.sampling.eos_id, max_new_tokens, keep_logits, cfg.kv.transport_debug)
+    rec = _Recorder(batch, cfg.sampling.eos_id, max_new_tokens, keep_logits, cfg.kv.transport_debug, on_chunk)
     try:
       return self._generate(prompts, max_new_tokens, seed, on_step, cache, transport, rec, zero_rows)
     finally:
@@ -699,10 +701,10 @@ def add_by_device(total: dict, c: dict) -> None:
 class _Recorder:
   """Collects tokens, hashes logits as they arrive, and keeps per-step transport counters."""
 
-  def __init__(self, batch, eos_id, max_new, keep_logits, debug):
+  def __init__(self, batch, eos_id, max_new, keep_logits, debug, on_chunk=None):
     self.tokens = [[] for _ in range(batch)]
     self.done = np.zeros(batch, bool)
-    self.eos_id, self.max_new, self.debug = eos_id, max_new, debug
+    self.eos_id, self.max_new, self.debug, self.on_chunk = eos_id, max_new, debug, on_chunk
     self.hash = hashlib.sha256()
     self.logits = [] if keep_logits else None
     self.steps: list[dict] = []
@@ -719,6 +721,8 @@ class _Recorder:
     self.t_last = self.t_start = self.t_progress = time.perf_counter()
 
   def counters(self, kind, transport, d2h, rows):
+    if kind == "prefill" and self.on_chunk is not None:
+      self.on_chunk(rows)
     c = transport.take_counters()
     self.total["h2d_bytes"] += c["h2d_bytes"]
     self.total["d2h_bytes"] += d2h

@@ -241,3 +241,9 @@ def test_zero_rows_are_stored_not_prefilled_and_every_mode_agrees():
   for bad in (8, 48, -16):
     with pytest.raises(ValueError, match="zero_rows must be a multiple"):
       helpers.engine(2, chunk=16).generate(prompts, 6, zero_rows=bad)
+
+
+def test_on_chunk_reports_each_prefill_chunk():
+  rows = []
+  helpers.engine(1, placement="host").generate(helpers.prompts([37, 5]), 2, on_chunk=rows.append)
+  assert rows == [16, 32, 48]  # Chunks of engine.prefill_chunk (16) rows over the longest prompt.
