@@ -32,7 +32,9 @@ from jaxkv.cache import KVCache
 from jaxkv.config import Config, SamplingConfig
 from jaxkv.engine import Engine
 
-ARMS = ("device", "host_d0", "host_d1", "host_d4")
+# Host arms of one call per layer (_g1) and of groups of 2 (_g2) keep the pipeline deep on a small model, whose layers
+# would otherwise form one group (depth capped at 0).
+ARMS = ("device", "host_d0", "host_d1_g1", "host_d2_g2", "host_d4_g1")
 
 
 def task_lengths(config: Config, new_tokens: int) -> list[int]:

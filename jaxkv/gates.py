@@ -25,7 +25,11 @@ from jaxkv import cli
 from jaxkv import compile_cache
 from jaxkv import distributed
 
-ARMS = flags.DEFINE_list("arms", ["device", "host_d0", "host_d1", "host_d4"], "Arms that must agree bit for bit.")
+ARMS = flags.DEFINE_list(
+    "arms",
+    ["device", "host_d0", "host_d1_g1", "host_d2_g2", "host_d4_g1"],  # jaxkv.gate_suite.ARMS (imported after setup).
+    "Arms that must agree bit for bit.",
+)
 NEW_TOKENS = flags.DEFINE_integer("new_tokens", 12, "Greedy tokens per task.")
 PARALLEL = flags.DEFINE_integer("parallel", 8, "Parallel gate: slots.")
 SEQUENCES = flags.DEFINE_integer("sequences", 16, "Parallel gate: requests served on the slots.")
