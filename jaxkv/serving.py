@@ -522,10 +522,10 @@ class _Run:
     try:
       gather = lambda l: self.server.layer_fns[l].gather([e.rows[l] for e in hit])
       x_new = self._prefill_own(tokens, np.zeros(1, np.int32), length, finish, first=len(hit), window=gather)
+      if fresh:  # Its own blocks stay pinned meanwhile: a block is not evicted to make room for its children.
+        pc.add(keys, fresh, sum(a.nbytes for a in fresh[0]))
     finally:
       pc.release(hit)
-    if fresh:
-      pc.add(keys, fresh, sum(a.nbytes for a in fresh[0]))
     self.totals["prefix_cache_hit_tokens"] += len(hit) * chunk
     return x_new
 
