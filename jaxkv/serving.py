@@ -352,6 +352,7 @@ class _Run:
         # store may still write them (x depends on every delivery that step consumed).
         jax.block_until_ready((x, cache.windows, cache.heads))
         x, meta, keys, knobs, entry = self._insert(cache, x, meta, keys, knobs, b, r, end, step)
+        self.totals["insertions"] += 1
         slots[b] = _Slot(r, end + req.max_new_tokens - 2)
         start[b] = end - len(req.prompt)
         self.placed(r, b, epoch, int(start[b]))
@@ -441,7 +442,6 @@ class _Run:
     x, meta, keys, knobs = fns.enter(
         x, meta, keys, knobs, x_new, put(b), put(end - length), put(key), put(knob, np.float32)
     )
-    self.totals["insertions"] += 1
     return x, meta, keys, knobs, (step - 1, [r], lg, tok)
 
   def _put_slot(self, cache, l, b, window, open_page) -> None:
