@@ -526,7 +526,6 @@ class _Run:
         pc.add(keys, fresh, sum(a.nbytes for a in fresh[0]))
     finally:
       pc.release(hit)
-    self.totals["prefix_cache_hit_tokens"] += len(hit) * chunk
     return x_new
 
   def result(self, wall_s: float, epochs: int) -> ServeResult:

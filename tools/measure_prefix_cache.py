@@ -7,7 +7,8 @@ a time on one slot (jaxkv.serving, greedy, 1 new token, so the serve's wall time
   cold  prefix + tail A with the cache on, a miss (the prefill also copies its blocks to host memory);
   warm  prefix + tail B with the cache on: the prefix's blocks come from host memory, only the tail is prefilled.
 Round 0 compiles every shape and is not counted. Prints a table (median seconds per arm, warm / off and warm / cold)
-last and writes JSON to --json_out (default $OUT/prefix_cache.json when $OUT is set). On the H200, 8B geometry:
+last and writes JSON to --json_out (default $OUT/prefix_cache.json when $OUT is set); --seed seeds the weights and
+prompts. On the H200, 8B geometry:
 
   python3 tools/measure_prefix_cache.py --cpu_devices=0 --config=experiments/llama3_8b.py --kv_placement=host \\
       --kv_pipeline_depth=2 --prefix_cache_gib=8 --prefix_len=32768 --tail_len=64 --rounds=4
@@ -26,18 +27,17 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxkv import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxkv import generate  # pylint: disable=g-import-not-at-top,wrong-import-position  (--prefix_cache_gib, --seed, --json_out)
 
 PREFIX_LEN = flags.DEFINE_integer("prefix_len", 32768, "Tokens of the shared prefix.")
 TAIL_LEN = flags.DEFINE_integer("tail_len", 64, "Tokens after the prefix (different in the cold and warm prompt).")
 ROUNDS = flags.DEFINE_integer("rounds", 4, "Rounds, each with a fresh prefix; round 0 compiles and is not counted.")
-SEED = flags.DEFINE_integer("seed", 0, "Seeds the weights and the prompts.")
-JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here (default $OUT/prefix_cache.json).")
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if cli.prefix_cache_bytes() <= 0:
+  if generate.prefix_cache_bytes() <= 0:
     raise app.UsageError("give --prefix_cache_gib (host memory for the prefix cache, e.g. 8)")
   if ROUNDS.value < 2 or PREFIX_LEN.value < 1 or TAIL_LEN.value < 1:
     raise app.UsageError("--rounds must be >= 2, --prefix_len and --tail_len >= 1")
@@ -49,10 +49,10 @@ def main(argv):
   from jaxkv import serving  # pylint: disable=g-import-not-at-top
 
   config = cli.resolved_config()
-  _, _, engine = run.build(config, SEED.value)
+  _, _, engine = run.build(config, generate.SEED.value)
   off = serving.Server(engine, 1)
-  on = serving.Server(engine, 1, cli.prefix_cache_bytes())
-  rng = np.random.default_rng(SEED.value)
+  on = serving.Server(engine, 1, generate.prefix_cache_bytes())
+  rng = np.random.default_rng(generate.SEED.value)
   draw = lambda n: tuple(rng.integers(0, config.model.vocab_size, n).tolist())
   times: dict[str, list[float]] = {"off": [], "cold": [], "warm": []}
   tokens_equal = True
@@ -82,7 +82,9 @@ def main(argv):
       devices=[str(d) for d in jax.devices()],
       jax=jax.__version__,
   )
-  path = JSON_OUT.value or (os.path.join(os.environ["OUT"], "prefix_cache.json") if os.environ.get("OUT") else None)
+  path = generate.JSON_OUT.value or (
+      os.path.join(os.environ["OUT"], "prefix_cache.json") if os.environ.get("OUT") else None
+  )
   cli.write_json(result, path)
   print(f"\nprefix {PREFIX_LEN.value} + tail {TAIL_LEN.value} tokens, {ROUNDS.value - 1} rounds, {stats}")
   print(f"{'arm':6} {'ttft_s (median)':>16}")
