@@ -395,7 +395,7 @@ class _Run:
     eng, cfg = self.engine, self.engine.config
     longest = max(len(self.requests[r].prompt) for r in owners if r is not None)
     w_rows = longest // cfg.kv.block * cfg.kv.block
-    if w_rows:
+    if w_rows and self.batch > 1:  # The other slots' rows; one slot's window is stored whole (_put_slot).
       cache.store_zeros(w_rows)
     cache.store_zero_opens()
     cache.rows = w_rows
@@ -448,7 +448,9 @@ class _Run:
     """Replaces slot b of layer l's window (rows [0, W) [2, 1, K, W, E] on the devices, None while W = 0) and open
     page, in place where they live."""
     fns = self.server.layer_fns[l]
-    if window is not None:
+    if window is not None and cache.windows[l] is None:  # One slot, no rows yet (_first_alone): the whole window.
+      cache.store(l, window)
+    elif window is not None:
       insert = fns.insert_host if cache.streamed[l] else fns.insert_device
       r1 = cache.head_rows(l)  # Host attention: rows [0, r1) go to the layer's head, the rest to its tail.
       if r1:
@@ -463,13 +465,17 @@ class _Run:
     """Prefills one prompt (tokens i32[1, n * chunk]) in a cache of its own; rows [0, first * chunk) are zeros, or
     `window(l)`'s rows. Returns the hidden state of its last row."""
     eng, cfg = self.engine, self.engine.config
-    own = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, 1, cfg.engine.capacity, eng.layout)
+    # With rows from the prefix cache the prompt's cache lives on the devices (the same bits in every placement): its
+    # window arrives there from the prefix cache's blocks, and would otherwise be stored to host memory and delivered
+    # back for the next chunk. The price: the prompt's rows in device memory during its prefill.
+    kv = cfg.kv if window is None else dataclasses.replace(cfg.kv, placement="device")
+    own = cache_lib.KVCache(cfg.model, kv, eng.mesh, 1, cfg.engine.capacity, eng.layout)
     if first and window is None:  # Skipped chunks: zero rows below the prompt (left padding).
       own.store_zeros(first * cfg.engine.prefill_chunk)
     elif first:
       for l in range(cfg.model.num_layers):
         own.store(l, window(l))
-    transport = Transport(own, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
+    transport = Transport(own, kv.pipeline_depth, kv.transport_debug)
     try:
       return eng.prefill(
           own,

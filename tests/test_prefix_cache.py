@@ -122,6 +122,15 @@ def test_hits_give_the_bits_of_a_cold_prefill(engine, cold):
   assert len({r.slot for r in first.results[:3]}) == 3 and first.results[0].epoch == first.results[2].epoch
 
 
+def test_one_slot_hits_give_the_bits_of_a_cold_prefill(engine):
+  reqs = _requests()[2:4] + _requests()[7:]  # Each request an epoch's first, or a reused slot's.
+  want = serving.Server(engine, 1, prefix_cache_bytes=1).serve(reqs)
+  server = serving.Server(engine, 1, prefix_cache_bytes=2**30)
+  for _ in range(2):
+    assert server.serve(reqs).transcript_sha256 == want.transcript_sha256
+  assert server.prefix_cache.summary()["hits"] == 5
+
+
 def test_tokens_equal_the_server_without_the_cache(engine, cold):
   off = serving.Server(engine, 3).serve(_requests())  # Prompts prefilled in place: other bits, the same tokens.
   assert [r.tokens for r in off.results] == [r.tokens for r in cold.results]
