@@ -166,8 +166,15 @@ def _report_served(out: dict, json_out: str | None) -> None:
 
 
 def prefix_cache_bytes() -> int:
-  """--prefix_cache_gib in bytes."""
-  return int(PREFIX_CACHE_GIB.value * 2**30)
+  """--prefix_cache_gib in bytes, checked against the pinned host pool (after the platform is set)."""
+  from jaxkv import serving  # pylint: disable=g-import-not-at-top  (imports JAX)
+
+  nbytes = int(PREFIX_CACHE_GIB.value * 2**30)
+  try:
+    serving.check_prefix_cache_budget(nbytes)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  return nbytes
 
 
 def served_summary(transport: dict, timing: dict) -> str:

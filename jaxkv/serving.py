@@ -169,6 +169,19 @@ def _slot_functions(cfg, mesh: jax.sharding.Mesh) -> _SlotFns:
   )
 
 
+def check_prefix_cache_budget(nbytes: int) -> None:
+  """ValueError for a prefix cache budget below 0 or past this backend's pinned host pool (run after the platform
+  is set)."""
+  if nbytes < 0:
+    raise ValueError(f"the prefix cache budget must be >= 0, got {nbytes} B")
+  pool = cache_lib.pinned_pool_limit_bytes()
+  if pool is not None and nbytes >= pool:
+    raise ValueError(
+        f"the prefix cache budget ({nbytes / 2**30:.2f} GiB) does not fit the pinned host pool ({pool / 2**30:.2f} "
+        f"GiB) beside the KV cache; lower --prefix_cache_gib or raise {cache_lib.POOL_ENV}"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class _Slot:
   """What a slot holds now (host side): its request and the last row its decode writes (the row of its first
@@ -186,8 +199,7 @@ class Server:
     serve() calls and epochs."""
     if parallel < 1:
       raise ValueError(f"parallel must be >= 1, got {parallel}")
-    if prefix_cache_bytes < 0:
-      raise ValueError(f"the prefix cache budget must be >= 0, got {prefix_cache_bytes} B")
+    check_prefix_cache_budget(prefix_cache_bytes)
     self.engine, self.parallel = engine, parallel
     self.prefix_cache = None
     if prefix_cache_bytes:

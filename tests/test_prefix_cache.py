@@ -82,6 +82,12 @@ def test_bad_budget_is_an_error():
     serving.Server(helpers.engine(1, placement="device"), 1, prefix_cache_bytes=-1)
 
 
+def test_a_budget_past_the_pinned_pool_is_an_error(monkeypatch):
+  monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "2")
+  with pytest.raises(ValueError, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"):
+    serving.Server(helpers.engine(1, placement="device"), 1, prefix_cache_bytes=3 * 2**30)
+
+
 # Served: the tiny config's prefill chunk (the cache's block) is 16 rows; a 40-token shared prefix is 2 whole blocks.
 def _requests():
   rng = np.random.default_rng(4)
