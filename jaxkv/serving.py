@@ -480,7 +480,8 @@ class _Run:
     # With rows from the prefix cache the prompt's cache lives on the devices (the same bits in every placement): its
     # window arrives there from the prefix cache's blocks, and would otherwise be stored to host memory and delivered
     # back for the next chunk. The price: the prompt's rows in device memory during its prefill.
-    kv = cfg.kv if window is None else dataclasses.replace(cfg.kv, placement="device")
+    device = dict(placement="device", host_attention=False, host_attention_fraction=0.0)
+    kv = cfg.kv if window is None else dataclasses.replace(cfg.kv, **device)
     own = cache_lib.KVCache(cfg.model, kv, eng.mesh, 1, cfg.engine.capacity, eng.layout)
     if first and window is None:  # Skipped chunks: zero rows below the prompt (left padding).
       own.store_zeros(first * cfg.engine.prefill_chunk)

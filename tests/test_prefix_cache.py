@@ -137,6 +137,16 @@ def test_one_slot_hits_give_the_bits_of_a_cold_prefill(engine):
   assert server.prefix_cache.summary()["hits"] == 5
 
 
+def test_hits_with_host_attention_give_the_bits_of_a_cold_prefill():
+  split = helpers.engine(2, placement="host", depth=1, host_attention=True, host_attention_fraction=0.5)
+  reqs = _requests()[:4]
+  want = serving.Server(split, 2, prefix_cache_bytes=1).serve(reqs)
+  server = serving.Server(split, 2, prefix_cache_bytes=2**30)
+  for _ in range(2):
+    assert server.serve(reqs).transcript_sha256 == want.transcript_sha256
+  assert server.prefix_cache.summary()["hits"] == 3 + 4
+
+
 def test_tokens_equal_the_server_without_the_cache(engine, cold):
   off = serving.Server(engine, 3).serve(_requests())  # Prompts prefilled in place: other bits, the same tokens.
   assert [r.tokens for r in off.results] == [r.tokens for r in cold.results]
