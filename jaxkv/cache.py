@@ -200,6 +200,12 @@ class KVCache:
     for l in range(self.model.num_layers):
       self.store(l, _zeros_fn(shape, self.dtype, self.device_shardings[l])())
 
+  def store_zero_opens(self) -> None:
+    """Zeros as every layer's open page (a cache whose slots are then filled one by one: jaxkv.serving)."""
+    shape = (2, self.batch, self.model.num_kv_heads, self.block, self.row_width)
+    for l in range(self.model.num_layers):
+      self.opens[l] = _zeros_fn(shape, self.dtype, self.device_shardings[l])()
+
   def store(self, layer: int, window_device: jax.Array | None) -> int:
     """Places layer `layer`'s window (a device array) in the cache's memory. Returns bytes moved D2H."""
     if window_device is None or not self.streamed[layer]:

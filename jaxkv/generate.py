@@ -31,6 +31,13 @@ PROMPT_LEN = flags.DEFINE_list(
 MAX_NEW = flags.DEFINE_integer("max_new_tokens", 16, "Tokens to generate per sequence.")
 SEQUENCES = flags.DEFINE_integer("sequences", 0, "Serve this many random requests on --parallel slots (0 = off).")
 PARALLEL = flags.DEFINE_integer("parallel", 8, "Slots for --sequences.")
+PREFIX_CACHE_GIB = flags.DEFINE_float(
+    "prefix_cache_gib",
+    0.0,
+    "Serving (--sequences, jaxkv.serve): host memory for the KV rows of prompt prefixes, reused by later prompts that "
+    "start with them (jaxkv.prefix_cache); 0 = off.",
+    lower_bound=0.0,
+)
 SEED = flags.DEFINE_integer("seed", 0, "Seeds the weights, the prompt ids and sampling.")
 JSON_OUT = flags.DEFINE_string("json_out", None, "Write tokens, hashes, config and telemetry here.")
 CHECKPOINT_DIR = flags.DEFINE_string(
@@ -68,7 +75,7 @@ HELP_GROUPS = {
     "prompts": [PROMPT_LEN, BATCH, PROMPT, MAX_NEW, SEED],
     "KV cache": cli.KV_GROUP,
     "split": cli.SPLIT_GROUP,
-    "serving": [SEQUENCES, PARALLEL],
+    "serving": [SEQUENCES, PARALLEL, PREFIX_CACHE_GIB],
     "multi-host": cli.MULTIHOST_GROUP,
     "output": [JSON_OUT],
 }
@@ -120,7 +127,9 @@ def main(argv):
   # Each run checks its input (jaxkv.preflight) before it builds or reads any weights.
   t0 = time.perf_counter()
   if SEQUENCES.value:
-    out = run.serve_random(cd, SEQUENCES.value, PARALLEL.value, max(lens), MAX_NEW.value, SEED.value)
+    out = run.serve_random(
+        cd, SEQUENCES.value, PARALLEL.value, max(lens), MAX_NEW.value, SEED.value, prefix_cache_bytes()
+    )
     out["wall_s"] = time.perf_counter() - t0
     if distributed.is_main():
       _report_served(out, JSON_OUT.value)
@@ -156,12 +165,33 @@ def _report_served(out: dict, json_out: str | None) -> None:
   cli.write_json(out, json_out)
 
 
+def prefix_cache_bytes() -> int:
+  """--prefix_cache_gib in bytes, checked against the pinned host pool (after the platform is set)."""
+  from jaxkv import serving  # pylint: disable=g-import-not-at-top  (imports JAX)
+
+  nbytes = int(PREFIX_CACHE_GIB.value * 2**30)
+  try:
+    serving.check_prefix_cache_budget(nbytes)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  return nbytes
+
+
 def served_summary(transport: dict, timing: dict) -> str:
   """The last line of a serving run's report, from its ServeResult's transport and timing."""
   t = transport
   return (
       f"kv placement {t['placement']}, {_delivery(t)}, {timing['decode_steps']} decode steps, "
       f"{t['insertions']} slot reuses, {t['epochs']} epochs"
+  ) + _prefix_cache_summary(t.get("prefix_cache"))
+
+
+def _prefix_cache_summary(c: dict | None) -> str:
+  if c is None:
+    return ""
+  return (
+      f"; prefix cache: {c['hits']} hits of {c['lookups']} prompts, {c['hit_tokens']} tokens reused, "
+      f"{c['bytes']} B held, {c['evictions']} blocks evicted"
   )
 
 

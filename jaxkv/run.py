@@ -132,10 +132,19 @@ def generate_random(config_dict, lengths, max_new_tokens: int, seed: int) -> dic
   )
 
 
-def serve_random(config_dict, sequences: int, parallel: int, max_length: int, max_new_tokens: int, seed: int) -> dict:
-  """Serves `sequences` random requests on `parallel` slots (jaxkv.serving); prompt lengths are drawn from
-  [1, max_length] and max_new_tokens from [max(1, max_new_tokens // 2), max_new_tokens]. A request that cannot fit
-  is rejected on its own (its `error` says why). Returns a JSON-ready dict."""
+def serve_random(
+    config_dict,
+    sequences: int,
+    parallel: int,
+    max_length: int,
+    max_new_tokens: int,
+    seed: int,
+    prefix_cache_bytes: int = 0,
+) -> dict:
+  """Serves `sequences` random requests on `parallel` slots (jaxkv.serving; with a prefix cache of
+  `prefix_cache_bytes`); prompt lengths are drawn from [1, max_length] and max_new_tokens from
+  [max(1, max_new_tokens // 2), max_new_tokens]. A request that cannot fit is rejected on its own (its `error` says
+  why). Returns a JSON-ready dict."""
   job = preflight.resolve(config_dict)
   rng = np.random.default_rng(seed)
   lengths = rng.integers(1, max_length + 1, size=sequences).tolist()
@@ -143,7 +152,7 @@ def serve_random(config_dict, sequences: int, parallel: int, max_length: int, ma
   prompts = random_prompts(job.config.model.vocab_size, lengths, seed)
   requests = [serving.Request(tuple(p), n, seed=seed + i) for i, (p, n) in enumerate(zip(prompts, news))]
   with compile_cache.CompileCounter() as counter:
-    server = serving.Server(_random_engine(job, seed)[1], parallel)
+    server = serving.Server(_random_engine(job, seed)[1], parallel, prefix_cache_bytes)
     with _progress("serve decode steps") as bar:
       res = server.serve(requests, on_step=lambda *_: bar.update())
   return dict(

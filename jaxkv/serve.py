@@ -17,7 +17,7 @@ from absl import flags
 from absl import logging
 
 from jaxkv import cli
-from jaxkv import generate  # Its flags: --checkpoint_dir, --checkpoint_dtype, --parallel, --seed.
+from jaxkv import generate  # Its flags: --checkpoint_dir, --checkpoint_dtype, --parallel, --prefix_cache_gib, --seed.
 
 HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
@@ -28,7 +28,7 @@ MODEL_NAME = flags.DEFINE_string(
 
 HELP_GROUPS = {
     "model and config": [*cli.CONFIG_GROUP, generate.CHECKPOINT_DIR, generate.CHECKPOINT_DTYPE, generate.SEED],
-    "server": [HOST, PORT, generate.PARALLEL, MAX_QUEUE, MODEL_NAME],
+    "server": [HOST, PORT, generate.PARALLEL, MAX_QUEUE, MODEL_NAME, generate.PREFIX_CACHE_GIB],
     "KV cache": cli.KV_GROUP,
     "split": cli.SPLIT_GROUP,
     "multi-host": cli.MULTIHOST_GROUP,
@@ -64,6 +64,7 @@ def main(argv):
       seed=generate.SEED.value,
       max_queue=MAX_QUEUE.value,
       name=name,
+      prefix_cache_bytes=generate.prefix_cache_bytes(),
   )
   logging.info("serving %s on http://%s:%d", name, HOST.value, PORT.value)
   print(f"serving {name} on http://{HOST.value}:{PORT.value} ({generate.PARALLEL.value} slots)", flush=True)

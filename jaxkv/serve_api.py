@@ -357,7 +357,15 @@ def uvicorn_server(app: fastapi.FastAPI, host: str, port: int, log_level: str = 
 
 
 def build_model(
-    config_dict, *, checkpoint_dir: str | None, dtype: str | None, parallel: int, seed: int, max_queue: int, name: str
+    config_dict,
+    *,
+    checkpoint_dir: str | None,
+    dtype: str | None,
+    parallel: int,
+    seed: int,
+    max_queue: int,
+    name: str,
+    prefix_cache_bytes: int = 0,
 ) -> Model:
   """The engine (a checkpoint's, else seeded random weights), its serving loop (started, its first shapes compiled
   by one short request) and the checkpoint's tokenizer and chat template where it has them."""
@@ -375,7 +383,7 @@ def build_model(
     _, _, _, engine = run.build_from_checkpoint(config, checkpoint_dir, dtype)
   else:
     _, _, engine = run.build(config, seed)
-  loop = serving_loop.ServingLoop(serving.Server(engine, parallel), max_queue).start()
+  loop = serving_loop.ServingLoop(serving.Server(engine, parallel, prefix_cache_bytes), max_queue).start()
   done = threading.Event()
   loop.submit(serving.Request((0,), 2), lambda t: None, lambda why, err: done.set())
   done.wait()

@@ -3,6 +3,8 @@ gauges read from the serving loop at each scrape, histograms observed by the HTT
 
 from __future__ import annotations
 
+import collections
+
 import prometheus_client
 from prometheus_client import core
 
@@ -77,3 +79,13 @@ class _LoopCollector:
     yield core.CounterMetricFamily(
         "jaxkv_slot_insertions", "Requests that entered a slot of a running batch.", transport["insertions"]
     )
+    cache = self.loop.server.prefix_cache
+    prefix = collections.Counter() if cache is None else cache.summary()
+    yield core.CounterMetricFamily(
+        "jaxkv_prefix_cache_hits", "Requests whose prompt started with a cached prefix.", prefix["hits"]
+    )
+    yield core.CounterMetricFamily(
+        "jaxkv_prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache.", prefix["hit_tokens"]
+    )
+    yield core.GaugeMetricFamily("jaxkv_prefix_cache_bytes", "Bytes the prefix cache holds.", prefix["bytes"])
+    yield core.CounterMetricFamily("jaxkv_prefix_cache_evictions", "Prefix cache blocks evicted.", prefix["evictions"])

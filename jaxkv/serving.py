@@ -45,6 +45,7 @@ from jaxkv import distributed
 from jaxkv import engine as engine_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
+from jaxkv import prefix_cache as prefix_cache_lib
 from jaxkv import sampling as sampling_lib
 from jaxkv.config import SamplingConfig
 from jaxkv.transport import Transport
@@ -96,6 +97,9 @@ class _SlotFns:
   enter: object
   insert_device: object  # Into a window or open page in device memory.
   insert_host: object  # Into a window in pinned host memory, in place.
+  place: object  # Prefix cache: a prompt's rows moved to the slot's rows.
+  block: object  # Prefix cache: a block of rows, to pinned host memory.
+  gather: object  # Prefix cache: blocks from pinned host memory, concatenated on the devices.
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,12 +140,46 @@ def _slot_functions(cfg, mesh: jax.sharding.Mesh) -> _SlotFns:
   def insert_host(rows, new, b):
     return insert(rows, jax.device_put(new, jax.memory.Space.Host), b)
 
+  def place(head, open_page, offset, w_rows):
+    """A prompt prefilled at rows [0, L) (head [2, 1, K, H, E] or None, open_page [2, 1, K, P, E] after it) -> its
+    rows at [offset, offset + L) of a slot's window [2, 1, K, w_rows, E] and open page (rows after the prompt's
+    are those after it in the prefilled ones, and decode masks them until it writes them)."""
+    full = open_page if head is None else jnp.concatenate([head, open_page], axis=3)
+    p = open_page.shape[3]
+    dest = jnp.zeros(full.shape[:3] + (w_rows + p + full.shape[3], full.shape[4]), full.dtype)
+    dest = jax.lax.dynamic_update_slice(dest, full, (0, 0, 0, offset, 0))
+    return dest[:, :, :, :w_rows], dest[:, :, :, w_rows : w_rows + p]
+
+  def block(rows, first, size):
+    """rows [2, 1, K, R, E] on the devices -> rows [first, first + size), in pinned host memory."""
+    return jax.device_put(jax.lax.dynamic_slice_in_dim(rows, first, size, axis=3), jax.memory.Space.Host)
+
+  def gather(blocks):
+    """blocks: [2, 1, K, C, E] each, in pinned host memory -> [2, 1, K, n C, E] on the devices."""
+    return jnp.concatenate([jax.device_put(r, jax.memory.Space.Device) for r in blocks], axis=3)
+
   return _SlotFns(
+      place=jax.jit(place, static_argnames="w_rows", out_shardings=kv_device),
+      block=jax.jit(block, static_argnames="size", out_shardings=kv_host),
+      gather=jax.jit(gather, out_shardings=kv_device),
       head=jax.jit(head, out_shardings=rep),
       enter=jax.jit(enter, out_shardings=rep, donate_argnums=(0, 1, 2, 3)),
       insert_device=jax.jit(insert, out_shardings=kv_device, donate_argnums=(0,)),
       insert_host=jax.jit(insert_host, out_shardings=kv_host, donate_argnums=(0,)),
   )
+
+
+def check_prefix_cache_budget(nbytes: int) -> None:
+  """ValueError for a prefix cache budget below 0 or past this backend's pinned host pool (run after the platform
+  is set)."""
+  if nbytes < 0:
+    raise ValueError(f"the prefix cache budget must be >= 0, got {nbytes} B")
+  pool = cache_lib.pinned_pool_limit_bytes()
+  if pool is not None and nbytes >= pool:
+    raise ValueError(
+        f"the prefix cache budget ({nbytes / 2**30:.2f} GiB) does not fit the pinned host pool ({pool / 2**30:.2f} "
+        f"GiB) beside the KV cache; lower --prefix_cache_gib or raise {cache_lib.POOL_ENV}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,10 +194,16 @@ class _Slot:
 class Server:
   """Serves requests on `parallel` slots of an engine (its config gives placement, depth, capacity...)."""
 
-  def __init__(self, engine: engine_lib.Engine, parallel: int):
+  def __init__(self, engine: engine_lib.Engine, parallel: int, prefix_cache_bytes: int = 0):
+    """prefix_cache_bytes: the prefix cache's budget in host memory (0 = off; jaxkv.prefix_cache), kept across
+    serve() calls and epochs."""
     if parallel < 1:
       raise ValueError(f"parallel must be >= 1, got {parallel}")
+    check_prefix_cache_budget(prefix_cache_bytes)
     self.engine, self.parallel = engine, parallel
+    self.prefix_cache = None
+    if prefix_cache_bytes:
+      self.prefix_cache = prefix_cache_lib.PrefixCache(prefix_cache_bytes, engine.config.engine.prefill_chunk)
     cfg = engine.config
     self.fns = _slot_functions(cfg.model, engine.layout.last)  # The head's stage.
     self.layer_fns = [_slot_functions(cfg.model, engine.layout.mesh(l)) for l in range(len(engine.params["layers"]))]
@@ -290,21 +334,16 @@ class _Run:
   def _epoch(self, epoch, owners, prompts, cache, transport) -> None:
     eng, fns = self.engine, self.server.fns
     cfg = eng.config
-    x_last, start, longest = eng.prefill_prompts(
-        cache, transport, prompts, 0, next_pass=True, shapes=self.shapes, counters=self.counters
-    )
-    keys, knobs = zip(*(self.server.sampling_of(None if r is None else self.requests[r]) for r in owners))
-    keys = distributed.put_host(np.array(keys, np.int32), eng._rep)  # pylint: disable=protected-access
-    knobs = distributed.put_host(np.array(knobs, np.float32), eng._rep)  # pylint: disable=protected-access
-    lg, tok, x, _ = fns.head(eng.top_last, x_last, eng._meta(start, longest, 0, 0), keys, knobs)  # pylint: disable=protected-access
-    meta = eng._meta(start, longest, 1, 0)  # pylint: disable=protected-access
+    if self.server.prefix_cache is None:
+      x, meta, keys, knobs, start, longest, pending = self._first_batched(owners, prompts, cache, transport)
+    else:
+      x, meta, keys, knobs, start, longest, pending = self._first_alone(owners, cache, transport)
     slots: list[_Slot | None] = [
         None if r is None else _Slot(r, longest + self.requests[r].max_new_tokens - 2) for r in owners
     ]
     for b, r in enumerate(owners):
       if r is not None:
         self.placed(r, b, epoch, int(start[b]))
-    pending = collections.deque([(0, [None if s is None else s.request for s in slots], lg, tok)])
     end = longest  # The row the next decode step writes.
     step = 1
     while True:
@@ -325,6 +364,7 @@ class _Run:
         # store may still write them (x depends on every delivery that step consumed).
         jax.block_until_ready((x, cache.windows, cache.heads))
         x, meta, keys, knobs, entry = self._insert(cache, x, meta, keys, knobs, b, r, end, step)
+        self.totals["insertions"] += 1
         slots[b] = _Slot(r, end + req.max_new_tokens - 2)
         start[b] = end - len(req.prompt)
         self.placed(r, b, epoch, int(start[b]))
@@ -346,6 +386,46 @@ class _Run:
         return
       self._read(pending.popleft(), slots)
 
+  def _first_batched(self, owners, prompts, cache, transport):
+    """The epoch's first requests prefilled as one batch; returns the decode state, start, longest and the first
+    tokens' pending read."""
+    eng, fns = self.engine, self.server.fns
+    x_last, start, longest = eng.prefill_prompts(
+        cache, transport, prompts, 0, next_pass=True, shapes=self.shapes, counters=self.counters
+    )
+    keys, knobs = zip(*(self.server.sampling_of(None if r is None else self.requests[r]) for r in owners))
+    keys = distributed.put_host(np.array(keys, np.int32), eng._rep)  # pylint: disable=protected-access
+    knobs = distributed.put_host(np.array(knobs, np.float32), eng._rep)  # pylint: disable=protected-access
+    lg, tok, x, _ = fns.head(eng.top_last, x_last, eng._meta(start, longest, 0, 0), keys, knobs)  # pylint: disable=protected-access
+    meta = eng._meta(start, longest, 1, 0)  # pylint: disable=protected-access
+    pending = collections.deque([(0, list(owners), lg, tok)])
+    return x, meta, keys, knobs, start, longest, pending
+
+  def _first_alone(self, owners, cache, transport):
+    """With the prefix cache: the epoch's first requests enter their slots one by one at end = the longest prompt,
+    each prefilled alone like any later request (so that a prompt's rows never depend on its neighbours)."""
+    eng, cfg = self.engine, self.engine.config
+    longest = max(len(self.requests[r].prompt) for r in owners if r is not None)
+    w_rows = longest // cfg.kv.block * cfg.kv.block
+    if w_rows and self.batch > 1:  # The other slots' rows; one slot's window is stored whole (_put_slot).
+      cache.store_zeros(w_rows)
+    cache.store_zero_opens()
+    cache.rows = w_rows
+    start = np.full(self.batch, longest - 1, np.int32)  # An empty slot attends one zero row.
+    keys, knobs = zip(*(self.server.sampling_of(None) for _ in owners))
+    put = lambda v, dtype: distributed.put_host(np.array(v, dtype), eng._rep)  # pylint: disable=protected-access
+    keys, knobs = put(keys, np.int32), put(knobs, np.float32)
+    x = put(np.zeros((self.batch, cfg.model.d_model)), jnp.dtype(cfg.model.dtype))
+    meta = eng._meta(start, longest, 1, 0)  # pylint: disable=protected-access
+    pending = collections.deque()
+    for b, r in enumerate(owners):
+      if r is not None:
+        x, meta, keys, knobs, entry = self._insert(cache, x, meta, keys, knobs, b, r, longest, 1)
+        start[b] = longest - len(self.requests[r].prompt)
+        pending.append(entry)
+    del transport  # Its first pass is the first decode step.
+    return x, meta, keys, knobs, start, longest, pending
+
   def _read(self, entry, slots) -> None:
     step, owners, lg, tok = entry
     self.record(owners, lg, tok)
@@ -356,49 +436,15 @@ class _Run:
       logging.info("serve: %d of %d requests done", sum(self.done), len(self.requests))
 
   def _insert(self, cache, x, meta, keys, knobs, b, r, end, step):
-    """Prefills request r alone as if its prompt ended at row `end` and puts it in slot b."""
-    eng, fns, cfg = self.engine, self.server.fns, self.engine.config
+    """Prefills request r alone, its prompt ending at row `end`, and puts it in slot b."""
+    eng, fns = self.engine, self.server.fns
     req = self.requests[r]
-    chunk, length = cfg.engine.prefill_chunk, len(req.prompt)
-    first = (end - length) // chunk
-    tokens = np.zeros((1, -(-end // chunk) * chunk), np.int32)
-    tokens[0, end - length : end] = req.prompt
+    length = len(req.prompt)
+    if self.server.prefix_cache is None:
+      x_new = self._prefill_in_place(cache, b, req.prompt, end)
+    else:
+      x_new = self._prefill_from_zero(cache, b, req.prompt, end)
     start = np.array([end - length], np.int32)
-    own = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, 1, cfg.engine.capacity, eng.layout)
-    layer_fns = self.server.layer_fns
-    if first:  # Skipped chunks: zero rows below the prompt (left padding).
-      own.store_zeros(first * chunk)
-
-    def finish(l, head, open_page):
-      if head is not None:
-        insert = layer_fns[l].insert_host if cache.streamed[l] else layer_fns[l].insert_device
-        r1 = cache.head_rows(l)  # Host attention: rows [0, r1) go to the layer's head, the rest to its tail.
-        if r1:
-          host_rows, head = cache_lib.split_rows(head, r1, cache.device_shardings[l])
-          old = cache.heads[l]
-          cache.set_head(l, None)  # Drops the host kernel's views of the head before the insert donates it.
-          cache.set_head(l, insert(old, host_rows, b))
-        cache.windows[l] = insert(cache.windows[l], head, b)
-      cache.opens[l] = layer_fns[l].insert_device(cache.opens[l], open_page, b)
-      return 0
-
-    transport = Transport(own, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
-    try:
-      x_new = eng.prefill(
-          own,
-          transport,
-          tokens,
-          start,
-          end,
-          0,
-          finish,
-          first=first,
-          next_pass=False,
-          shapes=self.shapes,
-          counters=self.counters,
-      )
-    finally:
-      transport.close()
     put = lambda v, dtype=np.int32: distributed.put_host(np.asarray(v, dtype), eng._rep)  # pylint: disable=protected-access
     key, knob = self.server.sampling_of(req)
     lg, tok, x_new, _ = fns.head(eng.top_last, x_new, eng._meta(start, end, 0, 0), put([key]), put([knob], np.float32))  # pylint: disable=protected-access
@@ -408,8 +454,98 @@ class _Run:
     x, meta, keys, knobs = fns.enter(
         x, meta, keys, knobs, x_new, put(b), put(end - length), put(key), put(knob, np.float32)
     )
-    self.totals["insertions"] += 1
     return x, meta, keys, knobs, (step - 1, [r], lg, tok)
+
+  def _put_slot(self, cache, l, b, window, open_page) -> None:
+    """Replaces slot b of layer l's window (rows [0, W) [2, 1, K, W, E] on the devices, None while W = 0) and open
+    page, in place where they live."""
+    fns = self.server.layer_fns[l]
+    if window is not None and cache.windows[l] is None:  # One slot, no rows yet (_first_alone): the whole window.
+      cache.store(l, window)
+    elif window is not None:
+      insert = fns.insert_host if cache.streamed[l] else fns.insert_device
+      r1 = cache.head_rows(l)  # Host attention: rows [0, r1) go to the layer's head, the rest to its tail.
+      if r1:
+        host_rows, window = cache_lib.split_rows(window, r1, cache.device_shardings[l])
+        old = cache.heads[l]
+        cache.set_head(l, None)  # Drops the host kernel's views of the head before the insert donates it.
+        cache.set_head(l, insert(old, host_rows, b))
+      cache.windows[l] = insert(cache.windows[l], window, b)
+    cache.opens[l] = fns.insert_device(cache.opens[l], open_page, b)
+
+  def _prefill_own(self, tokens, start, longest, finish, first=0, window=None):
+    """Prefills one prompt (tokens i32[1, n * chunk]) in a cache of its own; rows [0, first * chunk) are zeros, or
+    `window(l)`'s rows. Returns the hidden state of its last row."""
+    eng, cfg = self.engine, self.engine.config
+    # With rows from the prefix cache the prompt's cache lives on the devices (the same bits in every placement): its
+    # window arrives there from the prefix cache's blocks, and would otherwise be stored to host memory and delivered
+    # back for the next chunk. The price: the prompt's rows in device memory during its prefill.
+    device = dict(placement="device", host_attention=False, host_attention_fraction=0.0)
+    kv = cfg.kv if window is None else dataclasses.replace(cfg.kv, **device)
+    own = cache_lib.KVCache(cfg.model, kv, eng.mesh, 1, cfg.engine.capacity, eng.layout)
+    if first and window is None:  # Skipped chunks: zero rows below the prompt (left padding).
+      own.store_zeros(first * cfg.engine.prefill_chunk)
+    elif first:
+      for l in range(cfg.model.num_layers):
+        own.store(l, window(l))
+    transport = Transport(own, kv.pipeline_depth, kv.transport_debug)
+    try:
+      return eng.prefill(
+          own,
+          transport,
+          tokens,
+          start,
+          longest,
+          0,
+          finish,
+          first=first,
+          next_pass=False,
+          shapes=self.shapes,
+          counters=self.counters,
+      )
+    finally:
+      transport.close()
+
+  def _prefill_in_place(self, cache, b, prompt, end):
+    """Prefills the prompt as if it ended at row `end` (chunks aligned to row 0 of the slot) straight into slot b."""
+    chunk, length = self.engine.config.engine.prefill_chunk, len(prompt)
+    tokens = np.zeros((1, -(-end // chunk) * chunk), np.int32)
+    tokens[0, end - length : end] = prompt
+
+    def finish(l, head, open_page):
+      self._put_slot(cache, l, b, head, open_page)
+      return 0
+
+    start = np.array([end - length], np.int32)
+    return self._prefill_own(tokens, start, end, finish, first=(end - length) // chunk)
+
+  def _prefill_from_zero(self, cache, b, prompt, end):
+    """With the prefix cache: prefills the prompt at rows [0, L) (its chunks aligned to its position 0), its first
+    cached blocks taken from the prefix cache, stores its new whole blocks there, and moves its rows to
+    [end - L, end) of slot b."""
+    cfg, pc = self.engine.config, self.server.prefix_cache
+    chunk, length, block = cfg.engine.prefill_chunk, len(prompt), cfg.kv.block
+    keys, hit = pc.match(prompt)
+    tokens = np.zeros((1, -(-length // chunk) * chunk), np.int32)
+    tokens[0, :length] = prompt
+    fresh = [[] for _ in range(len(hit), len(keys))]  # Per new block, its rows of each layer.
+
+    def finish(l, head, open_page):
+      fns = self.server.layer_fns[l]
+      for i, rows in enumerate(fresh):
+        rows.append(fns.block(head, np.int32((len(hit) + i) * chunk), size=chunk))
+      window, open_page = fns.place(head, open_page, np.int32(end - length), w_rows=end // block * block)
+      self._put_slot(cache, l, b, window if window.shape[3] else None, open_page)
+      return 0
+
+    try:
+      gather = lambda l: self.server.layer_fns[l].gather([e.rows[l] for e in hit])
+      x_new = self._prefill_own(tokens, np.zeros(1, np.int32), length, finish, first=len(hit), window=gather)
+      if fresh:  # Its own blocks stay pinned meanwhile: a block is not evicted to make room for its children.
+        pc.add(keys, fresh, sum(a.nbytes for a in fresh[0]))
+    finally:
+      pc.release(hit)
+    return x_new
 
   def result(self, wall_s: float, epochs: int) -> ServeResult:
     results = [
@@ -418,6 +554,8 @@ class _Run:
     ]
     transcript = json.dumps([[r.tokens, r.logits_sha256] + ([r.error] if r.error else []) for r in results])
     telemetry = dict(self.summary, compiled_shapes=len(self.shapes), epochs=epochs, **self.totals)
+    if self.server.prefix_cache is not None:
+      telemetry["prefix_cache"] = self.server.prefix_cache.summary()
     telemetry.update(
         h2d_bytes_by_device=dict(self.by_device["h2d_bytes_by_device"]),
         ring_high_water_bytes_by_device=self.by_device["ring_high_water_bytes_by_device"],

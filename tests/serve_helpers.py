@@ -24,9 +24,10 @@ def running(
     template=None,
     eos_ids=frozenset(),
     start_loop: bool = True,
+    prefix_cache_bytes: int = 0,
 ):
   """Serves `engine` on 127.0.0.1 (a port the OS picks); yields (base url, Model); stops the server and the loop."""
-  loop = serving_loop.ServingLoop(serving.Server(engine, parallel), max_queue)
+  loop = serving_loop.ServingLoop(serving.Server(engine, parallel, prefix_cache_bytes), max_queue)
   if start_loop:
     loop.start()
   model = serve_api.Model(name, loop, tokenizer, template, eos_ids)
