@@ -71,8 +71,8 @@ CHECKPOINT_DTYPE = flags.DEFINE_enum(
 
 
 HELP_GROUPS = {
-    "model and config": [*cli.CONFIG_GROUP, CHECKPOINT_DIR, CHECKPOINT_DTYPE],
-    "prompts": [PROMPT_LEN, BATCH, PROMPT, MAX_NEW, SEED],
+    "model and config": [*cli.CONFIG_GROUP, CHECKPOINT_DIR, GGUF, CHECKPOINT_DTYPE],
+    "prompts": [PROMPT_LEN, BATCH, PROMPT, CHAT, MAX_NEW, SEED],
     "KV cache": cli.KV_GROUP,
     "split": cli.SPLIT_GROUP,
     "serving": [SEQUENCES, PARALLEL, PREFIX_CACHE_GIB],
