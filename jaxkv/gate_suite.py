@@ -105,7 +105,10 @@ def run(
     transcripts[arm] = served.transcript_sha256
     high = [r.transport["ring_high_water_bytes_per_device"] for r in results]
     row = row_bytes_per_device(engine.config, mesh)
-    needed = [r.transport["ring_slots"] * window_rows(config, n, new_tokens) * row for r, n in zip(results, lengths)]
+    needed = [
+        r.transport["ring_slots"] * r.transport["ring_slot_layers"] * window_rows(config, n, new_tokens) * row
+        for r, n in zip(results, lengths)
+    ]
     configured = results[0].transport["ring_bytes_per_device_configured"]
     memory[arm] = dict(
         ring_high_water_bytes_per_device=max(high),

@@ -294,6 +294,7 @@ class Transport:
         depth_requested=c.requested,
         depth=c.depth,
         ring_slots=c.ring_slots if self.streamed else 0,
+        ring_slot_layers=max((len(g) for g in self.groups if self.cache.streamed[g[0]]), default=0),
         ring_bytes_per_device_configured=ring,
         fallback_reason=c.fallback_reason,
         **({"residency": self.cache.plan.summary()} if self.cache.plan else {}),
