@@ -222,7 +222,7 @@ def write_json(obj: dict, path: str | None) -> None:
 
 def resolved_config_dict():
   """The experiment ConfigDict with --capacity and the --kv_* flags applied."""
-  path = config_flags.get_config_filename(flags.FLAGS["config"])
+  path = config_flags.get_config_filename(flags.FLAGS["config"]).split(":")[0]  # file.py:args -> file.py
   if not os.path.isfile(path):
     raise preflight.InputError(
         f"--config={path}: no such file", f"configs are Python files, e.g. --config={os.path.relpath(_DEFAULT_CONFIG)}"

@@ -173,12 +173,25 @@ def apply_rope(x, pos, inv_freq, scale: float = 1.0):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+# A decode's projections run on at least this many rows (zeros below the batch): on the H200 (8B, jax 0.11.2) XLA's
+# kernels for 8 rows read the weights faster than those for 1; the device step at 4k, batch 1 went from 6.10 to 5.17 ms.
+MIN_ROWS = 8
+
+
+def project(spec, x, w):
+  """jnp.einsum(spec, x, w) over x [B, T, ...]; a decode's x (T = 1, B < MIN_ROWS) is padded to MIN_ROWS rows."""
+  b, t = x.shape[:2]
+  if t != 1 or b >= MIN_ROWS:
+    return jnp.einsum(spec, x, w)
+  return jnp.einsum(spec, jnp.pad(x, [(0, MIN_ROWS - b)] + [(0, 0)] * (x.ndim - 1)), w)[:b]
+
+
 def qkv(p, x, pos, cfg: ModelConfig):
   """x [B, T, D], pos i32[B, T] -> q [B, T, H, Dh], k, v [B, T, K, Dh] (RoPE applied)."""
   h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
-  q = jnp.einsum("btd,dhk->bthk", h, p["wq"])
-  k = jnp.einsum("btd,dhk->bthk", h, p["wk"])
-  v = jnp.einsum("btd,dhk->bthk", h, p["wv"])
+  q = project("btd,dhk->bthk", h, p["wq"])
+  k = project("btd,dhk->bthk", h, p["wk"])
+  v = project("btd,dhk->bthk", h, p["wv"])
   if cfg.qk_norm:
     q = rms_norm(q, p["q_norm"], cfg.rms_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_eps)
@@ -205,11 +218,11 @@ def attention(q, kv, mask):
 
 def attn_out_and_mlp(p, x, o, cfg: ModelConfig):
   """Residual adds: x [B, T, D], o [B, T, H, Dh] -> x [B, T, D]."""
-  x = x + jnp.einsum("bthk,hkd->btd", o, p["wo"])
+  x = x + project("bthk,hkd->btd", o, p["wo"])
   h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
-  g = jnp.einsum("btd,df->btf", h, p["w_gate"])
-  u = jnp.einsum("btd,df->btf", h, p["w_up"])
-  return x + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, p["w_down"])
+  g = project("btd,df->btf", h, p["w_gate"])
+  u = project("btd,df->btf", h, p["w_up"])
+  return x + project("btf,fd->btd", jax.nn.silu(g) * u, p["w_down"])
 
 
 def prefill_layer(

@@ -10,7 +10,7 @@ layers a layer is 1-3% of the KV, fine enough.
 
 Budget (per device, at the cache's full capacity): free memory of the fullest device when the cache is
 allocated (after the weights), minus the delivery ring (`ring_bytes`: depth + 2 groups of streamed layers), minus a workspace for a layer's
-temporaries (the unpacked and grown window, two windows; the prefill scores, WORKSPACE_SCORE_BLOCKS x
+temporaries (a resident group's windows grown at a page boundary, RESIDENT_GROUP_BYTES or two windows; the prefill scores, WORKSPACE_SCORE_BLOCKS x
 jaxkv.model.SCORE_BUDGET_BYTES), minus kv.headroom_mib. kv.device_budget_gib replaces the automatic figure
 (and lets tests and benchmarks emulate a smaller device); it may not exceed the free memory where that is
 known. Where the backend reports no memory (CPU) and no budget is given, every layer is resident.
@@ -33,6 +33,9 @@ from jaxkv import model
 
 WORKSPACE_SCORE_BLOCKS = 3  # f32 scores, their softmax weights and one spare, of the prefill's query blocks.
 GROUP_TARGET_BYTES = 64 * 2**20  # Per device: the least a group of streamed layers delivers (kv.group_layers 0).
+# Per device: the most a group of resident layers holds (kv.group_layers 0). At a page boundary a group's windows grow
+# inside its call, the old and the grown alive together: one call for 32 layers of 2 GiB (8B, 512k) needed 64 GiB more.
+RESIDENT_GROUP_BYTES = 4 * 2**30
 RING_SPARE = 2  # Ring slots beyond the depth: the delivery being computed and the previous one (jaxkv.transport).
 
 
@@ -46,6 +49,12 @@ def streamed_group_layers(group_layers: int, host_attention: bool, layer_bytes: 
   if group_layers:
     return group_layers
   return max(1, -(-GROUP_TARGET_BYTES // max(layer_bytes, 1)))
+
+
+def resident_group_layers(group_layers: int, layer_bytes: int) -> int:
+  """Resident layers per decode call, before cutting to a run's length: kv.group_layers when set, else as many as
+  hold RESIDENT_GROUP_BYTES per device (layer_bytes: one layer's window per device), at least one."""
+  return group_layers or max(1, RESIDENT_GROUP_BYTES // max(layer_bytes, 1))
 
 
 def ring_bytes(depth: int, slot_bytes: int) -> int:
@@ -113,7 +122,7 @@ def device_budget(
     return budget, "kv.device_budget_gib"
   if free_bytes is None:
     return None, "no device memory limit"
-  workspace = 2 * layer_bytes + WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
+  workspace = max(2 * layer_bytes, RESIDENT_GROUP_BYTES) + WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
   return max(free_bytes - ring_bytes - workspace - headroom_mib * 2**20, 0), "free device memory"
 
 

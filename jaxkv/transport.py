@@ -90,10 +90,12 @@ def decode_groups(
     streamed: tuple[bool, ...], stage_of: tuple[int, ...], kv: KVConfig, layer_bytes: int
 ) -> tuple[tuple[int, ...], ...]:
   """The layers of a pass in groups of consecutive layers, each one decode call and, when streamed, one delivery:
-  the runs of layers that share a stage and a residency, a resident run whole and a streamed run cut into groups of
-  jaxkv.residency.streamed_group_layers layers (layer_bytes: one layer's window per device); kv.group_layers >= 1
-  caps every group."""
-  per_group = residency.streamed_group_layers(kv.group_layers, kv.host_attention, layer_bytes)
+  the runs of layers that share a stage and a residency, cut into groups of jaxkv.residency.resident_group_layers
+  (resident) or streamed_group_layers (streamed) layers (layer_bytes: one layer's window per device)."""
+  per_group = {
+      True: residency.streamed_group_layers(kv.group_layers, kv.host_attention, layer_bytes),
+      False: residency.resident_group_layers(kv.group_layers, layer_bytes),
+  }
   runs: list[list[int]] = []
   for l, s in enumerate(streamed):
     if runs and s == streamed[runs[-1][0]] and stage_of[l] == stage_of[runs[-1][0]]:
@@ -102,7 +104,7 @@ def decode_groups(
       runs.append([l])
   groups = []
   for run in runs:
-    size = per_group if streamed[run[0]] else kv.group_layers or len(run)
+    size = per_group[streamed[run[0]]]
     groups += [tuple(run[i : i + size]) for i in range(0, len(run), size)]
   return tuple(groups)
 

@@ -25,11 +25,13 @@ MIB = 2**20
 
 def test_groups_are_runs_of_one_stage_and_residency_cut_by_bytes():
   kv = config_lib.KVConfig()
-  # Resident runs whole; streamed runs in groups delivering 64 MiB per device: 4 layers of 20 MiB.
+  # Resident runs whole up to 4 GiB per device; streamed runs in groups delivering 64 MiB per device: 4 layers of 20 MiB.
   assert decode_groups((R, R, S, S, S, S, S, R, S), (0,) * 9, kv, 20 * MIB) == ((0, 1), (2, 3, 4, 5), (6,), (7,), (8,))
   assert decode_groups((S,) * 3, (0,) * 3, kv, 100 * MIB) == ((0,), (1,), (2,))  # Each layer over the target.
   assert decode_groups((S,) * 4, (0, 0, 1, 1), kv, MIB) == ((0, 1), (2, 3))  # Never across a stage.
   assert decode_groups((R,) * 4, (0, 0, 1, 1), kv, MIB) == ((0, 1), (2, 3))
+  # Resident windows grow inside their call at a page boundary: a group holds 4 GiB, here 2 layers of 1.5 GiB.
+  assert decode_groups((R,) * 5, (0,) * 5, kv, 1536 * MIB) == ((0, 1), (2, 3), (4,))
   capped = dataclasses.replace(kv, group_layers=2)  # Caps every group, resident ones too.
   assert decode_groups((R, R, R, S, S, S), (0,) * 6, capped, MIB) == ((0, 1), (2,), (3, 4), (5,))
   split = dataclasses.replace(kv, placement="host", host_attention=True, group_layers=3)
