@@ -57,14 +57,17 @@ def grow(window, rows):
 def split_prefilled(window, chunk, *, w_rows: int, block: int):
   """After the last prefill chunk: rows [0, w_rows) become the window, [w_rows, w_rows + block) the open page.
 
-  window [2, B, K, W0, E] or None; chunk [2, B, K, C, E]. Rows past the chunk are zeros (zero bytes decode to 0).
+  window [2, B, K, W0, E] or None; chunk [2, B, K, C, E] rows [W0, W0 + C), W0 <= w_rows <= W0 + C. Rows past the
+  chunk are zeros (zero bytes decode to 0). The window is made from its two parts, never from a copy of all
+  W0 + C rows: beside the old window the split holds one more (the workspace the residency planner counts).
   """
-  full = grow(window, chunk)
-  pad = w_rows + block - full.shape[3]
-  if pad > 0:
-    full = jnp.pad(full, ((0, 0),) * 3 + ((0, pad), (0, 0)))
-  head = full[:, :, :, :w_rows] if w_rows else None
-  return head, full[:, :, :, w_rows : w_rows + block]
+  w0 = 0 if window is None else window.shape[3]
+  n = w_rows - w0  # The chunk's rows that join the window.
+  head = grow(window, chunk[:, :, :, :n]) if n else window
+  page = chunk[:, :, :, n : n + block]
+  if page.shape[3] < block:
+    page = jnp.pad(page, ((0, 0),) * 3 + ((0, block - page.shape[3]), (0, 0)))
+  return head, page
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,7 +131,7 @@ class KVCache:
       self.streamed = (kv.placement == "host",) * model.num_layers  # streamed[l]: window l in pinned host memory.
     if any(self.streamed):
       needed = self.host_bytes_per_process()
-      check_host_memory(needed, model, self.format, batch, self.rows_bound(), host_ram_for_cache())
+      check_host_memory(needed, sum(self.streamed), model, self.format, batch, self.rows_bound(), host_ram_for_cache())
       _POOL_HELD[0] = max(_POOL_HELD[0], needed)
     self.host_split: host_split_lib.Split | None = None  # With kv.host_attention: the host's share.
     self.host_threads: int | None = None  # With kv.host_attention: the kernel's threads.
@@ -314,14 +317,15 @@ def available_host_bytes() -> int | None:
 
 
 def check_host_memory(
-    needed: int, model: ModelConfig, fmt: KVFormat, batch: int, rows: int, available: int | None
+    needed: int, layers: int, model: ModelConfig, fmt: KVFormat, batch: int, rows: int, available: int | None
 ) -> None:
   """Raises a one-line ValueError, before anything is allocated, when the host KV cache (`needed` bytes in this
-  process) exceeds the host RAM `available` (None = unknown: not checked) or the pinned pool's cap."""
+  process, `layers` streamed layers) exceeds the host RAM `available` (None = unknown: not checked) or the pinned
+  pool's cap."""
   gib = needed / 2**30
   what = (
       f"the host KV cache needs {gib:.2f} GiB of pinned host memory in this process "
-      f"({model.num_layers} layers x 2 x batch {batch} x {model.num_kv_heads} kv heads x {rows} rows x "
+      f"({layers} streamed layers x 2 x batch {batch} x {model.num_kv_heads} kv heads x {rows} rows x "
       f"{fmt.row_bytes} B per head row ({fmt.name}), plus one layer in flight)"
   )
   if available is not None and needed > available:

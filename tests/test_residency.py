@@ -102,7 +102,9 @@ def test_auto_budget_from_free_device_memory_leaves_room_for_the_ring(monkeypatc
   eng = helpers.engine(2, placement="auto", depth=depth, group_layers=1)  # A ring slot holds one layer's window.
   layer = helpers.layer_bytes(eng, len(LENGTHS))
   headroom = eng.config.kv.headroom_mib * 2**20
-  workspace = max(2 * layer, residency.RESIDENT_GROUP_BYTES) + residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
+  workspace = (
+      max(2 * layer, residency.RESIDENT_GROUP_BYTES) + residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
+  )
   free = (depth + 2) * layer + workspace + headroom + resident * layer + layer // 2
   helpers.device_memory(monkeypatch, free)
   res = eng.generate(prompts, NEW, keep_logits=True)

@@ -4,6 +4,7 @@ import dataclasses
 
 import helpers
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -172,10 +173,10 @@ def test_host_ram_is_checked_before_allocating(monkeypatch):
   eng.generate(helpers.prompts([3]), 2)
   cfg = helpers.tiny_config().model
   fmt = kv_quant.KVFormat.of(cfg, "model")
-  cache_lib.check_host_memory(10 * 2**30, cfg, fmt, 1, 4096, available=11 * 2**30)  # Fits: no error.
-  cache_lib.check_host_memory(10 * 2**30, cfg, fmt, 1, 4096, available=None)  # Unknown: not checked.
-  with pytest.raises(ValueError, match=r"needs 10\.00 GiB .* has 9\.50 GiB of RAM available"):
-    cache_lib.check_host_memory(10 * 2**30, cfg, fmt, 1, 4096, available=int(9.5 * 2**30))
+  cache_lib.check_host_memory(10 * 2**30, 2, cfg, fmt, 1, 4096, available=11 * 2**30)  # Fits: no error.
+  cache_lib.check_host_memory(10 * 2**30, 2, cfg, fmt, 1, 4096, available=None)  # Unknown: not checked.
+  with pytest.raises(ValueError, match=r"needs 10\.00 GiB .*\(2 streamed layers x .* has 9\.50 GiB of RAM available"):
+    cache_lib.check_host_memory(10 * 2**30, 2, cfg, fmt, 1, 4096, available=int(9.5 * 2**30))
 
 
 def test_debug_telemetry_has_per_step_and_per_layer_records():
@@ -247,3 +248,19 @@ def test_on_chunk_reports_each_prefill_chunk():
   rows = []
   helpers.engine(1, placement="host").generate(helpers.prompts([37, 5]), 2, on_chunk=rows.append)
   assert rows == [16, 32, 48]  # Chunks of engine.prefill_chunk (16) rows over the longest prompt.
+
+
+def test_split_prefilled_cuts_the_window_and_the_open_page_from_their_parts():
+  """The window is rows [0, w_rows) of window + chunk, the open page the next block of them (zeros past the chunk)."""
+  rng = np.random.default_rng(0)
+  rows = lambda n: jnp.asarray(rng.standard_normal((2, 1, 2, n, 4)), jnp.float32)
+  for w0, c, w_rows in ((0, 8, 0), (0, 8, 4), (0, 8, 8), (8, 8, 8), (8, 8, 12), (8, 8, 16)):
+    window, chunk = (rows(w0) if w0 else None), rows(c)
+    full = np.concatenate(
+        [np.zeros((2, 1, 2, 0, 4)) if window is None else window, chunk, np.zeros((2, 1, 2, 4, 4))], 3
+    )
+    head, page = cache_lib.split_prefilled(window, chunk, w_rows=w_rows, block=4)
+    assert (head is None) == (w_rows == 0)
+    if w_rows:
+      np.testing.assert_array_equal(head, full[:, :, :, :w_rows])
+    np.testing.assert_array_equal(page, full[:, :, :, w_rows : w_rows + 4])
