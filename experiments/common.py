@@ -50,7 +50,8 @@ def base_config() -> ml_collections.ConfigDict:
           headroom_mib=512,
           transport_debug=0,
           dtype="model",  # "model" = model.dtype; or bfloat16, float32, int8, float8_e4m3fn (jaxkv.kv_quant).
-          device_budget_gib=None,  # placement "auto": device GiB for the KV (None = free memory; jaxkv.residency).
+          # placement "auto": device GiB for the KV (None = free memory; jaxkv.residency); a float when overridden.
+          device_budget_gib=ml_collections.FieldReference(None, field_type=float),
           host_attention=False,  # placement "host" or "auto": attend a share of each window on the host CPU.
           host_attention_fraction=0.0,  # With host_attention: that share; 0 = from rates measured at start.
           host_attention_threads=0,  # With host_attention: the CPU kernel's threads; 0 = numba's pool - 2, at most 16.

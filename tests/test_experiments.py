@@ -5,8 +5,11 @@ import math
 import pathlib
 
 import helpers
+import ml_collections
 import jax
 import pytest
+from absl import flags
+from ml_collections import config_flags
 
 from jaxkv import config as config_lib
 from jaxkv import mesh as mesh_lib
@@ -51,3 +54,22 @@ def test_the_abstract_model_of_each_experiment(name, arg):
   assert (config.model.rope_scaling is not None) == (arg == "3.1")
   if name == "tiny":
     assert config == helpers.tiny_config()
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_config_field_can_be_overridden_on_the_command_line(name):
+  """No leaf of a config is a bare None (ml_collections cannot override those): `--config.kv.device_budget_gib=8`."""
+  fv = flags.FlagValues()
+  argv = ["prog", f"--config=experiments/{name}.py", "--config.kv.device_budget_gib=8"]
+  config_flags.DEFINE_config_file("config", flag_values=fv, sys_argv=argv)
+  fv(argv)
+  assert fv.config.kv.device_budget_gib == 8.0
+
+  def leaves(cd, prefix):
+    for key in cd:
+      if isinstance(cd[key], ml_collections.ConfigDict):
+        yield from leaves(cd[key], f"{prefix}{key}.")
+      else:
+        yield f"{prefix}{key}", cd.get_type(key)
+
+  assert [k for k, t in leaves(fv.config, "") if t is type(None)] == []
