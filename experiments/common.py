@@ -56,7 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
           host_attention_fraction=0.0,  # With host_attention: that share; 0 = from rates measured at start.
           host_attention_threads=0,  # With host_attention: the CPU kernel's threads; 0 = numba's pool - 2, at most 16.
           host_attention_wait="auto",  # With host_attention: who waits for its partial: "thread", "device" or "auto".
-          group_layers=0,  # Layers per decode call; 0 = automatic (jaxkv.transport.decode_groups), 1 = one per layer.
+          group_layers=0,  # Layers per decode call; 0 = automatic (jaxkv.residency.decode_groups), 1 = one per layer.
       )
   )
   # prefill_attention: "auto" (cuDNN's flash attention on a GPU where it runs, else plain XLA), "xla" or "cudnn".

@@ -122,10 +122,10 @@ class KVCache:
     if kv.placement == "auto":
       layer = self.row_bytes(mesh_lib.tensor_size(mesh)) * self.rows_bound()
       free = residency.free_device_bytes(mesh.local_devices)
-      group = residency.streamed_group_layers(kv.group_layers, kv.host_attention, layer)
+      group = residency.group_layers(kv.group_layers, kv.host_attention, layer)
       ring = residency.ring_bytes(kv.pipeline_depth, min(group, model.num_layers) * layer)
-      budget, source = residency.device_budget(free, kv.device_budget_gib, ring, layer, kv.headroom_mib)
-      self.plan = residency.plan(model.num_layers, layer, budget, source)
+      budget, source = residency.device_budget(free, kv.device_budget_gib, ring, group * layer, kv.headroom_mib)
+      self.plan = residency.plan(residency.decode_groups((0,) * model.num_layers, group), layer, budget, source)
       self.streamed = self.plan.streamed
     else:
       self.streamed = (kv.placement == "host",) * model.num_layers  # streamed[l]: window l in pinned host memory.

@@ -81,7 +81,7 @@ def host_cache_filled(config: Config, mesh: jax.sharding.Mesh, batch: int, rows:
 def transfer_only_ms(transport: Transport, passes: int) -> float:
   """ms per pass of `passes` back-to-back passes whose compute waits for nothing but the deliveries.
 
-  Deliveries (one per group of layers, jaxkv.transport.decode_groups) run into the next pass as in decode. compute(g)
+  Deliveries (one per group of layers, jaxkv.residency.decode_groups) run into the next pass as in decode. compute(g)
   waits for the delivery of group g - depth - 1, so at most 2 depth + 2 deliveries are alive: the depth + 1 held here
   and the feeder's depth + 1 slots (decode, whose dispatch of group g waits for its windows, keeps depth + 1 in
   flight). Without that wait the feeder issued every pass

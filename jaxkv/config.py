@@ -144,9 +144,9 @@ class KVConfig:
     The same bits either way; on the H200 "device" took 10-28% less time a step at 32k batch 1
     (docs/kv-transport-pipelining.md). "auto" (the default): "device" where it was measured, one GPU in one
     process, when its op builds; "thread" elsewhere (jaxkv.cache.devices_wait).
-  group_layers: layers per decode call (jaxkv.transport.decode_groups): 0 = automatic (a run of resident layers is
-    one call; streamed layers go in groups delivering at least jaxkv.residency.GROUP_TARGET_BYTES per device, one
-    layer each with host_attention); n >= 1 = at most n layers per call (1: one call per layer).
+  group_layers: layers per decode call (jaxkv.residency.decode_groups), the same groups in every placement: 0 =
+    automatic (groups of at least jaxkv.residency.GROUP_TARGET_BYTES per device, one layer each with
+    host_attention); n >= 1 = n layers per call (1: one call per layer).
   """
 
   placement: str = "device"

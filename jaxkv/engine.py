@@ -4,7 +4,7 @@ Prompts are right-aligned in the cache (left padding), so every sequence writes 
 row `end` and one `dynamic_update_slice` serves the whole batch. Prefill runs in chunks of
 `engine.prefill_chunk` rows; decode produces one token per sequence per step. Each layer is ONE jitted
 function, shared by every delivery mode: only where its KV window comes from changes (jaxkv.transport). Decode
-runs consecutive layers as one call (a group, jaxkv.transport.decode_groups) in which each layer is that same
+runs consecutive layers as one call (a group, jaxkv.residency.decode_groups) in which each layer is that same
 computation, fenced off from its neighbours, so the grouping changes the host's dispatches and not the bits.
 
 Per-pass metadata meta i32[B + 3] = start[B], end, step, seed: one explicit host->device transfer per prefill

@@ -1,16 +1,16 @@
 """The residency planner behind `kv.placement = "auto"`: keep in device memory the layers whose KV fits, stream
 the rest from pinned host memory.
 
-Granularity: whole layers. A layer's window stays ONE array in one memory, so a streamed layer is still one
-delivery (each delivered array costs ~40-60 us of host time on the H200) and a resident layer none, and every
-layer runs the same compiled function whichever memory its window comes from: outputs stay bit-identical to
-the device and host placements. A row-range split of every layer would need two arrays per layer (two
+Granularity: whole decode groups (`decode_groups`, the same in every placement). A layer's window stays ONE array
+in one memory, so a streamed group is one delivery and a resident group none, and every group runs the same
+compiled function whichever memory its windows come from: outputs stay bit-identical to the device and host
+placements. A row-range split of every layer would need two arrays per layer (two
 deliveries, or a device-side concatenation that copies the resident rows through HBM each step). With 32-80
 layers a layer is 1-3% of the KV, fine enough.
 
 Budget (per device, at the cache's full capacity): free memory of the fullest device when the cache is
 allocated (after the weights), minus the delivery ring (`ring_bytes`: depth + 2 groups of streamed layers), minus a workspace for a layer's
-temporaries (a resident group's windows grown at a page boundary, RESIDENT_GROUP_BYTES or two windows; the prefill scores, WORKSPACE_SCORE_BLOCKS x
+temporaries (a decode group's windows unpacked and grown at a page boundary, two groups' windows; the prefill scores, WORKSPACE_SCORE_BLOCKS x
 jaxkv.model.SCORE_BUDGET_BYTES), minus kv.headroom_mib. kv.device_budget_gib replaces the automatic figure
 (and lets tests and benchmarks emulate a smaller device); it may not exceed the free memory where that is
 known. Where the backend reports no memory (CPU) and no budget is given, every layer is resident.
@@ -33,17 +33,14 @@ from jaxkv import model
 
 WORKSPACE_SCORE_BLOCKS = 3  # f32 scores, their softmax weights and one spare, of the prefill's query blocks.
 GROUP_TARGET_BYTES = 64 * 2**20  # Per device: the least a group of streamed layers delivers (kv.group_layers 0).
-# Per device: the most a group of resident layers holds (kv.group_layers 0). At a page boundary a group's windows grow
-# inside its call, the old and the grown alive together: one call for 32 layers of 2 GiB (8B, 512k) needed 64 GiB more.
-RESIDENT_GROUP_BYTES = 4 * 2**30
 RING_SPARE = 2  # Ring slots beyond the depth: the delivery being computed and the previous one (jaxkv.transport).
 
 
-def streamed_group_layers(group_layers: int, host_attention: bool, layer_bytes: int) -> int:
-  """Streamed layers per decode call (jaxkv.transport.decode_groups), before cutting to a run's length: 1 with host
-  attention (its layers keep their own calls), else kv.group_layers when set, else enough layers to deliver
-  GROUP_TARGET_BYTES per device (layer_bytes: one layer's window per device), so that the ~0.1-0.2 ms of host time
-  a call costs is small beside its delivery's transfer."""
+def group_layers(group_layers: int, host_attention: bool, layer_bytes: int) -> int:
+  """Layers per decode call (decode_groups) in every placement: 1 with host attention (its layers keep their own
+  calls), else kv.group_layers when set, else enough layers to deliver GROUP_TARGET_BYTES per device (layer_bytes:
+  one layer's window per device), so that the ~0.1-0.2 ms of host time a call costs is small beside its delivery's
+  transfer."""
   if host_attention:
     return 1
   if group_layers:
@@ -51,10 +48,20 @@ def streamed_group_layers(group_layers: int, host_attention: bool, layer_bytes: 
   return max(1, -(-GROUP_TARGET_BYTES // max(layer_bytes, 1)))
 
 
-def resident_group_layers(group_layers: int, layer_bytes: int) -> int:
-  """Resident layers per decode call, before cutting to a run's length: kv.group_layers when set, else as many as
-  hold RESIDENT_GROUP_BYTES per device (layer_bytes: one layer's window per device), at least one."""
-  return group_layers or max(1, RESIDENT_GROUP_BYTES // max(layer_bytes, 1))
+def decode_groups(stage_of: tuple[int, ...], per_group: int) -> tuple[tuple[int, ...], ...]:
+  """The layers of a pass in groups of consecutive layers, each one decode call and, when streamed, one delivery:
+  the runs of layers of one stage (stage_of[l]) cut into groups of `per_group` layers (group_layers).
+
+  The groups do not depend on where the windows live: every placement and depth runs the same group programs, so
+  that they give the same bits wherever a compiler may build a layer differently inside groups of other sizes; the
+  residency planner keeps or streams whole groups."""
+  runs: list[list[int]] = []
+  for l, stage in enumerate(stage_of):
+    if runs and stage == stage_of[runs[-1][0]]:
+      runs[-1].append(l)
+    else:
+      runs.append([l])
+  return tuple(tuple(run[i : i + per_group]) for run in runs for i in range(0, len(run), per_group))
 
 
 def ring_bytes(depth: int, slot_bytes: int) -> int:
@@ -107,7 +114,7 @@ def spread(num_layers: int, resident: int) -> tuple[bool, ...]:
 
 
 def device_budget(
-    free_bytes: int | None, override_gib: float | None, ring_bytes: int, layer_bytes: int, headroom_mib: int
+    free_bytes: int | None, override_gib: float | None, ring_bytes: int, group_bytes: int, headroom_mib: int
 ) -> tuple[int | None, str]:
   """(bytes the KV may take per device, where the figure comes from); see the module docstring."""
   if override_gib is not None:
@@ -122,22 +129,32 @@ def device_budget(
     return budget, "kv.device_budget_gib"
   if free_bytes is None:
     return None, "no device memory limit"
-  workspace = max(2 * layer_bytes, RESIDENT_GROUP_BYTES) + WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
+  # A group's windows grow inside its call at a page boundary, the old and the grown alive together: one call for all
+  # 32 layers of 2 GiB (8B, 512k) needed 64 GiB more and ran out of device memory.
+  workspace = 2 * group_bytes + WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
   return max(free_bytes - ring_bytes - workspace - headroom_mib * 2**20, 0), "free device memory"
 
 
-def plan(num_layers: int, layer_bytes: int, budget_bytes: int | None, source: str) -> Plan:
-  """As many whole layers resident as the budget holds, spread among the streamed ones."""
-  resident = num_layers if budget_bytes is None else min(num_layers, budget_bytes // max(layer_bytes, 1))
-  p = Plan(spread(num_layers, resident), layer_bytes, budget_bytes, source)
+def plan(groups: tuple[tuple[int, ...], ...], layer_bytes: int, budget_bytes: int | None, source: str) -> Plan:
+  """As many whole groups (decode_groups) resident as the budget holds, spread among the streamed ones."""
+  num_layers = sum(map(len, groups))
+  fits = num_layers if budget_bytes is None else budget_bytes // max(layer_bytes, 1)
+  for kept in range(len(groups), -1, -1):
+    by_group = spread(len(groups), kept)
+    if sum(len(g) for g, s in zip(groups, by_group) if not s) <= fits:
+      break
+  streamed = tuple(s for g, s in zip(groups, by_group) for _ in g)
+  p = Plan(streamed, layer_bytes, budget_bytes, source)
   logging.info(
-      "kv placement auto: %d of %d layers resident (%.1f MiB per layer per device, budget %s from %s), %d streamed",
-      resident,
+      "kv placement auto: %d of %d layers resident (%.1f MiB per layer per device, %d layers per group, budget %s "
+      "from %s), %d streamed",
+      p.resident_layers,
       num_layers,
       layer_bytes / 2**20,
+      len(groups[0]),
       "none" if budget_bytes is None else f"{budget_bytes / 2**20:.0f} MiB",
       source,
-      num_layers - resident,
+      num_layers - p.resident_layers,
   )
   return p
 

@@ -1,7 +1,7 @@
 """Delivery of the layers' KV windows to the devices: ordered (depth 0) or pipelined (depth D >= 1), in groups.
 
 A pass is one run over all layers (a prefill chunk or a decode step), in groups of consecutive layers
-(`decode_groups`): decode runs each group as ONE jitted call (jaxkv.engine), and the transport delivers each group of
+(jaxkv.residency.decode_groups): decode runs each group as ONE jitted call (jaxkv.engine), and the transport delivers each group of
 streamed layers as one transfer (a `jax.device_put` of the group's list of windows). With placement "host", a
 feeder thread issues the deliveries, in layer order, each device receiving only its own heads. The main thread
 takes them in the same order and dispatches each group's compute. The feeder keeps at most D + 1 deliveries
@@ -86,29 +86,6 @@ def choose_depth(
   return DepthChoice(requested, depth, depth + residency.RING_SPARE, slot_bytes, reason)
 
 
-def decode_groups(
-    streamed: tuple[bool, ...], stage_of: tuple[int, ...], kv: KVConfig, layer_bytes: int
-) -> tuple[tuple[int, ...], ...]:
-  """The layers of a pass in groups of consecutive layers, each one decode call and, when streamed, one delivery:
-  the runs of layers that share a stage and a residency, cut into groups of jaxkv.residency.resident_group_layers
-  (resident) or streamed_group_layers (streamed) layers (layer_bytes: one layer's window per device)."""
-  per_group = {
-      True: residency.streamed_group_layers(kv.group_layers, kv.host_attention, layer_bytes),
-      False: residency.resident_group_layers(kv.group_layers, layer_bytes),
-  }
-  runs: list[list[int]] = []
-  for l, s in enumerate(streamed):
-    if runs and s == streamed[runs[-1][0]] and stage_of[l] == stage_of[runs[-1][0]]:
-      runs[-1].append(l)
-    else:
-      runs.append([l])
-  groups = []
-  for run in runs:
-    size = per_group[streamed[run[0]]]
-    groups += [tuple(run[i : i + size]) for i in range(0, len(run), size)]
-  return tuple(groups)
-
-
 _BARRIER = -1  # Feeder job: acknowledge that every earlier job has been issued.
 _STOP = -2
 
@@ -123,7 +100,10 @@ class Transport:
     lay = cache.layout
     self._stage_of = lay.stage_of if lay else (0,) * self.num_layers
     layer_slot = cache.row_bytes(mesh_lib.tensor_size(cache.mesh)) * cache.rows_bound()
-    self.groups = decode_groups(cache.streamed, self._stage_of, cache.kv, layer_slot)
+    per_group = residency.group_layers(cache.kv.group_layers, cache.kv.host_attention, layer_slot)
+    self.groups = residency.decode_groups(self._stage_of, per_group)
+    if any(len({cache.streamed[l] for l in g}) > 1 for g in self.groups):
+      raise AssertionError(f"a decode group mixes resident and streamed layers: {self.groups}, {cache.streamed}")
     self.order = [g for g, layers in enumerate(self.groups) if cache.streamed[layers[0]]]  # Delivered, in order.
     self.streamed = bool(self.order)
     slot = max((len(self.groups[g]) for g in self.order), default=0) * layer_slot  # Resident: no ring.

@@ -251,7 +251,7 @@ def test_the_bench_app_with_an_auto_arm(tmp_path):
       "--cpu_devices=2",
       "--contexts=16",
       "--batches=1",
-      "--arms=device,host_d0,auto_d1",
+      "--arms=device,host_d0,auto_d1_g1",  # Residency by layer: the tiny model's automatic group holds all.
       "--new_tokens=4",
       "--rounds=1",
       "--peak_mib=1",
@@ -272,11 +272,11 @@ def test_the_bench_app_with_an_auto_arm(tmp_path):
   assert out["complete"] and out["tensor"] == 2 and out["plot"]["status"] == "ok" and md.strip() in proc.stdout
   cell = out["cells"][0]
   assert cell["tokens_match_across_arms"] is True
-  auto = cell["arms"]["auto_d1"]
+  auto = cell["arms"]["auto_d1_g1"]
   plan = auto["transport"]["residency"]
   assert plan["layer_bytes_per_device"] == layer and plan["budget_source"] == "kv.device_budget_gib"
   assert plan["resident_layers"] == plan["streamed_layers"] == 3 and auto["transport"]["depth"] == 1
-  for name in ("device", "host_d0", "auto_d1"):
+  for name in ("device", "host_d0", "auto_d1_g1"):
     check_derived(cell, name)
   assert "## Residency planner (auto arms)" in md
   assert f"| {auto['predicted_ms_per_step']:.2f} | {auto['ms_per_step']['median']:.2f} |" in md

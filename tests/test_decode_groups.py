@@ -13,8 +13,9 @@ from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import layout as layout_lib
 from jaxkv import model
+from jaxkv import residency
 from jaxkv import serving
-from jaxkv.transport import decode_groups
+from jaxkv.residency import decode_groups
 
 BLOCK = 8  # The tiny config's kv.block.
 LENGTHS = (1, 9, 17)
@@ -23,19 +24,23 @@ S, R = True, False  # Streamed, resident.
 MIB = 2**20
 
 
-def test_groups_are_runs_of_one_stage_and_residency_cut_by_bytes():
-  kv = config_lib.KVConfig()
-  # Resident runs whole up to 4 GiB per device; streamed runs in groups delivering 64 MiB per device: 4 layers of 20 MiB.
-  assert decode_groups((R, R, S, S, S, S, S, R, S), (0,) * 9, kv, 20 * MIB) == ((0, 1), (2, 3, 4, 5), (6,), (7,), (8,))
-  assert decode_groups((S,) * 3, (0,) * 3, kv, 100 * MIB) == ((0,), (1,), (2,))  # Each layer over the target.
-  assert decode_groups((S,) * 4, (0, 0, 1, 1), kv, MIB) == ((0, 1), (2, 3))  # Never across a stage.
-  assert decode_groups((R,) * 4, (0, 0, 1, 1), kv, MIB) == ((0, 1), (2, 3))
-  # Resident windows grow inside their call at a page boundary: a group holds 4 GiB, here 2 layers of 1.5 GiB.
-  assert decode_groups((R,) * 5, (0,) * 5, kv, 1536 * MIB) == ((0, 1), (2, 3), (4,))
-  capped = dataclasses.replace(kv, group_layers=2)  # Caps every group, resident ones too.
-  assert decode_groups((R, R, R, S, S, S), (0,) * 6, capped, MIB) == ((0, 1), (2,), (3, 4), (5,))
-  split = dataclasses.replace(kv, placement="host", host_attention=True, group_layers=3)
-  assert decode_groups((R, R, S, S), (0,) * 4, split, MIB) == ((0, 1), (2,), (3,))  # Host attention: alone.
+def test_groups_are_runs_of_one_stage_cut_by_bytes_in_every_placement():
+  per_group = lambda layer_bytes, **kw: residency.group_layers(
+      kw.get("group_layers", 0), kw.get("ha", False), layer_bytes
+  )
+  assert per_group(20 * MIB) == 4  # Groups of at least 64 MiB per device, each layer over it alone.
+  assert per_group(100 * MIB) == 1 and per_group(20 * MIB, group_layers=3) == 3 and per_group(MIB, ha=True) == 1
+  assert decode_groups((0,) * 9, 4) == ((0, 1, 2, 3), (4, 5, 6, 7), (8,))
+  assert decode_groups((0, 0, 0, 1, 1), 2) == ((0, 1), (2,), (3, 4))  # Never across a stage.
+
+
+def test_the_planner_keeps_or_streams_whole_groups():
+  groups = decode_groups((0,) * 9, 4)  # (0-3), (4-7), (8).
+  streamed = lambda layers: residency.plan(groups, MIB, layers * MIB, "test").streamed
+  assert streamed(9) == (R,) * 9
+  assert streamed(8) == streamed(5) == (R,) * 4 + (S,) * 4 + (R,)  # Two of three groups, spread: the first and last.
+  assert streamed(4) == (S,) * 4 + (R,) * 4 + (S,)  # One group: the middle one (spread).
+  assert streamed(3) == (S,) * 9
 
 
 @pytest.fixture(scope="module")

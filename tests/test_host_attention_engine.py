@@ -127,7 +127,7 @@ def test_the_split_is_measured_on_the_kernels_thread(monkeypatch):
 
 def test_auto_placement_splits_only_the_streamed_layers():
   want = helpers.engine(2).generate(PROMPTS, NEW)
-  streamed = helpers.engine(2, placement="auto", depth=1, debug=1)
+  streamed = helpers.engine(2, placement="auto", depth=1, debug=1, group_layers=1)  # Residency by layer.
   # A budget of 0 keeps every layer streamed...
   auto = lambda **kw: helpers.with_kv(streamed, device_budget_gib=0.0, **kw).generate(PROMPTS, NEW)
   plain, split = auto(), auto(host_attention=True, host_attention_fraction=FRACTION)

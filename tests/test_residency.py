@@ -37,12 +37,9 @@ def test_free_device_bytes_takes_the_fullest_device():
 
 def test_device_budget_from_free_memory_or_the_override():
   gib, mib = 2**30, 2**20
-  budget, source = residency.device_budget(10 * gib, None, ring_bytes=gib, layer_bytes=100 * mib, headroom_mib=512)
+  budget, source = residency.device_budget(10 * gib, None, ring_bytes=gib, group_bytes=100 * mib, headroom_mib=512)
   assert source == "free device memory"
-  workspace = residency.RESIDENT_GROUP_BYTES + residency.WORKSPACE_SCORE_BLOCKS * 2**30  # Over two 100 MiB windows.
-  assert budget == 10 * gib - gib - workspace - 512 * mib
-  budget, _ = residency.device_budget(30 * gib, None, ring_bytes=gib, layer_bytes=3 * gib, headroom_mib=0)
-  assert budget == 30 * gib - gib - 6 * gib - residency.WORKSPACE_SCORE_BLOCKS * 2**30  # Two 3 GiB windows.
+  assert budget == 10 * gib - gib - 200 * mib - residency.WORKSPACE_SCORE_BLOCKS * 2**30 - 512 * mib
   assert residency.device_budget(10 * gib, 2.0, gib, mib, 0) == (2 * gib, "kv.device_budget_gib")
   assert residency.device_budget(None, None, gib, mib, 0) == (None, "no device memory limit")
   with pytest.raises(ValueError, match="more than the free memory"):
@@ -52,8 +49,9 @@ def test_device_budget_from_free_memory_or_the_override():
 
 
 def _auto(tensor, depth, layers):
-  """An auto engine whose budget holds `layers` whole layers of the tiny model."""
-  eng = helpers.engine(tensor, placement="auto", depth=depth)
+  """An auto engine whose budget holds `layers` whole layers of the tiny model, in groups of one layer (its automatic
+  groups hold every layer: one group, resident or streamed whole)."""
+  eng = helpers.engine(tensor, placement="auto", depth=depth, group_layers=1)
   layer = helpers.layer_bytes(eng, len(LENGTHS))
   return helpers.with_kv(eng, device_budget_gib=(layers * layer + layer // 2) / 2**30), layer
 
@@ -102,9 +100,7 @@ def test_auto_budget_from_free_device_memory_leaves_room_for_the_ring(monkeypatc
   eng = helpers.engine(2, placement="auto", depth=depth, group_layers=1)  # A ring slot holds one layer's window.
   layer = helpers.layer_bytes(eng, len(LENGTHS))
   headroom = eng.config.kv.headroom_mib * 2**20
-  workspace = (
-      max(2 * layer, residency.RESIDENT_GROUP_BYTES) + residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
-  )
+  workspace = 2 * layer + residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
   free = (depth + 2) * layer + workspace + headroom + resident * layer + layer // 2
   helpers.device_memory(monkeypatch, free)
   res = eng.generate(prompts, NEW, keep_logits=True)
