@@ -142,7 +142,7 @@ class KVConfig:
     and the devices wait in pinned host memory for the host's signal, q reaches the host the same way, and a
     generate's passes run ahead of their host kernels; jaxkv.host_wait, which builds a small C++ op at first use).
     The same bits either way; on the H200 "device" took 10-28% less time a step at 32k batch 1
-    (docs/kv-transport-pipelining.md). "auto" (the default): "device" where it was measured, one GPU in one
+    (docs/design.md). "auto" (the default): "device" where it was measured, one GPU in one
     process, when its op builds; "thread" elsewhere (jaxkv.cache.devices_wait).
   group_layers: layers per decode call (jaxkv.residency.decode_groups), the same groups in every placement: 0 =
     automatic (groups of at least jaxkv.residency.GROUP_TARGET_BYTES per device, one layer each with

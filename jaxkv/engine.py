@@ -111,7 +111,7 @@ def _poll(ready: Callable[[], bool], threads: int) -> None:
   elsewhere returns at once (the caller then blocks: a poller without a core of its own slows the kernel down). The
   two waits on the path from one host-attention kernel to the next use it: a blocked thread's core idles and is slow
   to wake; on the H200 host decode steps at 32k, batch 1 ran 0-9% faster polled (medians, two machine starts;
-  docs/kv-transport-pipelining.md)."""
+  docs/design.md)."""
   if threads + 2 <= numba.config.NUMBA_DEFAULT_NUM_THREADS:
     while not ready():
       time.sleep(0)

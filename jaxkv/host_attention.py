@@ -46,7 +46,7 @@ from jaxkv.kv_quant import INT8_BLOCK, KVFormat
 def _wide_vectors() -> None:
   """Lets numba's LLVM use 512-bit vectors where the CPU has them: LLVM tunes Intel server cores to prefer 256-bit
   ones, and without that tuning the kernel read 11-25% more GB/s on the H200 host (Emerald Rapids, 16 and 24 threads,
-  docs/kv-transport-pipelining.md). numba compiles with one set of CPU features per process, so this holds for every
+  measured in 2026-11). numba compiles with one set of CPU features per process, so this holds for every
   function the process compiles with numba. CPU features the user gave numba (NUMBA_CPU_FEATURES) win, and a process
   whose numba compiled before this import keeps the features it compiled with."""
   features = numba.core.codegen.get_host_cpu_features()  # What numba would use: it may drop AVX (NUMBA_ENABLE_AVX).

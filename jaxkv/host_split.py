@@ -12,7 +12,7 @@ layer's worth of rows (SAMPLE_BYTES per device, zeros: the rate does not depend 
 query's round trip, the merge, the MLP) is not in the model, so the measured f is an upper bound on the best one, near
 it where a layer's kernel is long: on the H200 host (32 cores, 24 threads, device waits) the measured share (0.54-0.57)
 ran 2.01x the link-bound tokens/s at 32k batch 4 (f = 0.48: 1.80x) but 1.39x at 32k batch 1, where f = 0.48 ran
-1.66-1.77x (docs/kv-transport-pipelining.md).
+1.66-1.77x (docs/performance.md).
 """
 
 from __future__ import annotations
