@@ -9,12 +9,14 @@ import jax
 import numpy as np
 import pytest
 
+from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import layout as layout_lib
 from jaxkv import model
 from jaxkv import residency
 from jaxkv import serving
+from jaxkv import transport as transport_lib
 from jaxkv.residency import decode_groups
 
 BLOCK = 8  # The tiny config's kv.block.
@@ -41,6 +43,22 @@ def test_the_planner_keeps_or_streams_whole_groups():
   assert streamed(8) == streamed(5) == (R,) * 4 + (S,) * 4 + (R,)  # Two of three groups, spread: the first and last.
   assert streamed(4) == (S,) * 4 + (R,) * 4 + (S,)  # One group: the middle one (spread).
   assert streamed(3) == (S,) * 9
+
+
+def test_device_host_and_auto_run_the_same_groups():
+  """Where the windows live does not change the partition: every placement compiles the same group programs."""
+  eng = helpers.engine(2, placement="device", depth=1, group_layers=2)
+  layer = helpers.layer_bytes(eng, 1)
+  for kv in (dict(placement="host"), dict(placement="auto", device_budget_gib=3.5 * layer / 2**30)):
+    cache = cache_lib.KVCache(
+        eng.config.model, dataclasses.replace(eng.config.kv, **kv), eng.mesh, 1, eng.config.engine.capacity
+    )
+    transport = transport_lib.Transport(cache, 1)
+    try:
+      assert transport.groups == ((0, 1), (2, 3), (4, 5))
+    finally:
+      transport.close()
+  assert cache.streamed == (True, True, False, False, True, True)  # One group of two fits 3.5 layers.
 
 
 @pytest.fixture(scope="module")
