@@ -43,7 +43,7 @@ from jaxkv.kv_quant import KVFormat
 from jaxkv.transport import Transport
 
 HOST_THREAD_PARTS = ("query", "tail", "wait_host", "merge", "wait_query", "kernel")  # host_thread_ms.
-_LAG = 2  # Decode steps between dispatching a step and reading its tokens back.
+READ_LAG = 2  # Decode steps between dispatching a step and reading its tokens back.
 
 
 @dataclasses.dataclass
@@ -303,9 +303,13 @@ class Engine:
     """Raises ValueError for input that cannot run, before any work (check_input)."""
     check_input(self.config, prompts, max_new_tokens, zero_rows)
 
-  def _meta(self, start: np.ndarray, end: int, step: int, seed: int) -> jax.Array:
-    m = np.concatenate([start, [end, step, seed]]).astype(np.int32)
-    return distributed.put_host(m, self._rep)
+  def meta(self, start: np.ndarray, end: int, step: int, seed: int) -> jax.Array:
+    """The decode state the step functions read, i32[B + 3]: start[B], end, step, seed; on the last stage's devices."""
+    return self.put(np.concatenate([start, [end, step, seed]]), np.int32)
+
+  def put(self, value, dtype) -> jax.Array:
+    """A host value as an array of `dtype`, replicated on the last stage's devices (where the head runs)."""
+    return distributed.put_host(np.asarray(value, dtype), self._rep)
 
   def generate(
       self,
@@ -359,7 +363,7 @@ class Engine:
     for c in range(first, n_chunks):
       last = c == n_chunks - 1
       x = self._first.embed(self.top, distributed.put_host(tokens[:, c * chunk : (c + 1) * chunk], self._rep_first))
-      metas = self.to_stages(self._meta(start, c * chunk, 0, seed))
+      metas = self.to_stages(self.meta(start, c * chunk, 0, seed))
       d2h = 0
 
       def compute(l, window):  # window: layer l's rows [0, c * chunk) on the devices, or None.
@@ -603,16 +607,16 @@ class Engine:
         counters=lambda tr, d2h, rows: rec.counters("prefill", tr, d2h, rows),
         zero_rows=zero_rows,
     )
-    lg, tok, x, _ = fns.head(self.top_last, x_last, self._meta(start, longest, 0, seed))
+    lg, tok, x, _ = fns.head(self.top_last, x_last, self.meta(start, longest, 0, seed))
     t_start = rec.t_start
     finished = rec.take(lg, tok)  # Waits for the prefill: decode timing starts here.
     t_prefilled = time.perf_counter()
 
     # Decode: step t writes the token of step t - 1 at row `end` and samples the token of step t. Each step's
-    # logits and tokens start copying to the host when dispatched and are read `_LAG` steps later, when they
+    # logits and tokens start copying to the host when dispatched and are read `READ_LAG` steps later, when they
     # have arrived, so this thread never waits for the device. Steps dispatched after every sequence ended
     # are discarded.
-    meta = self._meta(start, longest, 1, seed)
+    meta = self.meta(start, longest, 1, seed)
     pending: collections.deque = collections.deque()
     with self._kernels_collected(cache):  # The passes run ahead of their host kernels; all end here.
       for t in range(1, 1 if finished else max_new_tokens):
@@ -625,7 +629,7 @@ class Engine:
         cache.dispatches += 3
         rec.counters("decode", transport, d2h, cache.rows)
         pending.append((t, lg, tok))
-        if len(pending) > _LAG and self._take(rec, pending.popleft(), on_step, cache):
+        if len(pending) > READ_LAG and self._take(rec, pending.popleft(), on_step, cache):
           finished = True
           break
       while pending and not finished:  # Steps still in flight; none after every sequence ended.

@@ -15,7 +15,7 @@ request sees the same positions, keys and values as when decoded alone.
 Scheduling, deterministic from tokens alone: requests enter in order (first in, first out). A request that
 does not fit yet (L > E) waits while the end moves on; one that cannot fit before the capacity runs out waits
 until every slot is free, and the next epoch starts a fresh cache with a batched prefill of the next requests.
-Tokens are read `engine._LAG` steps late, so a slot frees that many steps after its last token.
+Tokens are read `engine.READ_LAG` steps late, so a slot frees that many steps after its last token.
 
 Sampling: request r's token i uses key fold_in(fold_in(key(seed_r), 0), i), whatever its slot or step, so
 sampled output does not depend on the neighbours either. Each request has its own temperature, top-k and top-p
@@ -41,7 +41,6 @@ import numpy as np
 from absl import logging
 
 from jaxkv import cache as cache_lib
-from jaxkv import distributed
 from jaxkv import engine as engine_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
@@ -380,7 +379,7 @@ class _Run:
         end += 1
         step += 1
         self.steps += 1
-        if len(pending) <= engine_lib._LAG:  # pylint: disable=protected-access
+        if len(pending) <= engine_lib.READ_LAG:
           continue
       elif not pending:
         return
@@ -394,10 +393,9 @@ class _Run:
         cache, transport, prompts, 0, next_pass=True, shapes=self.shapes, counters=self.counters
     )
     keys, knobs = zip(*(self.server.sampling_of(None if r is None else self.requests[r]) for r in owners))
-    keys = distributed.put_host(np.array(keys, np.int32), eng._rep)  # pylint: disable=protected-access
-    knobs = distributed.put_host(np.array(knobs, np.float32), eng._rep)  # pylint: disable=protected-access
-    lg, tok, x, _ = fns.head(eng.top_last, x_last, eng._meta(start, longest, 0, 0), keys, knobs)  # pylint: disable=protected-access
-    meta = eng._meta(start, longest, 1, 0)  # pylint: disable=protected-access
+    keys, knobs = eng.put(keys, np.int32), eng.put(knobs, np.float32)
+    lg, tok, x, _ = fns.head(eng.top_last, x_last, eng.meta(start, longest, 0, 0), keys, knobs)
+    meta = eng.meta(start, longest, 1, 0)
     pending = collections.deque([(0, list(owners), lg, tok)])
     return x, meta, keys, knobs, start, longest, pending
 
@@ -413,10 +411,9 @@ class _Run:
     cache.rows = w_rows
     start = np.full(self.batch, longest - 1, np.int32)  # An empty slot attends one zero row.
     keys, knobs = zip(*(self.server.sampling_of(None) for _ in owners))
-    put = lambda v, dtype: distributed.put_host(np.array(v, dtype), eng._rep)  # pylint: disable=protected-access
-    keys, knobs = put(keys, np.int32), put(knobs, np.float32)
-    x = put(np.zeros((self.batch, cfg.model.d_model)), jnp.dtype(cfg.model.dtype))
-    meta = eng._meta(start, longest, 1, 0)  # pylint: disable=protected-access
+    keys, knobs = eng.put(keys, np.int32), eng.put(knobs, np.float32)
+    x = eng.put(np.zeros((self.batch, cfg.model.d_model)), jnp.dtype(cfg.model.dtype))
+    meta = eng.meta(start, longest, 1, 0)
     pending = collections.deque()
     for b, r in enumerate(owners):
       if r is not None:
@@ -445,9 +442,9 @@ class _Run:
     else:
       x_new = self._prefill_from_zero(cache, b, req.prompt, end)
     start = np.array([end - length], np.int32)
-    put = lambda v, dtype=np.int32: distributed.put_host(np.asarray(v, dtype), eng._rep)  # pylint: disable=protected-access
+    put = lambda v, dtype=np.int32: eng.put(v, dtype)
     key, knob = self.server.sampling_of(req)
-    lg, tok, x_new, _ = fns.head(eng.top_last, x_new, eng._meta(start, end, 0, 0), put([key]), put([knob], np.float32))  # pylint: disable=protected-access
+    lg, tok, x_new, _ = fns.head(eng.top_last, x_new, eng.meta(start, end, 0, 0), put([key]), put([knob], np.float32))
     lg.copy_to_host_async()
     tok.copy_to_host_async()
     key[1] = step - 1
