@@ -24,12 +24,12 @@ os.environ.setdefault("JAXKV_COMPILATION_CACHE_DIR", os.path.join(tempfile.gette
 
 
 # XLA:CPU maps the code and data of every kernel it compiles into memory mappings of their own, and a test process keeps
-# its compiled programs alive, so its mappings only grow: tests/test_transport.py alone leaves one process with 25,700
-# of them (5 minutes), so a pytest-xdist worker of the whole suite (15-20 minutes on 2 cores) can reach Linux's cap per
-# process, vm.max_map_count (65,530 by default). There XLA's LLVM fails ("Cannot allocate memory") and jaxlib 0.10.2
-# dies with a segmentation fault inside the compile instead of raising: the crashes late in full runs, always in a
-# compile (with 45,000 mappings held, tests/test_transport.py crashes so at its 13th test). After a test that leaves the
-# process over half the cap, its compiled programs are released (jax.clear_caches; they recompile when next called).
+# its compiled programs alive, so its mappings only grow (tests/test_transport.py alone: 25,700 in one process) up to
+# Linux's cap per process, vm.max_map_count (65,530 by default). There XLA's LLVM fails ("Cannot allocate memory") and
+# jaxlib 0.10.2 dies with a segmentation fault inside the compile instead of raising: in a full run on 2 cores (28
+# minutes), a pytest-xdist worker at 64,645 mappings died so 20 s later, in a decode group's compile; with 45,000
+# mappings held, tests/test_transport.py dies so at its 13th test. After a test that leaves the process over half the
+# cap, its compiled programs are released (jax.clear_caches; they recompile when next called).
 
 
 def memory_maps() -> int | None:
