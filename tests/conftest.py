@@ -1,8 +1,12 @@
-"""Eight simulated CPU devices for every test, set before JAX is imported anywhere, and one persistent compilation
-cache for the apps that tests run."""
+"""Eight simulated CPU devices for every test, set before JAX is imported anywhere, one persistent compilation cache
+for the apps that tests run, and a test process that never runs out of memory mappings."""
 
+import gc
 import os
 import tempfile
+import warnings
+
+import pytest
 
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in f]
@@ -17,3 +21,55 @@ os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 16)))
 # processes themselves do not write the cache: on jax 0.10.2 (CPU) a pytest worker once died with a segmentation fault
 # inside the cache's write of an executable (jax/_src/compilation_cache.py, put_executable_and_time).
 os.environ.setdefault("JAXKV_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxkv-tests-jax-cache"))
+
+
+# XLA:CPU maps the code and data of every kernel it compiles into memory mappings of their own, and a test process keeps
+# its compiled programs alive, so its mappings only grow (tests/test_transport.py alone: 25,700 in one process) up to
+# Linux's cap per process, vm.max_map_count (65,530 by default). There XLA's LLVM fails ("Cannot allocate memory") and
+# jaxlib 0.10.2 dies with a segmentation fault inside the compile instead of raising: in a full run on 2 cores (28
+# minutes), a pytest-xdist worker at 64,645 mappings died so 20 s later, in a decode group's compile; with 45,000
+# mappings held, tests/test_transport.py dies so at its 13th test. After a test that leaves the process over half the
+# cap, its compiled programs are released (jax.clear_caches; they recompile when next called).
+
+
+def memory_maps() -> int | None:
+  """Memory mappings of this process, or None where /proc does not list them (not Linux)."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return None
+
+
+def _max_memory_maps() -> int | None:
+  try:
+    with open("/proc/sys/vm/max_map_count", encoding="ascii") as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return None
+
+
+MAX_MEMORY_MAPS = _max_memory_maps()
+
+
+def release_compiled_programs_over(limit: int | None = None) -> str | None:
+  """Releases every compiled program (jax.clear_caches) once the process holds over half of `limit` memory mappings
+  (default: MAX_MEMORY_MAPS); returns what it did, or None."""
+  limit = MAX_MEMORY_MAPS if limit is None else limit
+  before = memory_maps()
+  if not limit or before is None or before <= limit // 2:
+    return None
+  import jax  # pylint: disable=g-import-not-at-top
+
+  jax.clear_caches()
+  gc.collect()
+  return f"{before} memory mappings of vm.max_map_count {limit}: released the compiled programs ({memory_maps()} left)"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+  result = yield
+  note = release_compiled_programs_over()
+  if note:
+    warnings.warn(note)
+  return result
