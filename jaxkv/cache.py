@@ -116,16 +116,20 @@ class KVCache:
     self.device_shardings = [mesh_lib.sharding(m, mesh_lib.CACHE_AXES, "device") for m in meshes]
     self.host_shardings = [mesh_lib.sharding(m, mesh_lib.CACHE_AXES, "pinned_host") for m in meshes]
     self.device_sharding, self.host_sharding = self.device_shardings[0], self.host_shardings[0]  # Layer 0's.
+    # One layer's window per device at full capacity, and the decode groups that every placement shares.
+    self.layer_bytes = self.row_bytes(mesh_lib.tensor_size(self.mesh)) * self.rows_bound()
+    group = residency.group_layers(kv.group_layers, kv.host_attention, self.layer_bytes)
+    self.groups = residency.decode_groups(layout.stage_of if layout else (0,) * model.num_layers, group)
     self.plan: residency.Plan | None = None
     if kv.placement == "auto" and len({id(m) for m in meshes}) > 1:
       raise ValueError("kv.placement auto plans one mesh for every layer; use split mode tensor or none with it")
     if kv.placement == "auto":
-      layer = self.row_bytes(mesh_lib.tensor_size(mesh)) * self.rows_bound()
       free = residency.free_device_bytes(mesh.local_devices)
-      group = residency.group_layers(kv.group_layers, kv.host_attention, layer)
-      ring = residency.ring_bytes(kv.pipeline_depth, min(group, model.num_layers) * layer)
-      budget, source = residency.device_budget(free, kv.device_budget_gib, ring, group * layer, kv.headroom_mib)
-      self.plan = residency.plan(residency.decode_groups((0,) * model.num_layers, group), layer, budget, source)
+      ring = residency.ring_bytes(kv.pipeline_depth, min(group, model.num_layers) * self.layer_bytes)
+      budget, source = residency.device_budget(
+          free, kv.device_budget_gib, ring, group * self.layer_bytes, kv.headroom_mib
+      )
+      self.plan = residency.plan(self.groups, self.layer_bytes, budget, source)
       self.streamed = self.plan.streamed
     else:
       self.streamed = (kv.placement == "host",) * model.num_layers  # streamed[l]: window l in pinned host memory.

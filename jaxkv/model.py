@@ -173,8 +173,8 @@ def apply_rope(x, pos, inv_freq, scale: float = 1.0):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-# A decode's projections run on at least this many rows (zeros below the batch): on the H200 (8B, jax 0.11.2) XLA's
-# kernels for 8 rows read the weights faster than those for 1; the device step at 4k, batch 1 went from 6.10 to 5.17 ms.
+# A decode's projections run on at least this many rows (zeros below the batch): XLA's GPU kernels for 8 rows read the
+# weights faster than those for 1 (docs/design.md, "Decode groups").
 MIN_ROWS = 8
 
 

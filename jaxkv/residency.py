@@ -4,16 +4,16 @@ the rest from pinned host memory.
 Granularity: whole decode groups (`decode_groups`, the same in every placement). A layer's window stays ONE array
 in one memory, so a streamed group is one delivery and a resident group none, and every group runs the same
 compiled function whichever memory its windows come from: outputs stay bit-identical to the device and host
-placements. A row-range split of every layer would need two arrays per layer (two
-deliveries, or a device-side concatenation that copies the resident rows through HBM each step). With 32-80
-layers a layer is 1-3% of the KV, fine enough.
+placements. A row-range split of every layer would need two arrays per layer (two deliveries, or a device-side
+concatenation that copies the resident rows through HBM each step). Where the KV is large a group is one layer,
+1-3% of the KV with 32-80 layers; groups of several layers hold at most ~64 MiB per device.
 
 Budget (per device, at the cache's full capacity): free memory of the fullest device when the cache is
-allocated (after the weights), minus the delivery ring (`ring_bytes`: depth + 2 groups of streamed layers), minus a workspace for a layer's
-temporaries (a decode group's windows unpacked and grown at a page boundary, two groups' windows; the prefill scores, WORKSPACE_SCORE_BLOCKS x
-jaxkv.model.SCORE_BUDGET_BYTES), minus kv.headroom_mib. kv.device_budget_gib replaces the automatic figure
-(and lets tests and benchmarks emulate a smaller device); it may not exceed the free memory where that is
-known. Where the backend reports no memory (CPU) and no budget is given, every layer is resident.
+allocated (after the weights), minus the delivery ring (`ring_bytes`: depth + 2 groups of streamed layers), minus a
+workspace (a decode group's windows unpacked and grown at a page boundary, two groups' windows; the prefill scores,
+WORKSPACE_SCORE_BLOCKS x jaxkv.model.SCORE_BUDGET_BYTES), minus kv.headroom_mib. kv.device_budget_gib replaces the
+automatic figure (and lets tests and benchmarks emulate a smaller device); it may not exceed the free memory where
+that is known. Where the backend reports no memory (CPU) and no budget is given, every layer is resident.
 
 Order: the resident layers are spread evenly among the streamed ones (`spread`), so that the link keeps
 delivering streamed layers while resident layers compute: with a contiguous resident block, the ring

@@ -1,14 +1,14 @@
 """Delivery of the layers' KV windows to the devices: ordered (depth 0) or pipelined (depth D >= 1), in groups.
 
 A pass is one run over all layers (a prefill chunk or a decode step), in groups of consecutive layers
-(jaxkv.residency.decode_groups): decode runs each group as ONE jitted call (jaxkv.engine), and the transport delivers each group of
-streamed layers as one transfer (a `jax.device_put` of the group's list of windows). With placement "host", a
-feeder thread issues the deliveries, in layer order, each device receiving only its own heads. The main thread
-takes them in the same order and dispatches each group's compute. The feeder keeps at most D + 1 deliveries
-whose compute has not been dispatched yet: the delivery of group g + D is issued as soon as group g - 1 has been
-dispatched, normally before group g is. Issued before the compute it must overlap, the copy runs beside it
-(docs/design.md says why the order of issue matters and why a thread: a dispatch that consumes a delivery still in
-flight blocks the host, so issuing from the dispatching thread would cost it that wait).
+(jaxkv.residency.decode_groups, KVCache.groups): decode runs each group as ONE jitted call (jaxkv.engine), and the
+transport delivers each group of streamed layers as one transfer (a `jax.device_put` of the group's list of
+windows). With placement "host", a feeder thread issues the deliveries, in layer order, each device receiving only
+its own heads. The main thread takes them in the same order and dispatches each group's compute. The feeder keeps at
+most D + 1 deliveries whose compute has not been dispatched yet: the delivery of group g + D is issued as soon as
+group g - 1 has been dispatched, normally before group g is. Issued before the compute it must overlap, the copy runs
+beside it (docs/design.md says why the order of issue matters and why a thread: a dispatch that consumes a delivery
+still in flight blocks the host, so issuing from the dispatching thread would cost it that wait).
 
 Deliveries past the last group belong to the next pass; they are queued only when the caller says one
 follows. Their rows are final by then: group j of the next pass is issued only after group j of this pass
@@ -35,10 +35,8 @@ import jax
 from absl import logging
 
 from jaxkv import distributed
-from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv.cache import KVCache
-from jaxkv.config import KVConfig
 
 
 @dataclasses.dataclass
@@ -99,14 +97,10 @@ class Transport:
     self.num_layers = cache.model.num_layers
     lay = cache.layout
     self._stage_of = lay.stage_of if lay else (0,) * self.num_layers
-    layer_slot = cache.row_bytes(mesh_lib.tensor_size(cache.mesh)) * cache.rows_bound()
-    per_group = residency.group_layers(cache.kv.group_layers, cache.kv.host_attention, layer_slot)
-    self.groups = residency.decode_groups(self._stage_of, per_group)
-    if any(len({cache.streamed[l] for l in g}) > 1 for g in self.groups):
-      raise AssertionError(f"a decode group mixes resident and streamed layers: {self.groups}, {cache.streamed}")
+    self.groups = cache.groups  # Each streamed or resident whole (jaxkv.residency.plan).
     self.order = [g for g, layers in enumerate(self.groups) if cache.streamed[layers[0]]]  # Delivered, in order.
     self.streamed = bool(self.order)
-    slot = max((len(self.groups[g]) for g in self.order), default=0) * layer_slot  # Resident: no ring.
+    slot = max((len(self.groups[g]) for g in self.order), default=0) * cache.layer_bytes  # Resident: no ring.
     devices = lay.devices() if lay else list(cache.mesh.devices.flat)
     local = [d for d in devices if d.process_index == jax.process_index()]
     free = residency.free_device_bytes(local) if self.streamed else None
