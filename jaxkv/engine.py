@@ -30,6 +30,7 @@ import numpy as np
 from absl import logging
 
 from jaxkv import cache as cache_lib
+from jaxkv import digest
 from jaxkv import distributed
 from jaxkv import host_attention
 from jaxkv import host_wait
@@ -336,6 +337,7 @@ class Engine:
       return self._generate(prompts, max_new_tokens, seed, on_step, cache, transport, rec, zero_rows)
     finally:
       transport.close()
+      rec.digests.close()
 
   def prefill(self, cache, transport, tokens, start, longest, seed, finish, *, next_pass, shapes, counters, first=0):
     """Prefills right-aligned prompts in chunks of engine.prefill_chunk rows; returns the last prompt row's
@@ -709,7 +711,8 @@ class _Recorder:
     self.tokens = [[] for _ in range(batch)]
     self.done = np.zeros(batch, bool)
     self.eos_id, self.max_new, self.debug, self.on_chunk = eos_id, max_new, debug, on_chunk
-    self.hash = hashlib.sha256()
+    self.digests = digest.Digests()
+    self.hash = self.digests.new()
     self.logits = [] if keep_logits else None
     self.steps: list[dict] = []
     self.total = dict(
@@ -748,7 +751,7 @@ class _Recorder:
     """Records one step's logits and tokens (blocks on them). Returns True when every sequence is done."""
     lg, tok = jax.device_get((lg, tok))
     lg = np.asarray(lg, np.float32)
-    self.hash.update(np.ascontiguousarray(lg).astype("<f4").tobytes())
+    self.digests.update(self.hash, lg)
     if self.logits is not None:
       self.logits.append(lg)
     self.total["steps_read"] += 1
@@ -771,7 +774,7 @@ class _Recorder:
     return GenerateResult(
         tokens=self.tokens,
         tokens_sha256=hashlib.sha256(json.dumps(self.tokens).encode()).hexdigest(),
-        logits_sha256=self.hash.hexdigest(),
+        logits_sha256=self.digests.hexdigest(self.hash),
         logits=None if self.logits is None else np.stack(self.logits),
         transport=telemetry,
         timing=timing,

@@ -32,20 +32,21 @@ from absl import logging
 from jaxkv import model
 
 WORKSPACE_SCORE_BLOCKS = 3  # f32 scores, their softmax weights and one spare, of the prefill's query blocks.
-GROUP_TARGET_BYTES = 64 * 2**20  # Per device: the least a group of streamed layers delivers (kv.group_layers 0).
+GROUP_TARGET_BYTES = 2**30  # Per device: what an automatic group (kv.group_layers 0) delivers, up to GROUP_MAX_LAYERS.
+GROUP_MAX_LAYERS = 8  # Layers in an automatic group: a step of L layers has at least L / 8 deliveries to overlap.
 RING_SPARE = 2  # Ring slots beyond the depth: the delivery being computed and the previous one (jaxkv.transport).
 
 
 def group_layers(group_layers: int, host_attention: bool, layer_bytes: int) -> int:
   """Layers per decode call (decode_groups) in every placement: 1 with host attention (its layers keep their own
-  calls), else kv.group_layers when set, else enough layers to deliver GROUP_TARGET_BYTES per device (layer_bytes:
-  one layer's window per device), so that the ~0.1-0.2 ms of host time a call costs is small beside its delivery's
-  transfer."""
+  calls), else kv.group_layers when set, else as many layers as deliver GROUP_TARGET_BYTES per device (layer_bytes:
+  one layer's window per device), at least 1 and at most GROUP_MAX_LAYERS: few calls a step where the windows are
+  small, and deliveries that the pipeline can overlap (docs/design.md, "Decode groups")."""
   if host_attention:
     return 1
   if group_layers:
     return group_layers
-  return max(1, -(-GROUP_TARGET_BYTES // max(layer_bytes, 1)))
+  return min(GROUP_MAX_LAYERS, max(1, GROUP_TARGET_BYTES // max(layer_bytes, 1)))
 
 
 def decode_groups(stage_of: tuple[int, ...], per_group: int) -> tuple[tuple[int, ...], ...]:

@@ -41,6 +41,7 @@ import numpy as np
 from absl import logging
 
 from jaxkv import cache as cache_lib
+from jaxkv import digest
 from jaxkv import engine as engine_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
@@ -235,10 +236,13 @@ class Server:
     t0 = time.perf_counter()
     run = _Run(self, requests, on_step, errors)
     epoch = 0
-    while run.queue:
-      run.epoch(epoch)
-      epoch += 1
-    return run.result(time.perf_counter() - t0, epochs=epoch)
+    try:
+      while run.queue:
+        run.epoch(epoch)
+        epoch += 1
+      return run.result(time.perf_counter() - t0, epochs=epoch)
+    finally:
+      run.digests.close()
 
 
 class _Run:
@@ -259,7 +263,8 @@ class _Run:
     self.queue = collections.deque(i for i, e in enumerate(self.errors) if e is None)
     self.batch = batch or min(server.parallel, len(self.queue))
     self.tokens: list[list[int]] = [[] for _ in requests]
-    self.hashes = [hashlib.sha256() for _ in requests]
+    self.digests = digest.Digests()  # Closed by whoever runs this (Server.serve, ServingLoop).
+    self.hashes = [self.digests.new() for _ in requests]
     self.done = [False] * len(requests)
     self.where: list[tuple[int, int, int] | None] = [None] * len(requests)  # (slot, epoch, first row).
     self.shapes: set[tuple] = set()
@@ -301,7 +306,7 @@ class _Run:
         continue
       t = int(tok[b])
       self.tokens[r].append(t)
-      self.hashes[r].update(np.ascontiguousarray(lg[b]).astype("<f4").tobytes())
+      self.digests.update(self.hashes[r], lg[b])
       end = "eos" if t == eos else "length" if len(self.tokens[r]) >= self.requests[r].max_new_tokens else None
       self.done[r] = end is not None
       self.emitted(r, t, end)
@@ -546,7 +551,7 @@ class _Run:
 
   def result(self, wall_s: float, epochs: int) -> ServeResult:
     results = [
-        RequestResult(t, h.hexdigest(), *(w or (-1, -1, -1)), error=e)
+        RequestResult(t, self.digests.hexdigest(h), *(w or (-1, -1, -1)), error=e)
         for t, h, w, e in zip(self.tokens, self.hashes, self.where, self.errors)
     ]
     transcript = json.dumps([[r.tokens, r.logits_sha256] + ([r.error] if r.error else []) for r in results])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import queue
 import threading
 import time
@@ -120,6 +119,12 @@ class ServingLoop:
     return sum(n for s, n in list(self.stats.recent) if now - window_s <= s < now) / window_s
 
   def _main(self) -> None:
+    try:
+      self._serve()
+    finally:
+      self._run.digests.close()
+
+  def _serve(self) -> None:
     run, epoch = self._run, 0
     while True:
       run.arrivals(block=not run.queue)
@@ -156,7 +161,7 @@ class _LiveRun(serving._Run):  # pylint: disable=protected-access
       r = len(self.requests)
       self.requests.append(handle.request)
       self.tokens.append([])
-      self.hashes.append(hashlib.sha256())
+      self.hashes.append(self.digests.new())
       self.done.append(False)
       self.where.append(None)
       self.errors.append(None)

@@ -30,8 +30,9 @@ def test_groups_are_runs_of_one_stage_cut_by_bytes_in_every_placement():
   per_group = lambda layer_bytes, **kw: residency.group_layers(
       kw.get("group_layers", 0), kw.get("ha", False), layer_bytes
   )
-  assert per_group(20 * MIB) == 4  # Groups of at least 64 MiB per device, each layer over it alone.
-  assert per_group(100 * MIB) == 1 and per_group(20 * MIB, group_layers=3) == 3 and per_group(MIB, ha=True) == 1
+  assert per_group(300 * MIB) == 3  # Groups of at most 1 GiB per device, each layer over it alone,
+  assert per_group(2048 * MIB) == 1 and per_group(20 * MIB) == 8  # and at most 8 layers.
+  assert per_group(20 * MIB, group_layers=3) == 3 and per_group(MIB, ha=True) == 1
   assert decode_groups((0,) * 9, 4) == ((0, 1, 2, 3), (4, 5, 6, 7), (8,))
   assert decode_groups((0, 0, 0, 1, 1), 2) == ((0, 1), (2,), (3, 4))  # Never across a stage.
 

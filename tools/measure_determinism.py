@@ -7,8 +7,9 @@ Every run is a fresh `python3 -m jaxkv.x --cpu_devices=0` process with its own f
   b  the README's GPU command (8B, host, depth 2, 4096-token prompt, 64 new tokens) twice: cold and warm cache;
      wall, prefill_s, decode_s, the compile counts and those inside the decode.
   c  `python3 -m jaxkv.gates --separate_processes` on a 2-layer 8B geometry (capacity 4096, prefill chunk 1024).
-  d  (not in the default --parts) the bench A/B: cache off vs warm cache, 8B 8 layers, 4096 context, batch 1,
-     device and host_d2, 3 rounds; median ms/step per arm and the ratio.
+  d  (not in the default --parts) the bench A/B: cache off vs warm cache, 8B, 4096 context, batch 1 and 4, device
+     and host_d2, 3 rounds, in five processes (off, cold, warm, off, warm: the spread between processes shows);
+     median ms/step per arm and process, and warm / off of the two pairs.
 Prints a table per part and a summary last; writes JSON to $OUT/determinism.json (or --json_out). Run from the repo
 root: python3 tools/measure_determinism.py [--parts=a,b,c,d]. a+b+c take about 5 minutes on one H200 (estimate).
 """
@@ -33,8 +34,8 @@ _A_ARMS = {
 }
 _B = [*_8B, "--kv_placement=host", "--kv_pipeline_depth=2", "--batch=1", "--prompt_len=4096", "--max_new_tokens=64"]
 _C = [*_8B, "--config.model.num_layers=2", "--config.engine.capacity=4096", "--config.engine.prefill_chunk=1024"]
-_D = [*_8B, "--config.model.num_layers=8", "--contexts=4096", "--batches=1", "--arms=device,host_d2"]
-_D += ["--new_tokens=64", "--rounds=3", "--nopeer"]
+_D = [*_8B, "--synthetic_context", "--contexts=4096", "--batches=1,4", "--arms=device,host_d2"]
+_D += ["--new_tokens=32", "--rounds=3", "--nopeer"]
 
 
 def _app(module: str, args: list[str], json_out: str, timeout: float = 590) -> dict:
@@ -136,21 +137,22 @@ def part_c(tmp: str) -> dict:
 
 def part_d(tmp: str) -> dict:
   cache = os.path.join(tmp, "d_cache")
-  runs = {
-      "off": _app("jaxkv.bench", [*_D, "--compilation_cache_dir="], f"{tmp}/d_off.json"),
-      "cache_cold": _app("jaxkv.bench", [*_D, f"--compilation_cache_dir={cache}"], f"{tmp}/d_cold.json"),
-      "cache_warm": _app("jaxkv.bench", [*_D, f"--compilation_cache_dir={cache}"], f"{tmp}/d_warm.json"),
-  }
+  order = (("off", ""), ("cold", cache), ("warm", cache), ("off2", ""), ("warm2", cache))
+  runs = {n: _app("jaxkv.bench", [*_D, f"--compilation_cache_dir={c}"], f"{tmp}/d_{n}.json") for n, c in order}
   med = {
-      n: {a: r["ms_per_step"]["median"] for cell in o["cells"] for a, r in cell["arms"].items() if r.get("ms_per_step")}
+      n: {
+          f"{a} b{cell['batch']}": r["ms_per_step"]["median"]
+          for cell in o["cells"]
+          for a, r in cell["arms"].items()
+          if r.get("ms_per_step")
+      }
       for n, o in runs.items()
   }
-  print("\n(d) bench, 8B 8 layers, 4096 context, batch 1: median ms/step")
-  print(f"{'arm':>8} {'off':>8} {'cold':>8} {'warm':>8} {'warm/off':>8}")
+  print("\n(d) bench, 8B, 4096 context: median ms/step per process")
+  print(f"{'arm':>12} " + " ".join(f"{n:>8}" for n, _ in order) + f" {'warm/off':>8} {'warm2/off2':>10}")
   for a in med["off"]:
-    print(
-        f"{a:>8} {med['off'][a]:8.3f} {med['cache_cold'].get(a, float('nan')):8.3f} {med['cache_warm'].get(a, float('nan')):8.3f} {med['cache_warm'].get(a, float('nan')) / med['off'][a]:8.3f}"
-    )
+    ms = [med[n].get(a, float("nan")) for n, _ in order]
+    print(f"{a:>12} " + " ".join(f"{m:8.3f}" for m in ms) + f" {ms[2] / ms[0]:8.3f} {ms[4] / ms[3]:10.3f}")
   return dict(ms_per_step_median=med)
 
 
