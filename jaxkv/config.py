@@ -145,8 +145,8 @@ class KVConfig:
     (docs/design.md). "auto" (the default): "device" where it was measured, one GPU in one
     process, when its op builds; "thread" elsewhere (jaxkv.cache.devices_wait).
   group_layers: layers per decode call (jaxkv.residency.decode_groups), the same groups in every placement: 0 =
-    automatic (groups of at least jaxkv.residency.GROUP_TARGET_BYTES per device, one layer each with
-    host_attention); n >= 1 = n layers per call (1: one call per layer).
+    automatic (groups of up to jaxkv.residency.GROUP_TARGET_BYTES per device and GROUP_MAX_LAYERS layers, one layer
+    each with host_attention); n >= 1 = n layers per call (1: one call per layer).
   """
 
   placement: str = "device"
