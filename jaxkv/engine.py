@@ -339,12 +339,16 @@ class Engine:
       transport.close()
       rec.digests.close()
 
-  def prefill(self, cache, transport, tokens, start, longest, seed, finish, *, next_pass, shapes, counters, first=0):
+  def prefill(
+      self, cache, transport, tokens, start, longest, seed, finish, *, next_pass, shapes, counters, first=0, below=None
+  ):
     """Prefills right-aligned prompts in chunks of engine.prefill_chunk rows; returns the last prompt row's
     hidden state x [B, D].
 
     tokens i32[B, n * chunk] (prompt b at rows [start[b], longest)); chunks before `first` are skipped: their
-    rows must already be in the cache (zeros are fine when they are left padding). The last chunk calls
+    rows must already be in the cache (zeros are fine when they are left padding), or come from below(l): layer l's
+    rows [0, first * chunk) on the devices, called just before the layer's first computed chunk (rows held
+    elsewhere, e.g. the prefix cache's: their transfers run behind the earlier layers). The last chunk calls
     finish(l, window_rows_device, open_page) -> D2H bytes instead of storing its grown window: rows
     [0, longest // block * block) and the open page. counters(transport, d2h, rows) runs after each chunk.
 
@@ -370,6 +374,8 @@ class Engine:
 
       def compute(l, window):  # window: layer l's rows [0, c * chunk) on the devices, or None.
         nonlocal x, d2h
+        if below is not None and c == first:
+          window = below(l)
         shapes.add(("prefill", 0 if window is None else window.shape[3]))
         fns = self.layer_fns(l)
         x, rows = fns.prefill(layers[l], self.to_layer(x, l), window, metas[stage_of[l]])

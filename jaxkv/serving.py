@@ -99,7 +99,7 @@ class _SlotFns:
   insert_host: object  # Into a window in pinned host memory, in place.
   place: object  # Prefix cache: a prompt's rows moved to the slot's rows.
   block: object  # Prefix cache: a block of rows, to pinned host memory.
-  gather: object  # Prefix cache: blocks from pinned host memory, concatenated on the devices.
+  join: object  # Prefix cache: blocks, moved to the devices, concatenated.
 
 
 @functools.lru_cache(maxsize=None)
@@ -154,14 +154,14 @@ def _slot_functions(cfg, mesh: jax.sharding.Mesh) -> _SlotFns:
     """rows [2, 1, K, R, E] on the devices -> rows [first, first + size), in pinned host memory."""
     return jax.device_put(jax.lax.dynamic_slice_in_dim(rows, first, size, axis=3), jax.memory.Space.Host)
 
-  def gather(blocks):
-    """blocks: [2, 1, K, C, E] each, in pinned host memory -> [2, 1, K, n C, E] on the devices."""
-    return jnp.concatenate([jax.device_put(r, jax.memory.Space.Device) for r in blocks], axis=3)
+  def join(blocks):
+    """blocks: [2, 1, K, C, E] each, on the devices -> [2, 1, K, n C, E]."""
+    return jnp.concatenate(blocks, axis=3)
 
   return _SlotFns(
       place=jax.jit(place, static_argnames="w_rows", out_shardings=kv_device),
       block=jax.jit(block, static_argnames="size", out_shardings=kv_host),
-      gather=jax.jit(gather, out_shardings=kv_device),
+      join=jax.jit(join, out_shardings=kv_device),
       head=jax.jit(head, out_shardings=rep),
       enter=jax.jit(enter, out_shardings=rep, donate_argnums=(0, 1, 2, 3)),
       insert_device=jax.jit(insert, out_shardings=kv_device, donate_argnums=(0,)),
@@ -475,21 +475,18 @@ class _Run:
       cache.windows[l] = insert(cache.windows[l], window, b)
     cache.opens[l] = fns.insert_device(cache.opens[l], open_page, b)
 
-  def _prefill_own(self, tokens, start, longest, finish, first=0, window=None):
+  def _prefill_own(self, tokens, start, longest, finish, first=0, below=None):
     """Prefills one prompt (tokens i32[1, n * chunk]) in a cache of its own; rows [0, first * chunk) are zeros, or
-    `window(l)`'s rows. Returns the hidden state of its last row."""
+    `below(l)`'s rows (Engine.prefill). Returns the hidden state of its last row."""
     eng, cfg = self.engine, self.engine.config
     # With rows from the prefix cache the prompt's cache lives on the devices (the same bits in every placement): its
     # window arrives there from the prefix cache's blocks, and would otherwise be stored to host memory and delivered
     # back for the next chunk. The price: the prompt's rows in device memory during its prefill.
     device = dict(placement="device", host_attention=False, host_attention_fraction=0.0)
-    kv = cfg.kv if window is None else dataclasses.replace(cfg.kv, **device)
+    kv = cfg.kv if below is None else dataclasses.replace(cfg.kv, **device)
     own = cache_lib.KVCache(cfg.model, kv, eng.mesh, 1, cfg.engine.capacity, eng.layout)
-    if first and window is None:  # Skipped chunks: zero rows below the prompt (left padding).
+    if first and below is None:  # Skipped chunks: zero rows below the prompt (left padding).
       own.store_zeros(first * cfg.engine.prefill_chunk)
-    elif first:
-      for l in range(cfg.model.num_layers):
-        own.store(l, window(l))
     transport = Transport(own, kv.pipeline_depth, kv.transport_debug)
     try:
       return eng.prefill(
@@ -501,6 +498,7 @@ class _Run:
           0,
           finish,
           first=first,
+          below=below,
           next_pass=False,
           shapes=self.shapes,
           counters=self.counters,
@@ -541,8 +539,13 @@ class _Run:
       return 0
 
     try:
-      gather = lambda l: self.server.layer_fns[l].gather([e.rows[l] for e in hit])
-      x_new = self._prefill_own(tokens, np.zeros(1, np.int32), length, finish, first=len(hit), window=gather)
+      # Every layer's blocks start moving to the devices now, one transfer a layer on the host-to-device copy stream;
+      # each layer's are joined just before its prefill, so the transfers run behind the earlier layers' compute.
+      fns = self.server.layer_fns
+      blocks = [[e.rows[l] for e in hit] for l in range(len(fns))]
+      moved = [jax.device_put(rows, rows[0].sharding.with_memory_kind("device")) for rows in blocks if rows]
+      below = lambda l: fns[l].join(moved[l]) if moved else None  # None: no hit, the prompt's first chunk.
+      x_new = self._prefill_own(tokens, np.zeros(1, np.int32), length, finish, first=len(hit), below=below)
       if fresh:  # Its own blocks stay pinned meanwhile: a block is not evicted to make room for its children.
         pc.add(keys, fresh, sum(a.nbytes for a in fresh[0]))
     finally:
