@@ -342,8 +342,9 @@ class Engine:
   def prefill(
       self, cache, transport, tokens, start, longest, seed, finish, *, next_pass, shapes, counters, first=0, below=None
   ):
-    """Prefills right-aligned prompts in chunks of engine.prefill_chunk rows; returns the last prompt row's
-    hidden state x [B, D].
+    """Prefills right-aligned prompts in chunks of engine.prefill_chunk rows, the last one only as many kv.block
+    rows as the prompts reach (a prompt's chunks and their bits depend on its length only); returns the last prompt
+    row's hidden state x [B, D].
 
     tokens i32[B, n * chunk] (prompt b at rows [start[b], longest)); chunks before `first` are skipped: their
     rows must already be in the cache (zeros are fine when they are left padding), or come from below(l): layer l's
@@ -368,7 +369,8 @@ class Engine:
     x = None
     for c in range(first, n_chunks):
       last = c == n_chunks - 1
-      x = self._first.embed(self.top, distributed.put_host(tokens[:, c * chunk : (c + 1) * chunk], self._rep_first))
+      width = -(-(longest - c * chunk) // block) * block if last else chunk  # The last: the blocks the prompts reach.
+      x = self._first.embed(self.top, distributed.put_host(tokens[:, c * chunk : c * chunk + width], self._rep_first))
       metas = self.to_stages(self.meta(start, c * chunk, 0, seed))
       d2h = 0
 
@@ -376,7 +378,7 @@ class Engine:
         nonlocal x, d2h
         if below is not None and c == first:
           window = below(l)
-        shapes.add(("prefill", 0 if window is None else window.shape[3]))
+        shapes.add(("prefill", 0 if window is None else window.shape[3], width))
         fns = self.layer_fns(l)
         x, rows = fns.prefill(layers[l], self.to_layer(x, l), window, metas[stage_of[l]])
         if last:
@@ -394,7 +396,7 @@ class Engine:
             lambda l, tail: compute(l, cache.full_window(l, tail)),
             next_pass=next_pass if last else not plan["keep"],
         )
-      counters(transport, d2h, (c + 1) * chunk)
+      counters(transport, d2h, c * chunk + width)
     return self.fns.last_row(x, distributed.put_host(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
 
   def decode_pass(
