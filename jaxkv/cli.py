@@ -270,8 +270,8 @@ def run(main, help_groups: dict[str, list]) -> None:
 
 
 def _main_module() -> str:
-  spec = getattr(sys.modules["__main__"], "__spec__", None)
-  return spec.name if spec else os.path.basename(sys.argv[0])
+  spec = getattr(sys.modules["__main__"], "__spec__", None)  # A package's app is its __main__ module.
+  return spec.name.removesuffix(".__main__") if spec else os.path.basename(sys.argv[0])
 
 
 def _fail(prog: str, message: str, hint: str | None, status: int):

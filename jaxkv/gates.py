@@ -27,7 +27,7 @@ from jaxkv import distributed
 
 ARMS = flags.DEFINE_list(
     "arms",
-    ["device", "host_d0", "host_d1_g1", "host_d2_g2", "host_d4_g1"],  # jaxkv.gate_suite.ARMS (imported after setup).
+    ["device", "host_d0", "host_d1_g1", "host_d2_g2", "host_d4_g1"],  # gate_suite.ARMS (imported after setup).
     "Arms that must agree bit for bit.",
 )
 NEW_TOKENS = flags.DEFINE_integer("new_tokens", 12, "Greedy tokens per task.")
@@ -57,7 +57,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   cli.check_outputs(JSON_OUT)
-  from jaxkv import gate_suite  # pylint: disable=g-import-not-at-top
+  from jaxkv.bench import gate_suite  # pylint: disable=g-import-not-at-top
 
   if SEPARATE.value:
     if distributed.settings(cli.COORDINATOR_ADDRESS.value, cli.NUM_PROCESSES.value, cli.PROCESS_ID.value):
@@ -88,7 +88,7 @@ def _run_separate(arms, args) -> dict:
   """Runs this app with `--arms=<arm> <args>` for each arm, one process after the other (so that they share the
   compilation cache, as separate runs of the apps do), and merges their reports. Exits, with the end of its
   output, when a process writes no report."""
-  from jaxkv import gate_suite  # pylint: disable=g-import-not-at-top
+  from jaxkv.bench import gate_suite  # pylint: disable=g-import-not-at-top
 
   reports = {}
   with tempfile.TemporaryDirectory(prefix="jaxkv-gates-") as tmp:

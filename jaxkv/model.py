@@ -431,7 +431,7 @@ def decode_layer(p, x, window, open_page, start, end, *, cfg: ModelConfig, kv_fo
   """
   fmt = kv_format or KVFormat.of(cfg)
   w_rows, page = (0 if window is None else window.shape[3]), open_page.shape[3]
-  q, open_page = _query_and_write(p, x, open_page, start, end, end - w_rows, cfg, fmt)
+  q, open_page = query_and_write(p, x, open_page, start, end, end - w_rows, cfg, fmt)
   b, _, h, dh = q.shape
   k = open_page.shape[2]
   qg = q[:, 0].reshape(b, k, h // k, dh)
@@ -446,7 +446,7 @@ def decode_layer(p, x, window, open_page, start, end, *, cfg: ModelConfig, kv_fo
   return attn_out_and_mlp(p, x[:, None, :], o.reshape(b, 1, h, dh).astype(x.dtype), cfg)[:, 0, :], open_page
 
 
-def _query_and_write(p, x, open_page, start, end, page_row, cfg: ModelConfig, fmt: KVFormat):
+def query_and_write(p, x, open_page, start, end, page_row, cfg: ModelConfig, fmt: KVFormat):
   """x [B, D] -> q [B, 1, H, Dh] and the open page with the new row (packed) written at page_row."""
   pos = (end - start)[:, None]  # [B, 1]
   q, k, v = qkv(p, x[:, None, :], pos, cfg)
@@ -470,7 +470,7 @@ def decode_query(p, x, open_page, start, end, *, cfg: ModelConfig, kv_format: KV
   new row written (packed).
   """
   fmt = kv_format or KVFormat.of(cfg)
-  q, open_page = _query_and_write(p, x, open_page, start, end, end % open_page.shape[3], cfg, fmt)
+  q, open_page = query_and_write(p, x, open_page, start, end, end % open_page.shape[3], cfg, fmt)
   b, _, h, dh = q.shape
   k = open_page.shape[2]
   return q[:, 0].reshape(b, k, h // k, dh).astype(jnp.float32), open_page

@@ -1,4 +1,4 @@
-"""The benchmark (jaxkv.benchmark) end to end on the tiny model over 2 CPU devices, and its skip paths."""
+"""The benchmark (jaxkv.bench.benchmark) end to end on the tiny model over 2 CPU devices, and its skip paths."""
 
 import dataclasses
 import json
@@ -10,16 +10,18 @@ import sys
 import helpers
 import jax
 import pytest
+from absl import flags
 
 from experiments import tiny
-from jaxkv import bench_report
-from jaxkv import benchmark
 from jaxkv import cache as cache_lib
-from jaxkv import ceilings
 from jaxkv import mesh as mesh_lib
-from jaxkv import peer_hf
 from jaxkv import residency
 from jaxkv import run as run_lib
+from jaxkv.bench import arms
+from jaxkv.bench import benchmark
+from jaxkv.bench import ceilings
+from jaxkv.bench import peer_hf
+from jaxkv.bench import report
 from jaxkv.config import SplitConfig, from_config_dict
 
 # host_d4_g1: one decode call per layer (the tiny model's 6 layers are one group otherwise, which caps the depth at 0).
@@ -135,7 +137,7 @@ def test_json_has_every_field(bench):
     assert cell["ceilings"]["transfer_only"]["ms_median"] > 0
     assert cell["tokens_match_across_arms"] is True
     assert len(cell["order"]) == ROUNDS and cell["order"][1] == cell["order"][0][::-1]
-    assert list(cell["arms"]) == [*ARMS, benchmark.PEER_ARM]
+    assert list(cell["arms"]) == [*ARMS, arms.PEER_ARM]
 
 
 def test_each_arm_has_numbers(bench):
@@ -161,7 +163,7 @@ def test_each_arm_has_numbers(bench):
     assert cell["arms"]["host_d0"]["gain_vs_ordered"] == 1.0
     split = cell["arms"]["host_d1_ha"]["transport"]["host_attention"]
     assert split["source"] == "measured" and cell["arms"]["host_d1_ha"]["delivered_fraction"] == 1 - split["fraction"]
-    peer = cell["arms"][benchmark.PEER_ARM]
+    peer = cell["arms"][arms.PEER_ARM]
     assert peer["status"] == "skipped" and "cpu" in peer["reason"] and not peer["samples"]
 
 
@@ -192,7 +194,7 @@ def check_derived(cell: dict, name: str) -> None:
   tok_s = statistics.median(cell["batch"] * s["decode_steps"] / s["decode_s"] for s in a["samples"])
   ms = statistics.median(1e3 * s["decode_s"] / s["decode_steps"] for s in a["samples"])
   assert a["tok_s"]["median"] == pytest.approx(tok_s) and a["ms_per_step"]["median"] == pytest.approx(ms)
-  ordered = cell["arms"][benchmark.ORDERED_ARM]["tok_s"]["median"]
+  ordered = cell["arms"][arms.ORDERED_ARM]["tok_s"]["median"]
   assert a["gain_vs_ordered"] == pytest.approx(tok_s / ordered)
   peak = cell["link_peak_gbps"]
   if name == "device":
@@ -229,7 +231,7 @@ def test_markdown_and_plot(bench):
     assert f"| 40 | 2 | {name} |" in md
   row = next(l for l in md.splitlines() if l.startswith("| 40 | 2 | host_d2 |")).split(" | ")
   assert float(row[7]) == round(out["cells"][1]["arms"]["host_d2"]["prefill_s"]["median"], 3)  # The prefill s column.
-  assert f"| 16 | 2 | {benchmark.PEER_ARM} | 0.2 | skipped" in md  # KV MiB/step/device, then the reason.
+  assert f"| 16 | 2 | {arms.PEER_ARM} | 0.2 | skipped" in md  # KV MiB/step/device, then the reason.
   assert "| 40 | 2 | int8 | 40 |" in md  # The int8 arm's transfer ceilings.
   assert "| 40 | 2 | host_d1_ha | " in md.split("## Host attention")[1]
   helpers.import_extra("matplotlib", "plot")
@@ -260,7 +262,7 @@ def test_the_bench_app_with_an_auto_arm(tmp_path):
   ]
   proc = subprocess.run(
       [sys.executable, "-m", "jaxkv.bench", *flags],  # Not imported here: its flags would clash with other apps'.
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(benchmark.__file__))),
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(run_lib.__file__))),
       env=env,
       capture_output=True,
       text=True,
@@ -293,7 +295,7 @@ def test_arm_that_does_not_fit_is_skipped(monkeypatch):
   host = cell["arms"]["host_d1"]
   assert host["status"] == "skipped" and "warm-up" in host["reason"] and "pinned" in host["reason"]
   assert host["tok_s"] is None and not host["samples"]
-  assert benchmark.PEER_ARM not in cell["arms"]
+  assert arms.PEER_ARM not in cell["arms"]
 
 
 def _layer_config(proportions: str):
@@ -343,20 +345,20 @@ def test_skip_reason():
 
 
 def test_arm_names():
-  arm = benchmark.ArmSpec
-  assert benchmark.parse_arm("device") == arm("device")
-  assert benchmark.parse_arm("host_d4") == arm("host", 4)
-  assert benchmark.parse_arm("host_d2_int8") == arm("host", 2, "int8")
-  assert benchmark.parse_arm("device_float8_e4m3fn") == arm("device", None, "float8_e4m3fn")
-  assert benchmark.parse_arm("host_d0_bfloat16") == arm("host", 0, "bfloat16")
-  assert benchmark.parse_arm("host_d2_ha") == arm("host", 2, None, 0.0)
-  assert benchmark.parse_arm("auto_d1_int8_ha35") == arm("auto", 1, "int8", 0.35)
-  assert benchmark.parse_arm("device_g1") == arm("device", group_layers=1)
-  assert benchmark.parse_arm("host_d2_int8_g4") == arm("host", 2, "int8", None, 4)
+  arm = arms.ArmSpec
+  assert arms.parse_arm("device") == arm("device")
+  assert arms.parse_arm("host_d4") == arm("host", 4)
+  assert arms.parse_arm("host_d2_int8") == arm("host", 2, "int8")
+  assert arms.parse_arm("device_float8_e4m3fn") == arm("device", None, "float8_e4m3fn")
+  assert arms.parse_arm("host_d0_bfloat16") == arm("host", 0, "bfloat16")
+  assert arms.parse_arm("host_d2_ha") == arm("host", 2, None, 0.0)
+  assert arms.parse_arm("auto_d1_int8_ha35") == arm("auto", 1, "int8", 0.35)
+  assert arms.parse_arm("device_g1") == arm("device", group_layers=1)
+  assert arms.parse_arm("host_d2_int8_g4") == arm("host", 2, "int8", None, 4)
   bad_names = ("host", "host_d", "device_d1", "hf_offloaded", "host_d2_int4", "host_d2_model", "host_d2int8")
   for bad in bad_names + ("device_ha", "host_d2_ha00", "host_d2_ha5", "host_d2_ha_int8", "host_d2_g", "device_g1_int8"):
     with pytest.raises(ValueError):
-      benchmark.parse_arm(bad)
+      arms.parse_arm(bad)
   cfg = from_config_dict(tiny.get_config())  # head_dim 16: int8 does not fit, before any work.
   with pytest.raises(ValueError, match="head_dim"):
     benchmark.run(cfg, _spec(arms=("host_d2_int8",)))
@@ -436,7 +438,7 @@ def test_synthetic_context_skips_all_but_the_last_prefill_chunk(monkeypatch):
   out = benchmark.run(_config(), spec)
   assert seen == [32] * 4  # A warm-up and a round per arm.
   assert out["spec"]["synthetic_context"] is True and out["cells"][0]["tokens_match_across_arms"] is True
-  assert "synthetic context" in bench_report.markdown(out)
+  assert "synthetic context" in report.markdown(out)
 
 
 def test_the_link_test_is_sized_to_the_run():
@@ -450,3 +452,8 @@ def test_the_link_test_is_sized_to_the_run():
   step = benchmark.kv_step_bytes(cfg, run_lib.make_layout(cfg, mesh), 4, rows)["per_device"]
   assert benchmark.LINK_TEST_BYTES[0] < step < benchmark.LINK_TEST_BYTES[1]
   assert benchmark.link_test_bytes(config, mesh, big) == step
+
+
+def test_the_library_defines_no_flags():
+  """Of jaxkv.bench, only the app (__main__) defines flags: the library imports beside any app's flags."""
+  assert not [m for m in flags.FLAGS.flags_by_module_dict() if m.startswith("jaxkv.bench")]

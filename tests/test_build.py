@@ -33,7 +33,7 @@ def _experiments(root: pathlib.Path) -> set[str]:
 NON_IMPORT_DEPS = {
     "jaxkv/cli.py": lambda root: {"experiments/tiny.py"},
     "tests/test_experiments.py": _experiments,
-    "tests/test_bench.py": lambda root: {"jaxkv/bench.py"},
+    "tests/test_bench.py": lambda root: {"jaxkv/bench/__main__.py"},
     "tests/test_gates.py": lambda root: {"jaxkv/gates.py"},
     "tests/test_compile_cache.py": lambda root: {"jaxkv/generate.py"},
     "tests/test_gguf.py": lambda root: {"jaxkv/generate.py"},
@@ -69,8 +69,9 @@ def load_build(root: pathlib.Path) -> dict[str, dict]:
 
 
 def modules(root: pathlib.Path) -> list[str]:
-  """Every module that needs a py_library: jaxkv/*.py, experiments/*.py and the non-test files of tests/."""
-  paths = [p for d in LIBRARY_DIRS for p in sorted((root / d).glob("*.py"))]
+  """Every module that needs a py_library: those of jaxkv/ and experiments/ (subpackages too) and the non-test files
+  of tests/."""
+  paths = [p for d in LIBRARY_DIRS for p in sorted((root / d).rglob("*.py"))]
   paths += [p for p in sorted((root / TESTS).glob("*.py")) if not p.name.startswith("test_")]
   return [p.relative_to(root).as_posix() for p in paths]
 
@@ -127,10 +128,13 @@ def label_name(label: str) -> str | None:
 
 
 def suggested_name(path: str) -> str:
+  """tests/test_x.py -> test_x; jaxkv/bench/report.py -> jaxkv_bench_report; a package's __init__.py is the package,
+  its __main__.py "main" (jaxkv/bench/__main__.py -> jaxkv_bench_main)."""
   p = pathlib.PurePosixPath(path)
   if p.parent.name == TESTS and p.name.startswith("test_"):
     return p.stem
-  return p.parent.name if p.name == "__init__.py" else f"{p.parent.name}_{p.stem}"
+  parts = list(p.parent.parts) + ([] if p.name == "__init__.py" else [p.stem.strip("_")])
+  return "_".join(parts)
 
 
 def expected_dep_paths(root: pathlib.Path, target: dict) -> set[str]:
@@ -260,6 +264,14 @@ def test_a_module_without_a_target_fails(tree_copy):
   assert [p.split(":")[0] for p in problems] == ["jaxkv/new_module.py", "tests/test_new_module.py"]
   assert '":jaxkv_config"' in problems[0] and 'name = "test_new_module"' in problems[1]
   assert '":jaxkv_new_module"' in problems[1] and '":tests_helpers"' in problems[1]
+
+
+def test_a_subpackage_module_is_named_by_its_path(tree_copy):
+  before = missing_targets(tree_copy)
+  (tree_copy / "jaxkv" / "bench" / "new_module.py").write_text("from jaxkv.bench import arms\n")
+  problems = [p for p in missing_targets(tree_copy) if p not in before]
+  assert [p.split(":")[0] for p in problems] == ["jaxkv/bench/new_module.py"]
+  assert 'name = "jaxkv_bench_new_module"' in problems[0] and '":jaxkv_bench_arms"' in problems[0]
 
 
 def test_a_dangling_dep_and_a_missing_import_fail(tree_copy):

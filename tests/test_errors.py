@@ -270,10 +270,13 @@ def test_no_accelerator_with_cpu_devices_0(app_errors):
 
 
 _GROUPS_CHECK = """
-import importlib, sys
+import importlib, importlib.util, sys
 from absl import flags
 from jaxkv import cli
-app = importlib.import_module(sys.argv[1])
+name = sys.argv[1]
+if importlib.util.find_spec(name).submodule_search_locations:  # A package: `python -m` runs its __main__.
+  name += ".__main__"
+app = importlib.import_module(name)
 groups = [h.name for holders in app.HELP_GROUPS.values() for h in holders]
 own = {f.name for m in (app.__name__, cli.__name__) for f in flags.FLAGS.get_flags_for_module(m)}
 assert len(groups) == len(set(groups)) and set(groups) == own, (sorted(own - set(groups)), groups)

@@ -15,10 +15,10 @@ import sys
 import helpers
 import pytest
 
-from jaxkv import gate_suite
 from jaxkv import transport as transport_lib
+from jaxkv.bench import gate_suite
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(gate_suite.__file__)))  # Holds the jaxkv package.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(transport_lib.__file__)))  # Holds the jaxkv package.
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +162,7 @@ def test_the_gates_app_exits_non_zero_when_a_gate_fails(tmp_path):
           "--parallel=2",
           f"--json_out={out}",
       ],
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(gate_suite.__file__))),
+      cwd=ROOT,
       env=env,
       capture_output=True,
       text=True,

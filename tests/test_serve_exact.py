@@ -1,4 +1,4 @@
-"""Exactness through the server: the gate's 8 tasks (jaxkv.gate_suite: prompts of 1 row, the block boundaries, past a
+"""Exactness through the server: the gate's 8 tasks (jaxkv.bench.gate_suite: prompts of 1 row, the block boundaries, past a
 prefill chunk, near the capacity), sent over HTTP while the parallel gate's 16 requests are in flight, get
 generate's greedy tokens in every placement and depth; every request's tokens hash the same across the arms."""
 
@@ -16,8 +16,8 @@ for _extra in ("fastapi", "uvicorn", "prometheus_client", "httpx"):
 import httpx
 import serve_helpers
 
-from jaxkv import gate_suite
 from jaxkv import run as run_lib
+from jaxkv.bench import gate_suite
 
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 

@@ -25,13 +25,13 @@ kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device"); rep = mesh_lib.repl
 fmt = KVFormat.of(mc)
 def layer_plain(p, x, w, o, meta):  # the open page appended to the window (a copy), attended together
   start, end = meta[:-3], meta[-3]
-  q, o2 = model._query_and_write(p, x, o, start, end, end - w.shape[3], mc, fmt)
+  q, o2 = model.query_and_write(p, x, o, start, end, end - w.shape[3], mc, fmt)
   rows = jnp.arange(w.shape[3] + o2.shape[3])
   mask = (rows[None] >= start[:, None]) & (rows[None] <= end)
   out = model.attention(q, fmt.unpack(jnp.concatenate([w, o2], axis=3)), mask[:, None, :])
   return model.attn_out_and_mlp(p, x[:, None, :], out, mc)[:, 0, :], o2
 def layer_noattn(p, x, w, o, meta):
-  q, o2 = model._query_and_write(p, x, o, meta[:-3], meta[-3], meta[-3] - w.shape[3], mc, fmt)
+  q, o2 = model.query_and_write(p, x, o, meta[:-3], meta[-3], meta[-3] - w.shape[3], mc, fmt)
   return model.attn_out_and_mlp(p, x[:, None, :], q.astype(x.dtype), mc)[:, 0, :], o2
 def layer_split(p, x, w, o, meta):  # window and open page attended apart, merged
   return model.decode_layer(p, x, w, o, meta[:-3], meta[-3], cfg=mc, kv_format=fmt)

@@ -1,4 +1,4 @@
-"""Renders a jaxkv.benchmark result (its JSON dict): a markdown report and a tokens/s-vs-context PNG."""
+"""Renders a jaxkv.bench.benchmark result (its JSON dict): a markdown report and a tokens/s-vs-context PNG."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Times tokens/s and ms/step per arm ("device", "host_d<depth>", either with an optional KV dtype suffix such as
 "host_d2_int8", and the Hugging Face offloaded-cache peer)
 over contexts and batches in alternating rounds, with the link and transfer ceilings measured in the same run;
-see jaxkv/benchmark.py. Over several processes (--coordinator_address, --num_processes, --process_id) every
+see jaxkv/bench/benchmark.py. Over several processes (--coordinator_address, --num_processes, --process_id) every
 process runs the same arms and process 0 writes the outputs. --sweep picks the contexts, arms, new tokens and rounds
 that are not given: "cpu" (the default) a run of a few minutes on the CPU, "gpu" the long-context sweep, e.g.:
 
@@ -101,9 +101,10 @@ def main(argv):
   cli.check_outputs(JSON_OUT, MD_OUT, PLOT_OUT)
   cli.setup_platform()
   # pylint: disable=g-import-not-at-top  (after the platform is set)
-  from jaxkv import bench_report
-  from jaxkv import benchmark
   from jaxkv import preflight
+  from jaxkv.bench import arms as arms_lib
+  from jaxkv.bench import benchmark
+  from jaxkv.bench import report
 
   with preflight.input_errors():
     spec = benchmark.BenchSpec(
@@ -119,7 +120,7 @@ def main(argv):
     )
     config = cli.resolved_config()
     for arm in spec.arms:  # A KV dtype that does not fit the model.
-      benchmark.arm_config(config, arm)
+      arms_lib.arm_config(config, arm)
   main_process = distributed.is_main()  # Every process runs the arms; process 0 writes and prints.
   out = benchmark.run(
       config,
@@ -130,7 +131,7 @@ def main(argv):
       plot_out=PLOT_OUT.value if main_process else None,
   )
   if main_process:
-    print(bench_report.markdown(out))
+    print(report.markdown(out))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,8 @@
 """The decode benchmark behind `python -m jaxkv.bench`: arms x contexts x batches in alternating rounds.
 
-An arm is a KV placement and delivery depth ("device"; "host_d0" = ordered; "host_dN" = pipelined at depth N;
-"auto_dN" = the residency planner), optionally with a KV dtype suffix ("host_d2_int8", "device_float8_e4m3fn"; none =
-the config's kv.dtype) and then a host attention suffix ("host_d2_ha": the host's share measured at start;
-"host_d2_ha40": f = 0.40; jaxkv.host_split) and last a decode group suffix ("device_g1": kv.group_layers = 1, one
-call per layer; none = the config's), or the Hugging Face peer (PEER_ARM, jaxkv.peer_hf). Every jaxkv arm
-shares one set of weights. For each (context, batch) cell: the ceilings (jaxkv.ceilings) for the config's KV dtype
-and for every other KV dtype of a host arm, then one untimed warm-up generate per arm (it also compiles), then
+The arms are those of jaxkv.bench.arms and the Hugging Face peer (PEER_ARM, jaxkv.bench.peer_hf). Every jaxkv arm
+shares one set of weights. For each (context, batch) cell: the ceilings (jaxkv.bench.ceilings) for the config's KV
+dtype and for every other KV dtype of a host arm, then one untimed warm-up generate per arm (it also compiles), then
 `rounds` timed generates per arm in alternating order (round 0 A B C, round 1 C B A, ...).
 A sample is one generate of `new_tokens` tokens from `batch` random prompts of `context` tokens (with
 synthetic_context, all but the last prefill chunk of each stored as zeros, not prefilled):
@@ -32,7 +28,6 @@ import gc
 import json
 import os
 import platform
-import re
 import statistics
 from collections.abc import Callable
 
@@ -41,22 +36,18 @@ import jaxlib
 import tqdm
 from absl import logging
 
-from jaxkv import bench_report
-from jaxkv import ceilings
 from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
-from jaxkv import peer_hf
 from jaxkv import residency
 from jaxkv import run as run_lib
+from jaxkv.bench import ceilings
+from jaxkv.bench import peer_hf
+from jaxkv.bench import report
+from jaxkv.bench.arms import DEVICE_ARM, ORDERED_ARM, PEER_ARM, arm_config, arm_kv_dtype, parse_arm
 from jaxkv.cache import KVCache
-from jaxkv.config import KV_DTYPES, Config
+from jaxkv.config import Config
 from jaxkv.engine import Engine
 
-PEER_ARM = "hf_offloaded"
-ORDERED_ARM = "host_d0"
-DEVICE_ARM = "device"
-ARM_KV_DTYPES = tuple(d for d in KV_DTYPES if d != "model")  # Arm name suffixes.
-_ARM_RE = re.compile(rf"^(device|(host|auto)_d(\d+))(?:_({'|'.join(ARM_KV_DTYPES)}))?(_ha(\d\d)?)?(?:_g(\d+))?$")
 _TRANSFER_ONLY_PASSES = 8
 
 
@@ -92,58 +83,6 @@ class BenchSpec:
       raise ValueError(f"new_tokens must be >= 2 (one decode step at least), got {self.new_tokens}")
     if self.rounds < 1 or self.ceiling_reps < 1 or self.peak_bytes < 0:
       raise ValueError("rounds and ceiling_reps must be positive, peak_bytes >= 0 (0 = sized to the run)")
-
-
-@dataclasses.dataclass(frozen=True)
-class ArmSpec:
-  """placement: "device", "host" or "auto"; depth: None for "device"; kv_dtype: None = the config's kv.dtype;
-  host_attention: None = off, 0.0 = the measured share, f in (0, 1) = that share; group_layers: kv.group_layers
-  (None = the config's)."""
-
-  placement: str
-  depth: int | None = None
-  kv_dtype: str | None = None
-  host_attention: float | None = None
-  group_layers: int | None = None
-
-
-def parse_arm(name: str) -> ArmSpec:
-  """Arm name -> ArmSpec: "device"; "host_d<N>" / "auto_d<N>"; then "_<kv dtype>", then "_ha" or "_ha<NN>", then
-  "_g<N>" (kv.group_layers N)."""
-  m = _ARM_RE.match(name)
-  if not m or (m.group(5) and m.group(2) is None) or m.group(6) == "00":
-    raise ValueError(
-        f"unknown arm {name!r}: use 'device', 'host_d<depth>' (host_d0 = ordered) or 'auto_d<depth>' (residency "
-        f"planner), optionally followed by '_<kv dtype>' with a kv dtype of {', '.join(ARM_KV_DTYPES)} "
-        "(e.g. host_d2_int8), then for a host or auto arm '_ha' (host attention, share measured) or '_ha<NN>' "
-        "(share NN / 100, e.g. host_d2_ha40), and last optionally '_g<N>' (N layers per decode call at most, "
-        "kv.group_layers; e.g. device_g1, one call per layer)"
-    )
-  ha = None if not m.group(5) else int(m.group(6) or 0) / 100
-  group_layers = None if m.group(7) is None else int(m.group(7))
-  if m.group(2) is None:
-    return ArmSpec("device", None, m.group(4), group_layers=group_layers)
-  return ArmSpec(m.group(2), int(m.group(3)), m.group(4), ha, group_layers)
-
-
-def arm_config(config: Config, arm: str) -> Config:
-  """The config of an arm; ValueError when its KV dtype does not fit the model (int8 needs head_dim % 32 == 0)."""
-  a = parse_arm(arm)
-  kv = dataclasses.replace(
-      config.kv,
-      placement=a.placement,
-      pipeline_depth=config.kv.pipeline_depth if a.depth is None else a.depth,
-      dtype=a.kv_dtype or config.kv.dtype,
-      host_attention=a.host_attention is not None,
-      host_attention_fraction=a.host_attention or 0.0,
-      group_layers=config.kv.group_layers if a.group_layers is None else a.group_layers,
-  )
-  return dataclasses.replace(config, kv=kv)
-
-
-def arm_kv_dtype(config: Config, arm: str) -> str:
-  """The KV dtype an arm runs with (its suffix, else the config's kv.dtype)."""
-  return parse_arm(arm).kv_dtype or config.kv.dtype
 
 
 def kv_step_bytes(config: Config, layout, batch: int, rows: list[int]) -> dict:
@@ -350,7 +289,7 @@ def _bytes_fields(cfg: Config, layout, batch: int, rows: list[int]) -> dict:
 
 
 def _ceilings(cfg: Config, mesh, batch: int, rows: int, spec: BenchSpec, layout) -> dict:
-  """jaxkv.ceilings.cell_ceilings at the first decode step's window (new_tokens < kv.block keeps it for every
+  """jaxkv.bench.ceilings.cell_ceilings at the first decode step's window (new_tokens < kv.block keeps it for every
   step), in cfg.kv.dtype; a ceiling that does not fit is reported skipped."""
   logging.info("ceilings, kv dtype %s", cfg.kv.dtype)
   try:
@@ -521,10 +460,10 @@ def run(
       peer.close()
   out["complete"] = True
   if plot_out:
-    out["plot"] = bench_report.plot(out, plot_out)
+    out["plot"] = report.plot(out, plot_out)
   if md_out:
     with open(md_out, "w") as f:
-      f.write(bench_report.markdown(out))
+      f.write(report.markdown(out))
     logging.info("wrote %s", md_out)
   if json_out:
     _write_json(out, json_out)

@@ -24,10 +24,11 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jaxkv import benchmark
 from jaxkv import mesh as mesh_lib
 from jaxkv import run as run_lib
 from jaxkv import serving
+from jaxkv.bench import arms as arms_lib
+from jaxkv.bench import benchmark
 from jaxkv.cache import KVCache
 from jaxkv.config import Config, SamplingConfig
 from jaxkv.engine import Engine
@@ -98,7 +99,7 @@ def run(
   requests = parallel_requests(config, sequences, new_tokens, seed)
   transcripts: dict[str, str] = {}
   for arm in arms:
-    engine = Engine(benchmark.arm_config(config, arm), mesh, params, run_lib.make_layout(config, mesh))
+    engine = Engine(arms_lib.arm_config(config, arm), mesh, params, run_lib.make_layout(config, mesh))
     results = [engine.generate([p], new_tokens, seed=seed) for p in prompts]
     hashes[arm] = [_task_hash(r) for r in results]
     served = serving.Server(engine, parallel).serve(requests)

@@ -1,0 +1,137 @@
+"""The server benchmark's load (`python3 -m jaxkv.serve_bench`): request throughput and time to first token.
+
+`run` starts `python3 -m jaxkv.serve` with the server's flags on a free localhost port, waits for /health, then sends
+two rounds of `requests` streamed requests of `prompt_len` random token ids and `max_tokens` new tokens (greedy), at
+most `concurrency` in flight, and SIGTERMs the server. The first round compiles the shapes that the second, measured,
+one meets (the cache grows by kv.block rows at a time, a new shape each time). It returns requests/s, generated
+tokens/s, time to first token (TTFT: from sending to the first token's event) and end-to-end latency percentiles,
+time per output token after the first, and the server's transport counters from /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+  t0 = time.monotonic()
+  while time.monotonic() - t0 < timeout:
+    if proc.poll() is not None:
+      raise RuntimeError(f"the server exited with {proc.returncode} before serving (its log is above)")
+    try:
+      if httpx.get(url + "/health", timeout=5).status_code == 200:
+        return
+    except httpx.TransportError:
+      pass
+    time.sleep(1.0)
+  raise RuntimeError(f"the server did not answer /health within {timeout:.0f} s")
+
+
+async def _one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
+  """One streamed request: its TTFT, latency and tokens."""
+  body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+  t0 = time.perf_counter()
+  ttft, tokens = None, 0
+  async with http.stream("POST", "/v1/completions", json=body) as r:
+    if r.status_code != 200:
+      raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
+    async for line in r.aiter_lines():
+      if not line.startswith("data: {"):
+        continue
+      ids = json.loads(line[6:])["choices"][0]["token_ids"]
+      if ids and ttft is None:
+        ttft = time.perf_counter() - t0
+      tokens += len(ids)
+  return dict(ttft_s=ttft, latency_s=time.perf_counter() - t0, tokens=tokens)
+
+
+async def _load(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[list[dict], float]:
+  limit = asyncio.Semaphore(concurrency)
+  limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+  async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
+
+    async def bounded(p):
+      async with limit:
+        return await _one(http, p, max_tokens)
+
+    t0 = time.perf_counter()
+    out = await asyncio.gather(*(bounded(p) for p in prompts))
+    return out, time.perf_counter() - t0
+
+
+def _metrics(url: str) -> dict[str, float]:
+  text = httpx.get(url + "/metrics", timeout=30).text
+  return {k: float(v) for k, v in (l.rsplit(" ", 1) for l in text.splitlines() if l and not l.startswith("#"))}
+
+
+def _percentiles(xs) -> dict:
+  return {f"p{q}": float(np.percentile(xs, q)) for q in (50, 90, 99)} | {"mean": float(np.mean(xs))}
+
+
+def run(
+    server_flags: list[str],
+    requests: int,
+    concurrency: int,
+    prompt_len: int,
+    max_tokens: int,
+    seed: int,
+    startup_s: float,
+) -> dict:
+  """Starts the server, runs the warm-up and the measured load, stops the server; returns a JSON-ready dict."""
+  port = _free_port()
+  url = f"http://127.0.0.1:{port}"
+  cmd = [sys.executable, "-m", "jaxkv.serve", f"--port={port}", f"--max_queue={max(requests, 1)}", *server_flags]
+  proc = subprocess.Popen(cmd, env=os.environ.copy())
+  try:
+    _wait_healthy(url, proc, startup_s)
+    vocab = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["vocab_size"]
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(0, vocab, size=(2 * requests, prompt_len)).tolist()
+    asyncio.run(_load(url, prompts[:requests], max_tokens, concurrency))  # Compiles; not measured.
+    before = _metrics(url)
+    results, wall = asyncio.run(_load(url, prompts[requests:], max_tokens, concurrency))
+    after = _metrics(url)
+  finally:
+    proc.send_signal(signal.SIGTERM)
+    try:
+      proc.wait(120)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+  tokens = sum(r["tokens"] for r in results)
+  ttft = [r["ttft_s"] for r in results]
+  tpot = [(r["latency_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1]
+  delta = lambda k: after.get(k, 0.0) - before.get(k, 0.0)
+  return dict(
+      server_flags=server_flags,
+      requests=requests,
+      concurrency=concurrency,
+      prompt_len=prompt_len,
+      max_tokens=max_tokens,
+      wall_s=wall,
+      requests_per_s=requests / wall,
+      generated_tokens_per_s=tokens / wall,
+      generated_tokens=tokens,
+      ttft_s=_percentiles(ttft),
+      latency_s=_percentiles([r["latency_s"] for r in results]),
+      time_per_output_token_s=_percentiles(tpot) if tpot else None,
+      h2d_bytes=delta("jaxkv_host_to_device_bytes_total"),
+      slot_insertions=delta("jaxkv_slot_insertions_total"),
+      ring_high_water_bytes_per_device=after.get("jaxkv_ring_high_water_bytes", 0.0),
+  )
