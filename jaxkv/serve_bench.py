@@ -1,16 +1,19 @@
 """Server benchmark: `python3 -m jaxkv.serve_bench`, request throughput and time to first token under load.
 
 Starts `python3 -m jaxkv.serve` with --server_flags on a free localhost port, waits for /health, then sends two
-rounds of --requests streamed requests of --prompt_len random token ids and --max_tokens new tokens (greedy), at most
---concurrency in flight, and SIGTERMs the server. The first round compiles the shapes that the second, measured, one
-meets (the cache grows by kv.block rows at a time, a new shape each time). Reports requests/s,
-generated tokens/s, time to first token (TTFT: from sending to the first token's event) and end-to-end latency
-percentiles, time per output token after the first, and the server's transport counters from /metrics; prints a
-table last and writes JSON to --json_out.
+rounds of --requests conversations, at most --concurrency in flight, and SIGTERMs the server. A conversation is
+--turns streamed requests (greedy, --max_tokens new tokens each) one after the other: the first prompt is --prompt_len
+random token ids, each next one the previous prompt, its answer and --turn_len new random ids (a chat's next turn).
+The first round compiles the shapes that the second, measured, one meets (the cache grows by kv.block rows at a
+time, a new shape each time). Reports requests/s, generated tokens/s, time to first token (TTFT: from sending to the
+first token's event; per turn too) and end-to-end latency percentiles, time per output token after the first, and
+the server's transport and prefix cache counters from /metrics; prints a table last and writes JSON to --json_out.
 
   python3 -m jaxkv.serve_bench --server_flags="--cpu_devices=0 --config=experiments/llama3_8b.py \\
       --kv_placement=host --kv_pipeline_depth=2 --parallel=8" --requests=64 --concurrency=16 --prompt_len=2048 \\
       --max_tokens=128 --json_out=serve_bench.json
+
+Multi-turn chat against the prefix cache: add --prefix_cache_gib=8 to --server_flags, and --turns=2 --turn_len=64.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ REQUESTS = flags.DEFINE_integer("requests", 64, "Measured requests.")
 CONCURRENCY = flags.DEFINE_integer("concurrency", 16, "Requests in flight at most (the clients).")
 PROMPT_LEN = flags.DEFINE_integer("prompt_len", 512, "Prompt tokens per request (random ids).")
 MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "New tokens per request.")
+TURNS = flags.DEFINE_integer("turns", 1, "Requests per conversation, each the previous prompt + answer + new ids.")
+TURN_LEN = flags.DEFINE_integer("turn_len", 64, "New random ids of each turn after the first.")
 SEED = flags.DEFINE_integer("seed", 0, "Seeds the prompt ids.")
 STARTUP_S = flags.DEFINE_float("startup_timeout_s", 900.0, "Bound on the server's start (weights, first compile).")
 JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here.")
@@ -39,8 +44,8 @@ JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here.")
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if min(REQUESTS.value, CONCURRENCY.value, PROMPT_LEN.value, MAX_TOKENS.value) < 1:
-    raise app.UsageError("--requests, --concurrency, --prompt_len and --max_tokens must be >= 1")
+  if min(REQUESTS.value, CONCURRENCY.value, PROMPT_LEN.value, MAX_TOKENS.value, TURNS.value, TURN_LEN.value) < 1:
+    raise app.UsageError("--requests, --concurrency, --prompt_len, --max_tokens, --turns and --turn_len must be >= 1")
   logging.getLogger("httpx").setLevel(logging.WARNING)  # A line per request otherwise.
   out = serve_load.run(
       shlex.split(SERVER_FLAGS.value),
@@ -50,6 +55,8 @@ def main(argv):
       MAX_TOKENS.value,
       SEED.value,
       STARTUP_S.value,
+      TURNS.value,
+      TURN_LEN.value,
   )
   cli.write_json(out, JSON_OUT.value)
   t, lat = out["ttft_s"], out["latency_s"]
@@ -63,6 +70,9 @@ def main(argv):
       f"{out['requests_per_s']:>7.2f} {out['generated_tokens_per_s']:>8.1f} {t['p50']:>8.3f}s {t['p90']:>6.3f}s "
       f"{t['p99']:>6.3f}s {lat['p50']:>7.3f}s {lat['p99']:>6.3f}s"
   )
+  if out["turns"] > 1:
+    by_turn = ", ".join(f"turn {n} {p['p50']:.3f}s" for n, p in out["ttft_s_by_turn"].items())
+    print(f"TTFT p50 by turn: {by_turn}; prefix cache hits {out['prefix_cache_hits']:.0f}")
 
 
 if __name__ == "__main__":

@@ -29,12 +29,14 @@ def _experiments(root: pathlib.Path) -> set[str]:
 
 # Deps that no import statement shows, from the repository root: experiments/tiny.py is jaxkv/cli.py's default --config
 # file, loaded by path; tests/test_experiments.py imports every experiment by name; tests run the bench and gates apps
-# as `python -m` without importing them (an app's flags would clash with another's in one process).
+# and serve_bench (which starts serve) as `python -m` without importing them (an app's flags would clash with another's
+# in one process).
 NON_IMPORT_DEPS = {
     "jaxkv/cli.py": lambda root: {"experiments/tiny.py"},
     "tests/test_experiments.py": _experiments,
     "tests/test_bench.py": lambda root: {"jaxkv/bench/__main__.py"},
     "tests/test_gates.py": lambda root: {"jaxkv/gates.py"},
+    "tests/test_serve_bench.py": lambda root: {"jaxkv/serve_bench.py", "jaxkv/serve.py"},
     "tests/test_compile_cache.py": lambda root: {"jaxkv/generate.py"},
     "tests/test_gguf.py": lambda root: {"jaxkv/generate.py"},
 }

@@ -1,11 +1,14 @@
 """The server benchmark's load (`python3 -m jaxkv.serve_bench`): request throughput and time to first token.
 
 `run` starts `python3 -m jaxkv.serve` with the server's flags on a free localhost port, waits for /health, then sends
-two rounds of `requests` streamed requests of `prompt_len` random token ids and `max_tokens` new tokens (greedy), at
-most `concurrency` in flight, and SIGTERMs the server. The first round compiles the shapes that the second, measured,
-one meets (the cache grows by kv.block rows at a time, a new shape each time). It returns requests/s, generated
-tokens/s, time to first token (TTFT: from sending to the first token's event) and end-to-end latency percentiles,
-time per output token after the first, and the server's transport counters from /metrics.
+two rounds of `requests` conversations, at most `concurrency` in flight, and SIGTERMs the server. A conversation is
+`turns` streamed requests (greedy, `max_tokens` new tokens each), one after the other: the first prompt is
+`prompt_len` random token ids, each next one the previous prompt, its answer and `turn_len` new random ids (a chat's
+next turn, which a server with a prefix cache prefills only in part). The first round compiles the shapes that the
+second, measured, one meets (the cache grows by kv.block rows at a time, a new shape each time). It returns
+requests/s, generated tokens/s, time to first token (TTFT: from sending to the first token's event; of every request
+and per turn) and end-to-end latency percentiles, time per output token after the first, and the server's transport
+and prefix cache counters from /metrics.
 """
 
 from __future__ import annotations
@@ -44,10 +47,10 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 async def _one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
-  """One streamed request: its TTFT, latency and tokens."""
+  """One streamed request: its TTFT, latency and generated ids."""
   body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
   t0 = time.perf_counter()
-  ttft, tokens = None, 0
+  ttft, out = None, []
   async with http.stream("POST", "/v1/completions", json=body) as r:
     if r.status_code != 200:
       raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
@@ -57,23 +60,29 @@ async def _one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> d
       ids = json.loads(line[6:])["choices"][0]["token_ids"]
       if ids and ttft is None:
         ttft = time.perf_counter() - t0
-      tokens += len(ids)
-  return dict(ttft_s=ttft, latency_s=time.perf_counter() - t0, tokens=tokens)
+      out += ids
+  return dict(ttft_s=ttft, latency_s=time.perf_counter() - t0, tokens=len(out), ids=out)
 
 
-async def _load(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[list[dict], float]:
+async def _load(url: str, turns: list[list[list[int]]], max_tokens: int, concurrency: int) -> tuple[list[dict], float]:
+  """turns[c][t]: conversation c's new ids of turn t (turn 0: its first prompt). Returns every request's result
+  (with its turn) and the wall time."""
   limit = asyncio.Semaphore(concurrency)
   limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
   async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
 
-    async def bounded(p):
+    async def conversation(new_ids):
       async with limit:
-        return await _one(http, p, max_tokens)
+        prompt, out = [], []
+        for t, ids in enumerate(new_ids):
+          prompt = prompt + (out[-1]["ids"] if out else []) + ids
+          out.append(dict(await _one(http, prompt, max_tokens), turn=t + 1))
+        return out
 
     t0 = time.perf_counter()
-    out = await asyncio.gather(*(bounded(p) for p in prompts))
-    return out, time.perf_counter() - t0
+    out = await asyncio.gather(*(conversation(c) for c in turns))
+    return [r for c in out for r in c], time.perf_counter() - t0
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -93,6 +102,8 @@ def run(
     max_tokens: int,
     seed: int,
     startup_s: float,
+    turns: int = 1,
+    turn_len: int = 0,
 ) -> dict:
   """Starts the server, runs the warm-up and the measured load, stops the server; returns a JSON-ready dict."""
   port = _free_port()
@@ -103,10 +114,11 @@ def run(
     _wait_healthy(url, proc, startup_s)
     vocab = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["vocab_size"]
     rng = np.random.default_rng(seed)
-    prompts = rng.integers(0, vocab, size=(2 * requests, prompt_len)).tolist()
-    asyncio.run(_load(url, prompts[:requests], max_tokens, concurrency))  # Compiles; not measured.
+    new = lambda: [rng.integers(0, vocab, prompt_len if t == 0 else turn_len).tolist() for t in range(turns)]
+    conversations = [new() for _ in range(2 * requests)]
+    asyncio.run(_load(url, conversations[:requests], max_tokens, concurrency))  # Compiles; not measured.
     before = _metrics(url)
-    results, wall = asyncio.run(_load(url, prompts[requests:], max_tokens, concurrency))
+    results, wall = asyncio.run(_load(url, conversations[requests:], max_tokens, concurrency))
     after = _metrics(url)
   finally:
     proc.send_signal(signal.SIGTERM)
@@ -120,18 +132,24 @@ def run(
   delta = lambda k: after.get(k, 0.0) - before.get(k, 0.0)
   return dict(
       server_flags=server_flags,
-      requests=requests,
+      requests=len(results),
+      conversations=requests,
+      turns=turns,
+      turn_len=turn_len,
       concurrency=concurrency,
       prompt_len=prompt_len,
       max_tokens=max_tokens,
       wall_s=wall,
-      requests_per_s=requests / wall,
+      requests_per_s=len(results) / wall,
       generated_tokens_per_s=tokens / wall,
       generated_tokens=tokens,
       ttft_s=_percentiles(ttft),
+      ttft_s_by_turn={t: _percentiles([r["ttft_s"] for r in results if r["turn"] == t]) for t in range(1, turns + 1)},
       latency_s=_percentiles([r["latency_s"] for r in results]),
       time_per_output_token_s=_percentiles(tpot) if tpot else None,
       h2d_bytes=delta("jaxkv_host_to_device_bytes_total"),
       slot_insertions=delta("jaxkv_slot_insertions_total"),
       ring_high_water_bytes_per_device=after.get("jaxkv_ring_high_water_bytes", 0.0),
+      prefix_cache_hits=delta("jaxkv_prefix_cache_hits_total"),
+      prefix_cache_hit_tokens=delta("jaxkv_prefix_cache_hit_tokens_total"),
   )

@@ -1,0 +1,26 @@
+"""python3 -m jaxkv.serve_bench end to end on the tiny model: a server of its own on a free localhost port,
+conversations of two turns, the second against the prefix cache."""
+
+import json
+import subprocess
+import sys
+
+
+def test_serve_bench_times_each_turn_and_the_second_turn_hits_the_prefix_cache(tmp_path):
+  out = tmp_path / "serve_bench.json"
+  args = ["--requests=2", "--concurrency=2", "--prompt_len=40", "--max_tokens=4", "--turns=2", "--turn_len=8"]
+  server = "--server_flags=--kv_placement=host --parallel=2 --prefix_cache_gib=0.01"
+  proc = subprocess.run(
+      [sys.executable, "-m", "jaxkv.serve_bench", server, *args, f"--json_out={out}", "--startup_timeout_s=300"],
+      capture_output=True,
+      text=True,
+      timeout=600,
+      check=False,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(out.read_text())
+  assert (r["conversations"], r["requests"], r["generated_tokens"]) == (2, 4, 16)
+  assert set(r["ttft_s_by_turn"]) == {"1", "2"} and all(t["p50"] > 0 for t in r["ttft_s_by_turn"].values())
+  # Each second turn starts with its first prompt: two whole blocks of engine.prefill_chunk (16) of its 40 ids.
+  assert (r["prefix_cache_hits"], r["prefix_cache_hit_tokens"]) == (2, 2 * 32)
+  assert "TTFT p50 by turn: turn 1" in proc.stdout
