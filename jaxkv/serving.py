@@ -43,10 +43,12 @@ from absl import logging
 from jaxkv import cache as cache_lib
 from jaxkv import digest
 from jaxkv import engine as engine_lib
+from jaxkv import host_decode
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv import prefix_cache as prefix_cache_lib
 from jaxkv import sampling as sampling_lib
+from jaxkv import telemetry
 from jaxkv.config import SamplingConfig
 from jaxkv.transport import Transport
 
@@ -268,9 +270,8 @@ class _Run:
     self.done = [False] * len(requests)
     self.where: list[tuple[int, int, int] | None] = [None] * len(requests)  # (slot, epoch, first row).
     self.shapes: set[tuple] = set()
-    # Every counter the telemetry reports, present from the start (a run without slot reuse has 0 insertions).
-    self.totals = collections.Counter(dict.fromkeys(TOTALS, 0))
-    self.by_device = dict(h2d_bytes_by_device=collections.Counter(), ring_high_water_bytes_by_device={})
+    self.counts = telemetry.Counters()
+    self.insertions = 0
     self.summary: dict = {}
     self.steps = 0
     self.t_progress = time.perf_counter()
@@ -287,19 +288,24 @@ class _Run:
     """Request r's next token was read back; end: why it ended with it ("eos", "length") or None."""
 
   # Recording.
+  @property
+  def totals(self) -> collections.Counter:
+    """Every counter of TOTALS, present from the start (a run without slot reuse has 0 insertions)."""
+    c = self.counts
+    return collections.Counter(
+        h2d_bytes=c.h2d_bytes,
+        d2h_bytes=c.d2h_bytes,
+        ring_high_water_bytes_per_device=c.ring_high_water_bytes_per_device,
+        insertions=self.insertions,
+    )
+
   def counters(self, transport, d2h, rows):
     del rows
-    c = transport.take_counters()
-    self.totals["h2d_bytes"] += c["h2d_bytes"]
-    self.totals["d2h_bytes"] += d2h
-    hw = "ring_high_water_bytes_per_device"
-    self.totals[hw] = max(self.totals[hw], c[hw])
-    engine_lib.add_by_device(self.by_device, c)
+    self.counts.add(transport, d2h)
 
   def record(self, owners: list[int | None], lg, tok) -> None:
     """Records one read step for the slots' owners (row b of lg and tok belongs to owners[b])."""
-    lg, tok = jax.device_get((lg, tok))
-    lg = np.asarray(lg, np.float32)
+    lg, tok = telemetry.read_back(lg, tok)
     eos = self.engine.config.sampling.eos_id
     for b, r in enumerate(owners):
       if r is None or self.done[r]:
@@ -324,18 +330,15 @@ class _Run:
     owners: list[int | None] = first + [None] * (self.batch - len(first))
     prompts = [self.requests[r].prompt if r is not None else (0,) for r in owners]
     cache = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, self.batch, cap, eng.layout)
+    host = host_decode.HostDecode.of(cache)
     transport = Transport(cache, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
     try:
-      self._epoch(epoch, owners, prompts, cache, transport)
+      self._epoch(epoch, owners, prompts, cache, transport, host)
     finally:
       transport.close()
-      self.summary = transport.summary()
-      if cache.host_split is not None:
-        self.summary["host_attention"] = dict(
-            self.summary["host_attention"], **engine_lib.host_thread_ms(cache.host_times)
-        )
+      self.summary = dict(transport.summary(), **host_decode.report(host))
 
-  def _epoch(self, epoch, owners, prompts, cache, transport) -> None:
+  def _epoch(self, epoch, owners, prompts, cache, transport, host) -> None:
     eng, fns = self.engine, self.server.fns
     cfg = eng.config
     if self.server.prefix_cache is None:
@@ -368,18 +371,18 @@ class _Run:
         # store may still write them (x depends on every delivery that step consumed).
         jax.block_until_ready((x, cache.windows, cache.heads))
         x, meta, keys, knobs, entry = self._insert(cache, x, meta, keys, knobs, b, r, end, step)
-        self.totals["insertions"] += 1
+        self.insertions += 1
         slots[b] = _Slot(r, end + req.max_new_tokens - 2)
         start[b] = end - len(req.prompt)
         self.placed(r, b, epoch, int(start[b]))
         pending.append(entry)
       need = max((s.last_row for s in slots if s is not None and not self.done[s.request]), default=-1)
       if end <= need:
-        x, d2h = eng.decode_pass(cache, transport, x, meta, start, end, end + 1 <= need, self.shapes)
+        x, d2h = eng.decode_pass(cache, transport, host, x, meta, start, end, end + 1 <= need, self.shapes)
         lg, tok, x, meta = fns.head(eng.top_last, x, meta, keys, knobs)
         lg.copy_to_host_async()
         tok.copy_to_host_async()
-        self.counters(transport, d2h, cache.rows)
+        self.counts.add(transport, d2h, decode=True)
         pending.append((step, [None if s is None else s.request for s in slots], lg, tok))
         end += 1
         step += 1
@@ -485,6 +488,7 @@ class _Run:
     device = dict(placement="device", host_attention=False, host_attention_fraction=0.0)
     kv = cfg.kv if window is None else dataclasses.replace(cfg.kv, **device)
     own = cache_lib.KVCache(cfg.model, kv, eng.mesh, 1, cfg.engine.capacity, eng.layout)
+    host_decode.HostDecode.of(own)  # Its windows split as the shared cache's are (prefill uses no more of the path).
     if first and window is None:  # Skipped chunks: zero rows below the prompt (left padding).
       own.store_zeros(first * cfg.engine.prefill_chunk)
     elif first:
@@ -555,12 +559,9 @@ class _Run:
         for t, h, w, e in zip(self.tokens, self.hashes, self.where, self.errors)
     ]
     transcript = json.dumps([[r.tokens, r.logits_sha256] + ([r.error] if r.error else []) for r in results])
-    telemetry = dict(self.summary, compiled_shapes=len(self.shapes), epochs=epochs, **self.totals)
+    report = dict(self.summary, compiled_shapes=len(self.shapes), epochs=epochs, **self.totals)
     if self.server.prefix_cache is not None:
-      telemetry["prefix_cache"] = self.server.prefix_cache.summary()
-    telemetry.update(
-        h2d_bytes_by_device=dict(self.by_device["h2d_bytes_by_device"]),
-        ring_high_water_bytes_by_device=self.by_device["ring_high_water_bytes_by_device"],
-    )
+      report["prefix_cache"] = self.server.prefix_cache.summary()
+    report.update(self.counts.by_device())
     timing = dict(wall_s=wall_s, decode_steps=self.steps, tokens=sum(len(t) for t in self.tokens))
-    return ServeResult(results, hashlib.sha256(transcript.encode()).hexdigest(), telemetry, timing)
+    return ServeResult(results, hashlib.sha256(transcript.encode()).hexdigest(), report, timing)
