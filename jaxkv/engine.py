@@ -5,8 +5,8 @@ row `end` and one `dynamic_update_slice` serves the whole batch. Prefill runs in
 `engine.prefill_chunk` rows; decode produces one token per sequence per step, each layer or group of layers one
 jitted call (jaxkv.jitted); a split layer's head is attended on the host (jaxkv.host_decode).
 
-Per-pass metadata meta i32[B + 3] = start[B], end, step, seed: one explicit host->device transfer per prefill
-chunk; during decode the head computes the next step's meta on the device.
+The decode state is one array, meta i32[B + 3] = start[B], end, step, seed (jaxkv.meta): one explicit host->device
+transfer per prefill chunk; during decode the head computes the next step's meta on the device.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv import telemetry as telemetry_lib
 from jaxkv.config import Config
+from jaxkv.meta import Meta
 from jaxkv.transport import Transport
 
 READ_LAG = 2  # Decode steps between dispatching a step and reading its tokens back.
@@ -135,8 +136,8 @@ class Engine:
     check_input(self.config, prompts, max_new_tokens, zero_rows)
 
   def meta(self, start: np.ndarray, end: int, step: int, seed: int) -> jax.Array:
-    """The decode state the step functions read, i32[B + 3]: start[B], end, step, seed; on the last stage's devices."""
-    return self.put(np.concatenate([start, [end, step, seed]]), np.int32)
+    """The decode state the step functions read (jaxkv.meta), on the last stage's devices."""
+    return self.put(Meta.pack(start, end, step, seed), np.int32)
 
   def put(self, value, dtype) -> jax.Array:
     """A host value as an array of `dtype`, replicated on the last stage's devices (where the head runs)."""

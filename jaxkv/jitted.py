@@ -6,7 +6,7 @@ layer is that same computation, fenced off from its neighbours, so the grouping 
 the bits. With host attention a split layer runs as three calls: its query, the device's partial over the tail, and
 the merge with the host's partial (jaxkv.host_decode).
 
-The functions read the decode state meta i32[B + 3] = start[B], end, step, seed (jaxkv.engine).
+The functions read the decode state meta i32[B + 3] = start[B], end, step, seed, by name (jaxkv.meta.Meta).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from jaxkv import model
 from jaxkv import sampling as sampling_lib
 from jaxkv.config import ModelConfig, SamplingConfig
 from jaxkv.kv_quant import KVFormat
+from jaxkv.meta import Meta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +69,10 @@ def functions(
   attention_impl = model.prefill_attention_impl(prefill_attention, cfg, fmt, mesh.local_devices[0])
 
   def prefill(p, x, window, meta):
-    return model.prefill_layer(p, x, window, meta[:-3], cfg=cfg, kv_format=fmt, attention_impl=attention_impl)
+    return model.prefill_layer(p, x, window, Meta.start(meta), cfg=cfg, kv_format=fmt, attention_impl=attention_impl)
 
   def decode(p, x, window, open_page, meta):
-    return model.decode_layer(p, x, window, open_page, meta[:-3], meta[-3], cfg=cfg, kv_format=fmt)
+    return model.decode_layer(p, x, window, open_page, Meta.start(meta), Meta.end(meta), cfg=cfg, kv_format=fmt)
 
   def decode_group(ps, x, windows, opens, meta, full=False):
     """Consecutive layers (weights ps, windows [2, B, K, W, E] or None, open pages [2, B, K, P, E]) in one call.
@@ -90,10 +91,10 @@ def functions(
     return x, out
 
   def tail_partial(q, tail, open_page, meta):
-    return model.decode_tail_partial(q, tail, open_page, meta[:-3], meta[-3], kv_format=fmt)
+    return model.decode_tail_partial(q, tail, open_page, Meta.start(meta), Meta.end(meta), kv_format=fmt)
 
   def query(p, x, open_page, meta, q_slot=None):
-    q, open_page = model.decode_query(p, x, open_page, meta[:-3], meta[-3], cfg=cfg, kv_format=fmt)
+    q, open_page = model.decode_query(p, x, open_page, Meta.start(meta), Meta.end(meta), cfg=cfg, kv_format=fmt)
     if q_slot is None:
       return q, q, open_page  # The second lands in pinned host memory when the call ends, for the host's kernel.
     return host_wait.publish(q, q_slot, heads), open_page  # The devices write q to the host themselves.
@@ -120,10 +121,9 @@ def functions(
   def head(top, x, meta):
     """Logits, sampled tokens, their embeddings, and the next step's meta (end + 1, step + 1)."""
     lg = model.logits(top, x, cfg)
-    key = jax.random.fold_in(jax.random.key(meta[-1]), meta[-2])
+    key = jax.random.fold_in(jax.random.key(Meta.seed(meta)), Meta.step(meta))
     tok = sampling_lib.sample(lg, key, sampling)
-    step = jnp.zeros_like(meta).at[-3:-1].set(1)
-    return lg, tok, model.embed(top, tok), meta + step
+    return lg, tok, model.embed(top, tok), Meta.advance(meta)
 
   return Fns(
       prefill=jax.jit(prefill, out_shardings=(rep, kv)),

@@ -50,6 +50,7 @@ from jaxkv import prefix_cache as prefix_cache_lib
 from jaxkv import sampling as sampling_lib
 from jaxkv import telemetry
 from jaxkv.config import SamplingConfig
+from jaxkv.meta import Meta
 from jaxkv.transport import Transport
 
 # The counters summed over a serve(), in ServeResult.transport whatever the run did.
@@ -121,17 +122,16 @@ def _slot_functions(cfg, mesh: jax.sharding.Mesh) -> _SlotFns:
       return sampling_lib.sample_traced(row[None], key, temperature, top_k, top_p)[0]
 
     def drawn(lg):
-      return jax.vmap(one)(lg, keys[:, 0], meta[-2] - keys[:, 1], keys[:, 2], knobs[:, 0], knobs[:, 1])
+      return jax.vmap(one)(lg, keys[:, 0], Meta.step(meta) - keys[:, 1], keys[:, 2], knobs[:, 0], knobs[:, 1])
 
     greedy = lambda lg: jnp.argmax(lg, axis=-1).astype(jnp.int32)
     tok = jax.lax.cond(jnp.all(knobs[:, 0] == 0.0), greedy, drawn, lg)
-    step = jnp.zeros_like(meta).at[-3:-1].set(1)
-    return lg, tok, model.embed(top, tok), meta + step
+    return lg, tok, model.embed(top, tok), Meta.advance(meta)
 
   def enter(x, meta, keys, knobs, x_new, b, start_b, key_b, knobs_b):
     """Slot b takes a new request: its hidden state, start row and sampling key and knobs."""
     x = jax.lax.dynamic_update_slice(x, x_new, (b, 0))
-    meta = jax.lax.dynamic_update_slice(meta, start_b[None], (b,))
+    meta = Meta.with_start(meta, b, start_b)
     keys = jax.lax.dynamic_update_slice(keys, key_b[None], (b, 0))
     return x, meta, keys, jax.lax.dynamic_update_slice(knobs, knobs_b[None], (b, 0))
 
