@@ -89,6 +89,38 @@ def check_input(config: Config, prompts: Sequence[Sequence[int]], max_new_tokens
     )
 
 
+@dataclasses.dataclass
+class Generation:
+  """One generation's state beside the decode state (Engine.start): the cache, its transport and its host-attention
+  path (None without one), where the transport's counters go (telemetry.Counters or telemetry.Recorder: add(kind,
+  transport, d2h, rows) after each pass), the shapes compiled so far, the sampling seed, and start i32[B] on the
+  host, each sequence's first row (meta's starts: the host kernel's mask; read from meta, it would wait for the last
+  pass; set by Engine.prefill_prompts). Close it when done."""
+
+  cache: cache_lib.KVCache
+  transport: Transport
+  host: host_decode.HostDecode | None
+  counters: telemetry_lib.Counters | telemetry_lib.Recorder
+  shapes: set[tuple]
+  seed: int = 0
+  start: np.ndarray | None = None
+
+  def add_counters(self, kind: str, d2h: int, rows: int) -> None:
+    """After a pass ("prefill" chunk or "decode") that stored `d2h` bytes, the window rows now `rows`."""
+    self.counters.add(kind, self.transport, d2h, rows)
+
+  def kernels_collected(self, wait: bool = True):
+    """A context in which the host kernels submitted are collected at its end (HostDecode.kernels_collected)."""
+    return contextlib.nullcontext() if self.host is None else self.host.kernels_collected(wait)
+
+  def summary(self) -> dict:
+    """The transport's summary and the host-attention path's report."""
+    return dict(self.transport.summary(), **host_decode.report(self.host))
+
+  def close(self) -> None:
+    self.transport.close()
+
+
 class Engine:
   """Generates from a batch of prompts with a KV cache placed and delivered as `config.kv` says."""
 
@@ -160,27 +192,40 @@ class Engine:
     context for benchmarks (decode reads and attends them like any rows; the tokens differ from a full prefill's)."""
     self.validate(prompts, max_new_tokens, zero_rows)
     cfg = self.config
-    batch = len(prompts)
-    cache = cache_lib.KVCache(cfg.model, cfg.kv, self.mesh, batch, cfg.engine.capacity, self.layout)
-    host = host_decode.HostDecode.of(cache)
-    transport = Transport(cache, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
+    gen = self.start(len(prompts), seed=seed)
+    # The record's clock starts here: prefill_s does not count the cache's start (the host's share measured).
     rec = telemetry_lib.Recorder(
-        batch, cfg.sampling.eos_id, max_new_tokens, keep_logits, cfg.kv.transport_debug, on_chunk
+        len(prompts), cfg.sampling.eos_id, max_new_tokens, keep_logits, cfg.kv.transport_debug, on_chunk
     )
+    gen.counters = rec
     try:
-      return self._generate(prompts, max_new_tokens, seed, on_step, cache, transport, host, rec, zero_rows)
+      return self._generate(gen, rec, prompts, max_new_tokens, on_step, zero_rows)
     finally:
-      transport.close()
+      gen.close()
       rec.digests.close()
 
-  def prefill(self, cache, transport, tokens, start, longest, seed, finish, *, next_pass, shapes, counters, first=0):
+  def start(self, batch: int, counters=None, shapes=None, *, seed: int = 0, kv=None, fill=None) -> Generation:
+    """A generation of `batch` sequences: a fresh cache placed as `kv` says (default config.kv), its host-attention
+    path and its transport. counters: where the transport's counters go (default fresh telemetry.Counters); shapes:
+    the set of compiled shapes to add to (default a new one); seed: the sampling seed. fill(cache), if given, stores
+    rows into the cache before the transport starts (it sizes its ring from the free device memory)."""
+    kv = kv or self.config.kv
+    cache = cache_lib.KVCache(self.config.model, kv, self.mesh, batch, self.config.engine.capacity, self.layout)
+    host = host_decode.HostDecode.of(cache)
+    if fill is not None:
+      fill(cache)
+    transport = Transport(cache, kv.pipeline_depth, kv.transport_debug)
+    counters = telemetry_lib.Counters() if counters is None else counters
+    return Generation(cache, transport, host, counters, set() if shapes is None else shapes, seed)
+
+  def prefill(self, gen: Generation, tokens, start, longest, finish, *, next_pass, first=0):
     """Prefills right-aligned prompts in chunks of engine.prefill_chunk rows; returns the last prompt row's
     hidden state x [B, D].
 
     tokens i32[B, n * chunk] (prompt b at rows [start[b], longest)); chunks before `first` are skipped: their
     rows must already be in the cache (zeros are fine when they are left padding). The last chunk calls
     finish(l, window_rows_device, open_page) -> D2H bytes instead of storing its grown window: rows
-    [0, longest // block * block) and the open page. counters(transport, d2h, rows) runs after each chunk.
+    [0, longest // block * block) and the open page. next_pass: a decode pass follows the last chunk.
 
     Where the prompt's rows fit in device memory (`prefill_plan`), each layer's grown window stays on the devices
     from one chunk to the next: the first chunk gets its window (the rows below `first`, if any) through the
@@ -190,6 +235,7 @@ class Engine:
     """
     block, chunk = self.config.kv.block, self.config.engine.prefill_chunk
     layers, stage_of = self.params["layers"], self.layout.stage_of
+    cache, shapes = gen.cache, gen.shapes
     n_chunks = -(-longest // chunk)
     w_final = longest // block * block
     plan = prefill_plan(cache, n_chunks - first, chunk, self.config.kv.headroom_mib)
@@ -199,7 +245,7 @@ class Engine:
     for c in range(first, n_chunks):
       last = c == n_chunks - 1
       x = self._first.embed(self.top, distributed.put_host(tokens[:, c * chunk : (c + 1) * chunk], self._rep_first))
-      metas = self.to_stages(self.meta(start, c * chunk, 0, seed))
+      metas = self.to_stages(self.meta(start, c * chunk, 0, gen.seed))
       d2h = 0
 
       def compute(l, window):  # window: layer l's rows [0, c * chunk) on the devices, or None.
@@ -218,25 +264,24 @@ class Engine:
         for l in range(len(layers)):
           compute(l, kept[l])
       else:  # With host attention the tail is delivered: the head is moved back and prepended.
-        transport.run_pass(
+        gen.transport.run_pass(
             lambda l, tail: compute(l, cache.full_window(l, tail)),
             next_pass=next_pass if last else not plan["keep"],
         )
-      counters(transport, d2h, (c + 1) * chunk)
+      gen.add_counters("prefill", d2h, (c + 1) * chunk)
     return self.fns.last_row(x, distributed.put_host(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
 
   def decode_pass(
-      self, cache, transport, host, x, meta, start: np.ndarray, end: int, next_pass: bool, shapes, run_ahead=False
+      self, gen: Generation, x: jax.Array, meta: jax.Array, end: int, next_pass: bool, run_ahead: bool = False
   ) -> tuple[jax.Array, int]:
     """One decode pass over every layer writing row `end` (== meta's end); returns x [B, D] before the head and
     the D2H bytes. When the open page fills, each layer's window grows by it and cache.rows by a block.
 
-    host: the cache's host-attention path (host_decode.HostDecode.of), or None. start: i32[B] on the host, meta's
-    starts (the host kernel's mask; read from meta, it would wait for the last pass). run_ahead: the pass returns
-    without waiting for its host kernels (with device waits; the thread's wait has waited for each already), so this
-    thread dispatches the next pass while they run; the caller collects them (`host.kernels_collected`) before it
-    changes the heads in place or ends."""
+    next_pass: another pass follows. run_ahead: the pass returns without waiting for its host kernels (with device
+    waits; the thread's wait has waited for each already), so this thread dispatches the next pass while they run;
+    the caller collects them (`gen.kernels_collected`) before it changes the heads in place or ends."""
     block, layers, stage_of = self.config.kv.block, self.params["layers"], self.layout.stage_of
+    cache, host, start, shapes = gen.cache, gen.host, gen.start, gen.shapes
     full = end - cache.rows == block - 1
     metas = self.to_stages(meta)
     cache.dispatches += len(metas) - 1
@@ -274,16 +319,18 @@ class Engine:
       if full:
         d2h += cache.store_group(group, grown)
 
-    with contextlib.nullcontext() if host is None else host.kernels_collected(wait=not run_ahead):
-      transport.run_groups(compute, next_pass=next_pass)
+    with gen.kernels_collected(wait=not run_ahead):
+      gen.transport.run_groups(compute, next_pass=next_pass)
       x = merge_held(held, x)
     if full:
       cache.rows += block
     return x, d2h
 
-  def prefill_prompts(self, cache, transport, prompts, seed, *, next_pass, shapes, counters, zero_rows=0):
-    """Prefills a batch of prompts right-aligned into a fresh cache (window, open page and cache.rows), rows
-    [0, zero_rows) as zeros (Engine.generate); returns (x [B, D] of each prompt's last row, start i32[B], longest)."""
+  def prefill_prompts(self, gen: Generation, prompts, *, next_pass: bool, zero_rows: int = 0):
+    """Prefills a batch of prompts right-aligned into the generation's fresh cache (window, open page and
+    cache.rows), rows [0, zero_rows) as zeros (Engine.generate), and sets gen.start; returns (x [B, D] of each
+    prompt's last row, start i32[B], longest). next_pass: a decode pass follows."""
+    cache = gen.cache
     chunk, block = self.config.engine.prefill_chunk, self.config.kv.block
     lens = np.array([len(p) for p in prompts], np.int32)
     longest = int(lens.max())
@@ -298,37 +345,15 @@ class Engine:
 
     if zero_rows:
       cache.store_zeros(zero_rows)
-    x_last = self.prefill(
-        cache,
-        transport,
-        tokens,
-        start,
-        longest,
-        seed,
-        finish,
-        next_pass=next_pass,
-        shapes=shapes,
-        counters=counters,
-        first=zero_rows // chunk,
-    )
+    x_last = self.prefill(gen, tokens, start, longest, finish, next_pass=next_pass, first=zero_rows // chunk)
     cache.rows = longest // block * block
+    gen.start = start
     return x_last, start, longest
 
-  def _generate(self, prompts, max_new_tokens, seed, on_step, cache, transport, host, rec, zero_rows) -> GenerateResult:
-    """Prefill, then decode; the caller closes the transport."""
-    cfg = self.config
-    shapes: set[tuple] = set()
-    fns = self.fns
-    x_last, start, longest = self.prefill_prompts(
-        cache,
-        transport,
-        prompts,
-        seed,
-        next_pass=max_new_tokens > 1,
-        shapes=shapes,
-        counters=lambda tr, d2h, rows: rec.counters("prefill", tr, d2h, rows),
-        zero_rows=zero_rows,
-    )
+  def _generate(self, gen: Generation, rec, prompts, max_new_tokens, on_step, zero_rows) -> GenerateResult:
+    """Prefill, then decode; the caller closes the generation."""
+    cfg, fns, cache, seed = self.config, self.fns, gen.cache, gen.seed
+    x_last, start, longest = self.prefill_prompts(gen, prompts, next_pass=max_new_tokens > 1, zero_rows=zero_rows)
     lg, tok, x, _ = fns.head(self.top_last, x_last, self.meta(start, longest, 0, seed))
     t_start = rec.t_start
     finished = rec.take(lg, tok)  # Waits for the prefill: decode timing starts here.
@@ -340,17 +365,14 @@ class Engine:
     # are discarded.
     meta = self.meta(start, longest, 1, seed)
     pending: collections.deque = collections.deque()
-    # The passes run ahead of their host kernels; all end here.
-    with contextlib.nullcontext() if host is None else host.kernels_collected():
+    with gen.kernels_collected():  # The passes run ahead of their host kernels; all end here.
       for t in range(1, 1 if finished else max_new_tokens):
-        x, d2h = self.decode_pass(
-            cache, transport, host, x, meta, start, longest + t - 1, t < max_new_tokens - 1, shapes, run_ahead=True
-        )
+        x, d2h = self.decode_pass(gen, x, meta, longest + t - 1, t < max_new_tokens - 1, run_ahead=True)
         lg, tok, x, meta = fns.head(self.top_last, x, meta)
         lg.copy_to_host_async()
         tok.copy_to_host_async()
         cache.dispatches += 3
-        rec.counters("decode", transport, d2h, cache.rows)
+        gen.add_counters("decode", d2h, cache.rows)
         pending.append((t, lg, tok))
         if len(pending) > READ_LAG and self._take(rec, pending.popleft(), on_step, cache):
           finished = True
@@ -358,17 +380,11 @@ class Engine:
       while pending and not finished:  # Steps still in flight; none after every sequence ended.
         finished = self._take(rec, pending.popleft(), on_step, cache)
     t_end = time.perf_counter()
-    telemetry = dict(
-        transport.summary(),
-        **host_decode.report(host),
-        compiled_shapes=len(shapes),
-        prefill=cache.prefill_summary,
-        **rec.totals(),
-    )
+    telemetry = dict(gen.summary(), compiled_shapes=len(gen.shapes), prefill=cache.prefill_summary, **rec.totals())
     if cfg.kv.transport_debug >= 1:
       telemetry["steps"] = rec.steps
     if cfg.kv.transport_debug >= 2:
-      telemetry["layer_times_ms"] = transport.layer_times_ms()
+      telemetry["layer_times_ms"] = gen.transport.layer_times_ms()
     timing = dict(prefill_s=t_prefilled - t_start, decode_s=t_end - t_prefilled, decode_steps=rec.steps_read - 1)
     return GenerateResult(
         tokens=rec.tokens,

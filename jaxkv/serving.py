@@ -43,7 +43,6 @@ from absl import logging
 from jaxkv import cache as cache_lib
 from jaxkv import digest
 from jaxkv import engine as engine_lib
-from jaxkv import host_decode
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv import prefix_cache as prefix_cache_lib
@@ -51,7 +50,6 @@ from jaxkv import sampling as sampling_lib
 from jaxkv import telemetry
 from jaxkv.config import SamplingConfig
 from jaxkv.meta import Meta
-from jaxkv.transport import Transport
 
 # The counters summed over a serve(), in ServeResult.transport whatever the run did.
 TOTALS = ("h2d_bytes", "d2h_bytes", "ring_high_water_bytes_per_device", "insertions")
@@ -299,10 +297,6 @@ class _Run:
         insertions=self.insertions,
     )
 
-  def counters(self, transport, d2h, rows):
-    del rows
-    self.counts.add(transport, d2h)
-
   def record(self, owners: list[int | None], lg, tok) -> None:
     """Records one read step for the slots' owners (row b of lg and tok belongs to owners[b])."""
     lg, tok = telemetry.read_back(lg, tok)
@@ -329,22 +323,20 @@ class _Run:
       first.append(self.queue.popleft())
     owners: list[int | None] = first + [None] * (self.batch - len(first))
     prompts = [self.requests[r].prompt if r is not None else (0,) for r in owners]
-    cache = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, self.batch, cap, eng.layout)
-    host = host_decode.HostDecode.of(cache)
-    transport = Transport(cache, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
+    gen = eng.start(self.batch, self.counts, self.shapes)
     try:
-      self._epoch(epoch, owners, prompts, cache, transport, host)
+      self._epoch(epoch, owners, prompts, gen)
     finally:
-      transport.close()
-      self.summary = dict(transport.summary(), **host_decode.report(host))
+      gen.close()
+      self.summary = gen.summary()
 
-  def _epoch(self, epoch, owners, prompts, cache, transport, host) -> None:
-    eng, fns = self.engine, self.server.fns
+  def _epoch(self, epoch, owners, prompts, gen: engine_lib.Generation) -> None:
+    eng, fns, cache = self.engine, self.server.fns, gen.cache
     cfg = eng.config
     if self.server.prefix_cache is None:
-      x, meta, keys, knobs, start, longest, pending = self._first_batched(owners, prompts, cache, transport)
+      x, meta, keys, knobs, start, longest, pending = self._first_batched(owners, prompts, gen)
     else:
-      x, meta, keys, knobs, start, longest, pending = self._first_alone(owners, cache, transport)
+      x, meta, keys, knobs, start, longest, pending = self._first_alone(owners, gen)
     slots: list[_Slot | None] = [
         None if r is None else _Slot(r, longest + self.requests[r].max_new_tokens - 2) for r in owners
     ]
@@ -366,7 +358,7 @@ class _Run:
           break
         self.queue.popleft()
         b = slots.index(None)
-        transport.drop()  # Deliveries issued for the next step hold slot b's old rows.
+        gen.transport.drop()  # Deliveries issued for the next step hold slot b's old rows.
         # The windows are overwritten in place below: no copy of the last step may still read them, and no
         # store may still write them (x depends on every delivery that step consumed).
         jax.block_until_ready((x, cache.windows, cache.heads))
@@ -378,11 +370,11 @@ class _Run:
         pending.append(entry)
       need = max((s.last_row for s in slots if s is not None and not self.done[s.request]), default=-1)
       if end <= need:
-        x, d2h = eng.decode_pass(cache, transport, host, x, meta, start, end, end + 1 <= need, self.shapes)
+        x, d2h = eng.decode_pass(gen, x, meta, end, end + 1 <= need)
         lg, tok, x, meta = fns.head(eng.top_last, x, meta, keys, knobs)
         lg.copy_to_host_async()
         tok.copy_to_host_async()
-        self.counts.add(transport, d2h, decode=True)
+        gen.add_counters("decode", d2h, cache.rows)
         pending.append((step, [None if s is None else s.request for s in slots], lg, tok))
         end += 1
         step += 1
@@ -393,13 +385,11 @@ class _Run:
         return
       self._read(pending.popleft(), slots)
 
-  def _first_batched(self, owners, prompts, cache, transport):
+  def _first_batched(self, owners, prompts, gen):
     """The epoch's first requests prefilled as one batch; returns the decode state, start, longest and the first
     tokens' pending read."""
     eng, fns = self.engine, self.server.fns
-    x_last, start, longest = eng.prefill_prompts(
-        cache, transport, prompts, 0, next_pass=True, shapes=self.shapes, counters=self.counters
-    )
+    x_last, start, longest = eng.prefill_prompts(gen, prompts, next_pass=True)
     keys, knobs = zip(*(self.server.sampling_of(None if r is None else self.requests[r]) for r in owners))
     keys, knobs = eng.put(keys, np.int32), eng.put(knobs, np.float32)
     lg, tok, x, _ = fns.head(eng.top_last, x_last, eng.meta(start, longest, 0, 0), keys, knobs)
@@ -407,17 +397,17 @@ class _Run:
     pending = collections.deque([(0, list(owners), lg, tok)])
     return x, meta, keys, knobs, start, longest, pending
 
-  def _first_alone(self, owners, cache, transport):
+  def _first_alone(self, owners, gen):
     """With the prefix cache: the epoch's first requests enter their slots one by one at end = the longest prompt,
     each prefilled alone like any later request (so that a prompt's rows never depend on its neighbours)."""
-    eng, cfg = self.engine, self.engine.config
+    eng, cfg, cache = self.engine, self.engine.config, gen.cache
     longest = max(len(self.requests[r].prompt) for r in owners if r is not None)
     w_rows = longest // cfg.kv.block * cfg.kv.block
     if w_rows and self.batch > 1:  # The other slots' rows; one slot's window is stored whole (_put_slot).
       cache.store_zeros(w_rows)
     cache.store_zero_opens()
     cache.rows = w_rows
-    start = np.full(self.batch, longest - 1, np.int32)  # An empty slot attends one zero row.
+    start = gen.start = np.full(self.batch, longest - 1, np.int32)  # An empty slot attends one zero row.
     keys, knobs = zip(*(self.server.sampling_of(None) for _ in owners))
     keys, knobs = eng.put(keys, np.int32), eng.put(knobs, np.float32)
     x = eng.put(np.zeros((self.batch, cfg.model.d_model)), jnp.dtype(cfg.model.dtype))
@@ -428,7 +418,6 @@ class _Run:
         x, meta, keys, knobs, entry = self._insert(cache, x, meta, keys, knobs, b, r, longest, 1)
         start[b] = longest - len(self.requests[r].prompt)
         pending.append(entry)
-    del transport  # Its first pass is the first decode step.
     return x, meta, keys, knobs, start, longest, pending
 
   def _read(self, entry, slots) -> None:
@@ -487,30 +476,19 @@ class _Run:
     # back for the next chunk. The price: the prompt's rows in device memory during its prefill.
     device = dict(placement="device", host_attention=False, host_attention_fraction=0.0)
     kv = cfg.kv if window is None else dataclasses.replace(cfg.kv, **device)
-    own = cache_lib.KVCache(cfg.model, kv, eng.mesh, 1, cfg.engine.capacity, eng.layout)
-    host_decode.HostDecode.of(own)  # Its windows split as the shared cache's are (prefill uses no more of the path).
-    if first and window is None:  # Skipped chunks: zero rows below the prompt (left padding).
-      own.store_zeros(first * cfg.engine.prefill_chunk)
-    elif first:
-      for l in range(cfg.model.num_layers):
-        own.store(l, window(l))
-    transport = Transport(own, kv.pipeline_depth, kv.transport_debug)
+
+    def fill(own):
+      if first and window is None:  # Skipped chunks: zero rows below the prompt (left padding).
+        own.store_zeros(first * cfg.engine.prefill_chunk)
+      elif first:
+        for l in range(cfg.model.num_layers):
+          own.store(l, window(l))
+
+    own = eng.start(1, self.counts, self.shapes, kv=kv, fill=fill)
     try:
-      return eng.prefill(
-          own,
-          transport,
-          tokens,
-          start,
-          longest,
-          0,
-          finish,
-          first=first,
-          next_pass=False,
-          shapes=self.shapes,
-          counters=self.counters,
-      )
+      return eng.prefill(own, tokens, start, longest, finish, next_pass=False, first=first)
     finally:
-      transport.close()
+      own.close()
 
   def _prefill_in_place(self, cache, b, prompt, end):
     """Prefills the prompt as if it ended at row `end` (chunks aligned to row 0 of the slot) straight into slot b."""

@@ -31,9 +31,10 @@ class Counters:
     self.ring_high_water_bytes_by_device: dict[str, int] = {}
     self.decode_dispatches = self.decode_passes = 0
 
-  def add(self, transport, d2h: int, decode: bool = False) -> dict:
-    """Takes the transport's counters after a pass (a prefill chunk, or a decode pass with `decode`) that stored
-    `d2h` bytes; returns them."""
+  def add(self, kind: str, transport, d2h: int, rows: int) -> dict:
+    """Takes the transport's counters after a pass (kind "prefill": a chunk, or "decode") that stored `d2h` bytes
+    and left `rows` rows in the windows (unused here: Recorder.add's); returns them."""
+    del rows
     c = transport.take_counters()
     self.h2d_bytes += c["h2d_bytes"]
     self.d2h_bytes += d2h
@@ -44,7 +45,7 @@ class Counters:
     hw = self.ring_high_water_bytes_by_device
     for d, b in c["ring_high_water_bytes_by_device"].items():
       hw[d] = max(hw.get(d, 0), b)
-    if decode:
+    if kind == "decode":
       self.decode_dispatches += c["dispatches"]
       self.decode_passes += 1
     return c
@@ -71,16 +72,18 @@ class Recorder:
     self.steps_read = 0
     self.t_last = self.t_start = self.t_progress = time.perf_counter()
 
-  def counters(self, kind, transport, d2h, rows):
+  def add(self, kind, transport, d2h, rows) -> dict:
+    """Counters.add, and with transport_debug >= 1 a record of the pass; on_chunk(rows) after a prefill chunk."""
     if kind == "prefill" and self.on_chunk is not None:
       self.on_chunk(rows)
-    c = self.counts.add(transport, d2h, decode=kind == "decode")
+    c = self.counts.add(kind, transport, d2h, rows)
     if self.debug >= 1:
       now = time.perf_counter()
       self.steps.append(dict(kind=kind, window_rows=rows, d2h_bytes=d2h, host_ms=1e3 * (now - self.t_last), **c))
       self.t_last = now
       if self.debug >= 3:
         logging.info("kv transport: %s", self.steps[-1])
+    return c
 
   def take(self, lg, tok) -> bool:
     """Records one step's logits and tokens (blocks on them). Returns True when every sequence is done."""
