@@ -15,9 +15,9 @@ float8_e4m3fn head_dim quantized bytes followed by their float16 scales, all in 
 layer's window is still ONE array (one transfer). Zero bytes decode to zeros in every format.
 
 With kv.host_attention (placement "host" or "auto"), a streamed layer's window of W rows is stored as two pinned_host
-arrays split at r1 = split_row(W) = floor(f W / P) P, f = host_split.fraction (jaxkv.host_split: measured or the
-override): head[l] [2, B, K, r1, E] rows [0, r1), attended on the host CPU during decode (jaxkv.host_attention), and
-window[l] [2, B, K, W - r1, E] rows [r1, W) (the tail), the only rows delivered. head[l] is None while r1 = 0, and
+arrays split at r1 = split_row(W) = floor(f W / P) P, f = head_fraction (set by jaxkv.host_decode: measured or the
+override, jaxkv.host_split): head[l] [2, B, K, r1, E] rows [0, r1), attended on the host CPU during decode
+(jaxkv.host_attention), and window[l] [2, B, K, W - r1, E] rows [r1, W) (the tail), the only rows delivered. head[l] is None while r1 = 0, and
 always for resident layers.
 
 Row r of sequence b is valid when start[b] <= r < end. A decode step writes row `end` into the open page
@@ -38,8 +38,6 @@ import numpy as np
 
 from jaxkv import distributed
 from jaxkv import host_attention
-from jaxkv import host_split as host_split_lib
-from jaxkv import host_wait
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv.config import KVConfig, ModelConfig
@@ -90,18 +88,6 @@ def _zeros_fn(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
   return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
-def devices_wait(wait: str, devices: set[jax.Device]) -> bool:
-  """Whether the devices wait for the host's partials (kv.host_attention_wait, over the cache's devices): "device"
-  (ValueError if jaxkv.host_wait's ops did not build), "thread", or "auto": "device" where it was measured faster (on
-  the H200 host: one GPU in one process) and the ops build, "thread" elsewhere."""
-  if wait == "auto":
-    one_gpu = len(devices) == 1 and next(iter(devices)).platform == "gpu" and jax.process_count() == 1
-    return one_gpu and host_wait.available()
-  if wait == "device" and not host_wait.available():
-    raise ValueError("kv.host_attention_wait device needs jaxkv.host_wait's ops, which did not build (see the log)")
-  return wait == "device"
-
-
 class KVCache:
   """Holds the per-layer windows and open pages; see the module docstring for the layout."""
 
@@ -137,43 +123,18 @@ class KVCache:
       needed = self.host_bytes_per_process()
       check_host_memory(needed, sum(self.streamed), model, self.format, batch, self.rows_bound(), host_ram_for_cache())
       _POOL_HELD[0] = max(_POOL_HELD[0], needed)
-    self.host_split: host_split_lib.Split | None = None  # With kv.host_attention: the host's share.
-    self.host_threads: int | None = None  # With kv.host_attention: the kernel's threads.
-    # With host attention, seconds the dispatching thread and the kernel's worker spent per part of the split layers
-    # (jaxkv.engine.host_thread_ms).
-    self.host_times: collections.Counter = collections.Counter()
-    self._hand_backs: dict[jax.sharding.Sharding, host_attention.HandBack] = {}
-    self.device_wait = False  # With host attention: the devices wait for the host's partials (jaxkv.host_wait).
-    self.host_pending: collections.deque = collections.deque()  # The kernel's futures not yet collected (engine).
+    # With host attention: f, the share of each streamed window's rows held as its head (split_row); set by
+    # jaxkv.host_decode before anything is stored.
+    self.head_fraction: float | None = None
     # Jitted calls and transfers the host has issued for this cache (the engine's, the transport's deliveries and
     # the stores below), read and reset by jaxkv.transport.Transport.take_counters.
     self.dispatches = 0
-    if kv.host_attention and any(self.streamed):
-      self.host_threads = host_attention.engine_threads(kv.host_attention_threads)
-      self.host_split = host_split_lib.split(
-          kv.host_attention_fraction,
-          self.host_sharding,
-          self.device_sharding,
-          self.format,
-          model.num_heads // model.num_kv_heads,
-          self.host_threads,
-      )
-      self.device_wait = devices_wait(kv.host_attention_wait, {d for m in meshes for d in m.devices.flat})
     self.windows: list[jax.Array | None] = [None] * model.num_layers
     self.heads: list[jax.Array | None] = [None] * model.num_layers  # Host-attended rows [0, r1); set with set_head.
     self._head_views: list[list | None] = [None] * model.num_layers  # host_attention.kernel_views of heads[l].
     self.opens: list[jax.Array | None] = [None] * model.num_layers
     self.rows = 0  # W, the same for every layer.
     self.prefill_summary: dict = {}  # The last prefill's attention and plan (jaxkv.engine.prefill_plan).
-
-  def hand_back(self, sharding: jax.sharding.Sharding) -> host_attention.HandBack:
-    """With host attention: the array that carries the host's partials f32[B, K, G, Dh + 1] to a stage's devices,
-    in `sharding` (its heads, pinned host memory); one per stage, made at first use (jaxkv.engine)."""
-    if sharding not in self._hand_backs:
-      m = self.model
-      shape = (self.batch, m.num_kv_heads, m.num_heads // m.num_kv_heads, m.head_dim + 1)
-      self._hand_backs[sharding] = host_attention.HandBack(shape, sharding, self.device_wait)
-    return self._hand_backs[sharding]
 
   def rows_bound(self) -> int:
     """Largest window plus open page the cache can reach: capacity rounded up to a block, plus a block."""
@@ -228,7 +189,7 @@ class KVCache:
   def store_group(self, layers: tuple[int, ...], windows_device: list[jax.Array]) -> int:
     """store() of several layers' windows (device arrays); without host attention the streamed ones move in one
     transfer call. Returns bytes moved D2H."""
-    if self.host_split is not None:
+    if self.head_fraction is not None:
       return sum(self.store(l, w) for l, w in zip(layers, windows_device))
     moved = [i for i, l in enumerate(layers) if self.streamed[l]]
     for i, l in enumerate(layers):
@@ -243,9 +204,9 @@ class KVCache:
 
   def split_row(self, rows: int) -> int:
     """r1 for a window of `rows` rows: floor(f rows / P) P (0 with host attention off)."""
-    if self.host_split is None:
+    if self.head_fraction is None:
       return 0
-    return int(self.host_split.fraction * rows) // self.block * self.block
+    return int(self.head_fraction * rows) // self.block * self.block
 
   def set_head(self, layer: int, head: jax.Array | None) -> None:
     """Replaces layer's head rows [0, r1) (pinned host) and drops the kernel's views of the old ones."""

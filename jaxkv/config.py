@@ -143,7 +143,7 @@ class KVConfig:
     generate's passes run ahead of their host kernels; jaxkv.host_wait, which builds a small C++ op at first use).
     The same bits either way; on the H200 "device" took 10-28% less time a step at 32k batch 1
     (docs/design.md). "auto" (the default): "device" where it was measured, one GPU in one
-    process, when its op builds; "thread" elsewhere (jaxkv.cache.devices_wait).
+    process, when its op builds; "thread" elsewhere (jaxkv.host_decode.devices_wait).
   group_layers: layers per decode call (jaxkv.residency.decode_groups), the same groups in every placement: 0 =
     automatic (groups of up to jaxkv.residency.GROUP_TARGET_BYTES per device and GROUP_MAX_LAYERS layers, one layer
     each with host_attention); n >= 1 = n layers per call (1: one call per layer).

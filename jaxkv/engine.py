@@ -2,13 +2,11 @@
 
 Prompts are right-aligned in the cache (left padding), so every sequence writes its next row at the same
 row `end` and one `dynamic_update_slice` serves the whole batch. Prefill runs in chunks of
-`engine.prefill_chunk` rows; decode produces one token per sequence per step. Each layer is ONE jitted
-function, shared by every delivery mode: only where its KV window comes from changes (jaxkv.transport). Decode
-runs consecutive layers as one call (a group, jaxkv.residency.decode_groups) in which each layer is that same
-computation, fenced off from its neighbours, so the grouping changes the host's dispatches and not the bits.
+`engine.prefill_chunk` rows; decode produces one token per sequence per step, each layer or group of layers one
+jitted call (jaxkv.jitted); a split layer's head is attended on the host (jaxkv.host_decode).
 
-Per-pass metadata meta i32[B + 3] = start[B], end, step, seed: one explicit host->device transfer per prefill
-chunk; during decode the head computes the next step's meta on the device.
+The decode state is one array, meta i32[B + 3] = start[B], end, step, seed (jaxkv.meta): one explicit host->device
+transfer per prefill chunk; during decode the head computes the next step's meta on the device.
 """
 
 from __future__ import annotations
@@ -16,34 +14,27 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import json
 import time
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
-import numba
 import numpy as np
 from absl import logging
 
 from jaxkv import cache as cache_lib
-from jaxkv import digest
 from jaxkv import distributed
-from jaxkv import host_attention
-from jaxkv import host_wait
+from jaxkv import host_decode
+from jaxkv import jitted
 from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
-from jaxkv import model
 from jaxkv import residency
-from jaxkv import sampling as sampling_lib
-from jaxkv.config import Config, ModelConfig, SamplingConfig
-from jaxkv.kv_quant import KVFormat
+from jaxkv import telemetry as telemetry_lib
+from jaxkv.config import Config
+from jaxkv.meta import Meta
 from jaxkv.transport import Transport
 
-HOST_THREAD_PARTS = ("query", "tail", "wait_host", "merge", "wait_query", "kernel")  # host_thread_ms.
 READ_LAG = 2  # Decode steps between dispatching a step and reading its tokens back.
 
 
@@ -65,166 +56,6 @@ class GenerateResult:
   logits: np.ndarray | None
   transport: dict
   timing: dict
-
-
-@dataclasses.dataclass(frozen=True)
-class _Fns:
-  prefill: object
-  decode_group: object  # (ps, x, windows, opens, meta) -> x, opens.
-  decode_group_full: object  # The same when the open pages fill: -> x, grown windows, zero open pages.
-  flush: object
-  grow: object
-  split: object
-  head: object
-  embed: object
-  last_row: object
-  query: object
-  query_published: object  # With kv.host_attention_wait "device": q reaches the host through jaxkv.host_wait.
-  tail_partial: object
-  merge: object
-  merge_query: object
-  merge_query_published: object
-  pinned_heads: jax.sharding.Sharding  # q's copy for the host and the host's partial (host_attention.HandBack).
-  prefill_attention: str  # The prefill attention that runs: "xla" or "cudnn" (model.prefill_attention_impl).
-
-
-class _HeldMerge(NamedTuple):
-  """A split layer's merge, not dispatched yet: merge(p, x, o, lse, host_part, slot=slot) on the stage of `fns`, with
-  host_part, slot = _hand_back_args(hand_back)."""
-
-  fns: _Fns
-  p: dict
-  o: jax.Array  # f32[B, K, G, Dh], the device's partial.
-  lse: jax.Array  # f32[B, K, G].
-  hand_back: host_attention.HandBack
-
-
-def _hand_back_args(hand_back: host_attention.HandBack) -> tuple[jax.Array | None, int | None]:
-  """The merge's host_part and slot: the pinned array itself, or the slot the devices wait on (jaxkv.host_wait)."""
-  if not hand_back.device_wait:
-    return hand_back.array, None
-  return None, hand_back.array_slot.id
-
-
-def _poll(ready: Callable[[], bool], threads: int) -> None:
-  """Polls ready() until it holds, releasing the GIL between polls, where a core is spare beside the kernel's
-  `threads`, the dispatching thread and the feeder (cores: numba's count of the CPUs this process may run on);
-  elsewhere returns at once (the caller then blocks: a poller without a core of its own slows the kernel down). The
-  two waits on the path from one host-attention kernel to the next use it: a blocked thread's core idles and is slow
-  to wake; on the H200 host decode steps at 32k, batch 1 ran 0-9% faster polled (medians, two machine starts;
-  docs/design.md)."""
-  if threads + 2 <= numba.config.NUMBA_DEFAULT_NUM_THREADS:
-    while not ready():
-      time.sleep(0)
-
-
-@functools.lru_cache(maxsize=None)
-def _functions(
-    cfg: ModelConfig,
-    mesh: jax.sharding.Mesh,
-    sampling: SamplingConfig,
-    kv_dtype: str = "model",
-    prefill_attention: str = "auto",
-) -> _Fns:
-  """The jitted per-layer functions, shared by every engine (and delivery mode) on one mesh, KV dtype and prefill
-  attention (engine.prefill_attention, resolved for the mesh's devices: model.prefill_attention_impl)."""
-  rep = mesh_lib.replicated(mesh)
-  kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
-  heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None))  # q and the partials' o.
-  pinned_heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None), "pinned_host")
-  lse_heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None))  # The partials' lse.
-  fmt = KVFormat.of(cfg, kv_dtype)
-  attention_impl = model.prefill_attention_impl(prefill_attention, cfg, fmt, mesh.local_devices[0])
-
-  def prefill(p, x, window, meta):
-    return model.prefill_layer(p, x, window, meta[:-3], cfg=cfg, kv_format=fmt, attention_impl=attention_impl)
-
-  def decode(p, x, window, open_page, meta):
-    return model.decode_layer(p, x, window, open_page, meta[:-3], meta[-3], cfg=cfg, kv_format=fmt)
-
-  def decode_group(ps, x, windows, opens, meta, full=False):
-    """Consecutive layers (weights ps, windows [2, B, K, W, E] or None, open pages [2, B, K, P, E]) in one call.
-    Each layer is `decode`, its output x behind an optimization barrier, so that no fusion crosses a layer boundary:
-    a layer compiles to the same computation in a group of any size, and the bits do not depend on the grouping
-    (the windows and open pages are each layer's own arguments and need no barrier).
-    full (the open pages fill at this step): also grows each window by its open page and returns x, the grown
-    windows and fresh zero open pages; else x and the open pages."""
-    out = []
-    for p, window, open_page in zip(ps, windows, opens):
-      x, open_page = decode(p, x, window, open_page, meta)
-      x = jax.lax.optimization_barrier(x)
-      out.append(cache_lib.grow(window, open_page) if full else open_page)
-    if full:
-      return x, out, [jnp.zeros_like(o) for o in opens]
-    return x, out
-
-  def tail_partial(q, tail, open_page, meta):
-    return model.decode_tail_partial(q, tail, open_page, meta[:-3], meta[-3], kv_format=fmt)
-
-  def query(p, x, open_page, meta, q_slot=None):
-    q, open_page = model.decode_query(p, x, open_page, meta[:-3], meta[-3], cfg=cfg, kv_format=fmt)
-    if q_slot is None:
-      return q, q, open_page  # The second lands in pinned host memory when the call ends, for the host's kernel.
-    return host_wait.publish(q, q_slot, heads), open_page  # The devices write q to the host themselves.
-
-  def merge(p, x, o, lse, host_part, slot=None):
-    # The host's partial f32[B, K, G, Dh + 1] (its o, then its lse) moves here, inside the call, not by a put of its
-    # own on the copy stream behind the queued deliveries (docs/design.md): host_part (pinned host memory), or with
-    # a slot of the host-wait op, copied on the devices once the host signals it (host_part None; jaxkv.host_wait).
-    if slot is None:
-      host_part = jax.device_put(host_part, jax.memory.Space.Device)
-    else:
-      host_part = host_wait.wait(slot, (*o.shape[:-1], o.shape[-1] + 1), heads)
-    return model.decode_merge(p, x, o, lse, host_part[..., :-1], host_part[..., -1], cfg=cfg)
-
-  def merge_query(p_prev, x, o, lse, host_part, p, open_page, meta, slot=None, q_slot=None):
-    """A split layer's merge, then the next split layer's query: one dispatch where there were two. The barrier
-    keeps x as the merge returns it (in the model dtype) for the query, so the bits are those of the two calls."""
-    x = jax.lax.optimization_barrier(merge(p_prev, x, o, lse, host_part, slot))
-    return (x, *query(p, x, open_page, meta, q_slot))
-
-  def flush(window, open_page):
-    return cache_lib.grow(window, open_page), jnp.zeros_like(open_page)
-
-  def head(top, x, meta):
-    """Logits, sampled tokens, their embeddings, and the next step's meta (end + 1, step + 1)."""
-    lg = model.logits(top, x, cfg)
-    key = jax.random.fold_in(jax.random.key(meta[-1]), meta[-2])
-    tok = sampling_lib.sample(lg, key, sampling)
-    step = jnp.zeros_like(meta).at[-3:-1].set(1)
-    return lg, tok, model.embed(top, tok), meta + step
-
-  return _Fns(
-      prefill=jax.jit(prefill, out_shardings=(rep, kv)),
-      decode_group=jax.jit(decode_group, out_shardings=(rep, kv), donate_argnums=(3,)),
-      decode_group_full=jax.jit(
-          functools.partial(decode_group, full=True), out_shardings=(rep, kv, kv), donate_argnums=(3,)
-      ),
-      flush=jax.jit(flush, out_shardings=kv, donate_argnums=(1,)),
-      grow=jax.jit(cache_lib.grow, out_shardings=kv),
-      split=jax.jit(cache_lib.split_prefilled, static_argnames=("w_rows", "block"), out_shardings=kv),
-      head=jax.jit(head, out_shardings=rep),
-      embed=jax.jit(model.embed, out_shardings=rep),
-      last_row=jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), out_shardings=rep),
-      query=jax.jit(query, out_shardings=(heads, pinned_heads, kv), donate_argnums=(2,)),
-      query_published=jax.jit(
-          query,
-          out_shardings=(heads, kv),
-          donate_argnums=(2,),
-          static_argnames=("q_slot",),
-      ),
-      tail_partial=jax.jit(tail_partial, out_shardings=(heads, lse_heads)),
-      merge=jax.jit(merge, out_shardings=rep, static_argnames=("slot",)),
-      merge_query=jax.jit(merge_query, out_shardings=(rep, heads, pinned_heads, kv), donate_argnums=(6,)),
-      merge_query_published=jax.jit(
-          merge_query,
-          out_shardings=(rep, heads, kv),
-          donate_argnums=(6,),
-          static_argnames=("slot", "q_slot"),
-      ),
-      pinned_heads=pinned_heads,
-      prefill_attention=attention_impl,
-  )
 
 
 def check_input(config: Config, prompts: Sequence[Sequence[int]], max_new_tokens: int, zero_rows: int = 0) -> None:
@@ -258,6 +89,38 @@ def check_input(config: Config, prompts: Sequence[Sequence[int]], max_new_tokens
     )
 
 
+@dataclasses.dataclass
+class Generation:
+  """One generation's state beside the decode state (Engine.start): the cache, its transport and its host-attention
+  path (None without one), where the transport's counters go (telemetry.Counters or telemetry.Recorder: add(kind,
+  transport, d2h, rows) after each pass), the shapes compiled so far, the sampling seed, and start i32[B] on the
+  host, each sequence's first row (meta's starts: the host kernel's mask; read from meta, it would wait for the last
+  pass; set by Engine.prefill_prompts). Close it when done."""
+
+  cache: cache_lib.KVCache
+  transport: Transport
+  host: host_decode.HostDecode | None
+  counters: telemetry_lib.Counters | telemetry_lib.Recorder
+  shapes: set[tuple]
+  seed: int = 0
+  start: np.ndarray | None = None
+
+  def add_counters(self, kind: str, d2h: int, rows: int) -> None:
+    """After a pass ("prefill" chunk or "decode") that stored `d2h` bytes, the window rows now `rows`."""
+    self.counters.add(kind, self.transport, d2h, rows)
+
+  def kernels_collected(self, wait: bool = True):
+    """A context in which the host kernels submitted are collected at its end (HostDecode.kernels_collected)."""
+    return contextlib.nullcontext() if self.host is None else self.host.kernels_collected(wait)
+
+  def summary(self) -> dict:
+    """The transport's summary and the host-attention path's report."""
+    return dict(self.transport.summary(), **host_decode.report(self.host))
+
+  def close(self) -> None:
+    self.transport.close()
+
+
 class Engine:
   """Generates from a batch of prompts with a KV cache placed and delivered as `config.kv` says."""
 
@@ -270,7 +133,7 @@ class Engine:
     self.config, self.mesh, self.params = config, mesh, params
     lay = self.layout
     self.stage_fns = tuple(
-        _functions(config.model, m, config.sampling, config.kv.dtype, config.engine.prefill_attention)
+        jitted.functions(config.model, m, config.sampling, config.kv.dtype, config.engine.prefill_attention)
         for m in lay.meshes
     )
     self.fns = self.stage_fns[lay.stage_of[-1]]  # The head's: the last stage.
@@ -283,7 +146,7 @@ class Engine:
       shard = lambda a: jax.sharding.NamedSharding(lay.last, a.sharding.spec)
       self.top_last = jax.device_put(self.top, jax.tree.map(shard, self.top))
 
-  def layer_fns(self, layer: int) -> _Fns:
+  def layer_fns(self, layer: int) -> jitted.Fns:
     return self.stage_fns[self.layout.stage_of[layer]]
 
   def to_stages(self, a: jax.Array) -> tuple[jax.Array, ...]:
@@ -305,8 +168,8 @@ class Engine:
     check_input(self.config, prompts, max_new_tokens, zero_rows)
 
   def meta(self, start: np.ndarray, end: int, step: int, seed: int) -> jax.Array:
-    """The decode state the step functions read, i32[B + 3]: start[B], end, step, seed; on the last stage's devices."""
-    return self.put(np.concatenate([start, [end, step, seed]]), np.int32)
+    """The decode state the step functions read (jaxkv.meta), on the last stage's devices."""
+    return self.put(Meta.pack(start, end, step, seed), np.int32)
 
   def put(self, value, dtype) -> jax.Array:
     """A host value as an array of `dtype`, replicated on the last stage's devices (where the head runs)."""
@@ -329,19 +192,33 @@ class Engine:
     context for benchmarks (decode reads and attends them like any rows; the tokens differ from a full prefill's)."""
     self.validate(prompts, max_new_tokens, zero_rows)
     cfg = self.config
-    batch = len(prompts)
-    cache = cache_lib.KVCache(cfg.model, cfg.kv, self.mesh, batch, cfg.engine.capacity, self.layout)
-    transport = Transport(cache, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
-    rec = _Recorder(batch, cfg.sampling.eos_id, max_new_tokens, keep_logits, cfg.kv.transport_debug, on_chunk)
+    gen = self.start(len(prompts), seed=seed)
+    # The record's clock starts here: prefill_s does not count the cache's start (the host's share measured).
+    rec = telemetry_lib.Recorder(
+        len(prompts), cfg.sampling.eos_id, max_new_tokens, keep_logits, cfg.kv.transport_debug, on_chunk
+    )
+    gen.counters = rec
     try:
-      return self._generate(prompts, max_new_tokens, seed, on_step, cache, transport, rec, zero_rows)
+      return self._generate(gen, rec, prompts, max_new_tokens, on_step, zero_rows)
     finally:
-      transport.close()
+      gen.close()
       rec.digests.close()
 
-  def prefill(
-      self, cache, transport, tokens, start, longest, seed, finish, *, next_pass, shapes, counters, first=0, below=None
-  ):
+  def start(self, batch: int, counters=None, shapes=None, *, seed: int = 0, kv=None, fill=None) -> Generation:
+    """A generation of `batch` sequences: a fresh cache placed as `kv` says (default config.kv), its host-attention
+    path and its transport. counters: where the transport's counters go (default fresh telemetry.Counters); shapes:
+    the set of compiled shapes to add to (default a new one); seed: the sampling seed. fill(cache), if given, stores
+    rows into the cache before the transport starts (it sizes its ring from the free device memory)."""
+    kv = kv or self.config.kv
+    cache = cache_lib.KVCache(self.config.model, kv, self.mesh, batch, self.config.engine.capacity, self.layout)
+    host = host_decode.HostDecode.of(cache)
+    if fill is not None:
+      fill(cache)
+    transport = Transport(cache, kv.pipeline_depth, kv.transport_debug)
+    counters = telemetry_lib.Counters() if counters is None else counters
+    return Generation(cache, transport, host, counters, set() if shapes is None else shapes, seed)
+
+  def prefill(self, gen: Generation, tokens, start, longest, finish, *, next_pass, first=0, below=None):
     """Prefills right-aligned prompts in chunks of engine.prefill_chunk rows, the last one only as many kv.block
     rows as the prompts reach (a prompt's chunks and their bits depend on its length only); returns the last prompt
     row's hidden state x [B, D].
@@ -351,7 +228,7 @@ class Engine:
     rows [0, first * chunk) on the devices, called just before the layer's first computed chunk (rows held
     elsewhere, e.g. the prefix cache's: their transfers run behind the earlier layers). The last chunk calls
     finish(l, window_rows_device, open_page) -> D2H bytes instead of storing its grown window: rows
-    [0, longest // block * block) and the open page. counters(transport, d2h, rows) runs after each chunk.
+    [0, longest // block * block) and the open page. next_pass: a decode pass follows the last chunk.
 
     Where the prompt's rows fit in device memory (`prefill_plan`), each layer's grown window stays on the devices
     from one chunk to the next: the first chunk gets its window (the rows below `first`, if any) through the
@@ -361,6 +238,7 @@ class Engine:
     """
     block, chunk = self.config.kv.block, self.config.engine.prefill_chunk
     layers, stage_of = self.params["layers"], self.layout.stage_of
+    cache, shapes = gen.cache, gen.shapes
     n_chunks = -(-longest // chunk)
     w_final = longest // block * block
     plan = prefill_plan(cache, n_chunks - first, chunk, self.config.kv.headroom_mib)
@@ -371,7 +249,7 @@ class Engine:
       last = c == n_chunks - 1
       width = -(-(longest - c * chunk) // block) * block if last else chunk  # The last: the blocks the prompts reach.
       x = self._first.embed(self.top, distributed.put_host(tokens[:, c * chunk : c * chunk + width], self._rep_first))
-      metas = self.to_stages(self.meta(start, c * chunk, 0, seed))
+      metas = self.to_stages(self.meta(start, c * chunk, 0, gen.seed))
       d2h = 0
 
       def compute(l, window):  # window: layer l's rows [0, c * chunk) on the devices, or None.
@@ -392,30 +270,30 @@ class Engine:
         for l in range(len(layers)):
           compute(l, kept[l])
       else:  # With host attention the tail is delivered: the head is moved back and prepended.
-        transport.run_pass(
+        gen.transport.run_pass(
             lambda l, tail: compute(l, cache.full_window(l, tail)),
             next_pass=next_pass if last else not plan["keep"],
         )
-      counters(transport, d2h, c * chunk + width)
+      gen.add_counters("prefill", d2h, c * chunk + width)
     return self.fns.last_row(x, distributed.put_host(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
 
   def decode_pass(
-      self, cache, transport, x, meta, start: np.ndarray, end: int, next_pass: bool, shapes, run_ahead: bool = False
+      self, gen: Generation, x: jax.Array, meta: jax.Array, end: int, next_pass: bool, run_ahead: bool = False
   ) -> tuple[jax.Array, int]:
     """One decode pass over every layer writing row `end` (== meta's end); returns x [B, D] before the head and
     the D2H bytes. When the open page fills, each layer's window grows by it and cache.rows by a block.
 
-    start: i32[B] on the host, meta's starts (the host kernel's mask; read from meta, it would wait for the last
-    pass). run_ahead: the pass returns without waiting for its host kernels (with device waits; the thread's wait
-    has waited for each already), so this thread dispatches the next pass while they run; the caller collects them
-    (`_kernels_collected`) before it changes the heads in place or ends."""
+    next_pass: another pass follows. run_ahead: the pass returns without waiting for its host kernels (with device
+    waits; the thread's wait has waited for each already), so this thread dispatches the next pass while they run;
+    the caller collects them (`gen.kernels_collected`) before it changes the heads in place or ends."""
     block, layers, stage_of = self.config.kv.block, self.params["layers"], self.layout.stage_of
+    cache, host, start, shapes = gen.cache, gen.host, gen.start, gen.shapes
     full = end - cache.rows == block - 1
     metas = self.to_stages(meta)
     cache.dispatches += len(metas) - 1
-    split = cache.host_split is not None
-    if split:
-      cache.host_times["steps"] += 1
+    if host is not None:
+      host.times["steps"] += 1
+    merge_held = (lambda held, x: x) if host is None else host.merge_held
     d2h = 0
     held = None  # The last split layer's merge, not dispatched yet.
 
@@ -423,14 +301,18 @@ class Engine:
       nonlocal x, d2h, held
       shapes.add(("decode", 0 if windows[0] is None else windows[0].shape[3]))
       fns, first, meta_s = self.layer_fns(group[0]), group[0], metas[stage_of[group[0]]]
-      if split and cache.head_rows(first):  # A streamed layer (alone with host attention) with head rows.
-        x, held = self._decode_split(cache, first, fns, x, held, windows[0], meta_s, start)
+      if host is not None and cache.head_rows(first):  # A streamed layer (alone with host attention) with head rows.
+        if held is not None and held.fns is not fns:  # Held on another stage: merged there first.
+          x, held = merge_held(held, x), None
+        moved = self.to_layer(x, first)
+        cache.dispatches += moved is not x
+        x, held = host.decode_layer(first, fns, layers[first], moved, held, windows[0], meta_s, start)
         if full:
           grown, cache.opens[first] = fns.flush(windows[0], cache.opens[first])
           cache.dispatches += 1
           d2h += cache.store_tail(first, grown)
         return
-      x, held = self._merge_held(cache, held, x), None
+      x, held = merge_held(held, x), None
       moved = self.to_layer(x, first)
       cache.dispatches += (moved is not x) + 1
       args = ([layers[l] for l in group], moved, windows, [cache.opens[l] for l in group], meta_s)
@@ -443,135 +325,18 @@ class Engine:
       if full:
         d2h += cache.store_group(group, grown)
 
-    with self._kernels_collected(cache, wait=not run_ahead):
-      transport.run_groups(compute, next_pass=next_pass)
-      x = self._merge_held(cache, held, x)
+    with gen.kernels_collected(wait=not run_ahead):
+      gen.transport.run_groups(compute, next_pass=next_pass)
+      x = merge_held(held, x)
     if full:
       cache.rows += block
     return x, d2h
 
-  def _decode_split(self, cache, l, fns, x, held, tail, meta, start) -> tuple[jax.Array, _HeldMerge]:
-    """Layer l with rows [0, r1) (cache.heads[l], r1 > 0) attended on the host CPU by the kernel's worker thread
-    and the tail [r1, W) (delivered) and the open page on the devices.
-
-    x [B, D] is the input of layer l, or with `held` (the previous split layer's merge) the input of that merge.
-    Returns layer l's input and its own merge, held: the next split layer's query carries it (one dispatch per layer
-    on the path from one kernel to the next), else `_merge_held` dispatches it.
-
-    The query's call also writes q to pinned host memory; the worker waits for it there, attends the head and writes
-    its partial in place into the stage's hand-back array, while this thread dispatches the device's partial over the
-    tail (dispatching a call that consumes a delivery in flight blocks this thread until it lands, so on one thread
-    the kernel and that wait would add up). The feeder keeps issuing the next layers' deliveries meanwhile.
-    (docs/design.md: why on the host's threads and not in a device callback.)
-
-    With device waits (cache.device_wait, jaxkv.host_wait) the devices publish q to the worker themselves, and this
-    thread does not wait for the worker: the merge it holds waits on the devices for the worker's signal. The
-    workers' futures are collected as they end, and all of them at the end of the pass or, with run-ahead, where
-    the caller says (decode_pass)."""
-    if held is not None and held.fns is not fns:  # Held on another stage: merged there first.
-      x, held = self._merge_held(cache, held, x), None
-    moved = self.to_layer(x, l)
-    cache.dispatches += (moved is not x) + 2  # The query's call (with the held merge) and the tail's.
-    x, p = moved, self.params["layers"][l]
-    hand_back = cache.hand_back(fns.pinned_heads)
-    times, t0 = cache.host_times, time.perf_counter()
-    # The held merge reads the hand-back array before this query, hence before the worker writes it again (with
-    # device waits it waits on the devices for the worker's signal). q f32[B, K, G, Dh] also lands in pinned host
-    # memory as q_host, or with device waits the devices publish it to hand_back.query.
-    q_host, q_slot = None, None if hand_back.query_slot is None else hand_back.query_slot.id
-    if held is None:
-      args = (p, x, cache.opens[l], meta)
-      if q_slot is None:
-        q, q_host, cache.opens[l] = fns.query(*args)
-      else:
-        q, cache.opens[l] = fns.query_published(*args, q_slot=q_slot)
-    else:
-      host_part, slot = _hand_back_args(held.hand_back)
-      args = (held.p, x, held.o, held.lse, host_part, p, cache.opens[l], meta)
-      if q_slot is None:
-        x, q, q_host, cache.opens[l] = fns.merge_query(*args)
-      else:
-        x, q, cache.opens[l] = fns.merge_query_published(*args, slot=slot, q_slot=q_slot)
-    views, rows = cache.head_views(l), cache.head_rows(l)  # Read here: the worker does not touch the cache's state.
-    cache.host_pending.append(
-        host_attention.WORKER.submit(self._host_part, cache, views, rows, q_host, start, hand_back)
-    )
-    t1 = time.perf_counter()
-    o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
-    times.update(query=t1 - t0, tail=time.perf_counter() - t1)
-    if not hand_back.device_wait:  # The merge takes the partial from this thread: wait for it.
-      self._collect(cache)
-    while cache.host_pending and cache.host_pending[0].done():  # A kernel's error surfaces here, not at the end.
-      times.update(cache.host_pending.popleft().result())
-    return x, _HeldMerge(fns, p, o, lse, hand_back)
-
-  @staticmethod
-  def _merge_held(cache, held: _HeldMerge | None, x: jax.Array) -> jax.Array:
-    """x after the held merge (x itself without one)."""
-    if held is None:
-      return x
-    t0 = time.perf_counter()
-    host_part, slot = _hand_back_args(held.hand_back)
-    x = held.fns.merge(held.p, x, held.o, held.lse, host_part, slot=slot)
-    cache.host_times["merge"] += time.perf_counter() - t0
-    cache.dispatches += 1
-    return x
-
-  @classmethod
-  @contextlib.contextmanager
-  def _kernels_collected(cls, cache, wait: bool = True):
-    """Collects the host kernels submitted in the block: on an error always (they read the heads in place: none
-    may run on past it), else if `wait`."""
-    try:
-      yield
-    except BaseException:
-      cls._collect(cache, raise_error=False)
-      raise
-    if wait:
-      cls._collect(cache)
-
-  @staticmethod
-  def _collect(cache, raise_error: bool = True) -> None:
-    """Waits for the kernels submitted and not collected yet (cache.host_pending), adds their times, and raises the
-    first one's error."""
-    t0, error = time.perf_counter(), None
-    if cache.host_pending:  # One worker: the last ends last.
-      _poll(cache.host_pending[-1].done, cache.host_threads)
-    while cache.host_pending:
-      try:
-        cache.host_times.update(cache.host_pending.popleft().result())
-      except Exception as e:  # pylint: disable=broad-exception-caught
-        error = error or e
-    cache.host_times["wait_host"] += time.perf_counter() - t0
-    if error is not None and raise_error:
-      raise error
-
-  @staticmethod
-  def _host_part(cache, views, rows, q_host, start, hand_back) -> dict:
-    """On the kernel's worker: waits for q f32[B, K, G, Dh] in pinned host memory, attends rows [0, rows) of the
-    layer's head (its kernel views) and writes o and lse into `hand_back`, then signals the devices where they wait
-    for it (even on an error: else they would wait forever); returns this thread's seconds per part."""
-    try:
-      t0 = time.perf_counter()
-      if q_host is None:  # Published by the devices (jaxkv.host_wait).
-        q = hand_back.read_query()
-      else:
-        _poll(q_host.is_ready, cache.host_threads)
-        if q_host.is_fully_addressable:  # One call: on the H200 host ~0.05 ms a layer less than a view per shard.
-          q = np.asarray(q_host)
-        else:  # This process's heads; the kernel reads only those.
-          q = host_attention.gather(host_attention.shard_views(q_host), q_host.shape)
-      t1 = time.perf_counter()
-      o, lse = host_attention.attend_views(views, q, start, 0, rows, cache.format, threads=cache.host_threads)
-      hand_back.write(o, lse)
-    finally:
-      if hand_back.device_wait:
-        hand_back.signal()
-    return dict(wait_query=t1 - t0, kernel=time.perf_counter() - t1)
-
-  def prefill_prompts(self, cache, transport, prompts, seed, *, next_pass, shapes, counters, zero_rows=0):
-    """Prefills a batch of prompts right-aligned into a fresh cache (window, open page and cache.rows), rows
-    [0, zero_rows) as zeros (Engine.generate); returns (x [B, D] of each prompt's last row, start i32[B], longest)."""
+  def prefill_prompts(self, gen: Generation, prompts, *, next_pass: bool, zero_rows: int = 0):
+    """Prefills a batch of prompts right-aligned into the generation's fresh cache (window, open page and
+    cache.rows), rows [0, zero_rows) as zeros (Engine.generate), and sets gen.start; returns (x [B, D] of each
+    prompt's last row, start i32[B], longest). next_pass: a decode pass follows."""
+    cache = gen.cache
     chunk, block = self.config.engine.prefill_chunk, self.config.kv.block
     lens = np.array([len(p) for p in prompts], np.int32)
     longest = int(lens.max())
@@ -586,37 +351,15 @@ class Engine:
 
     if zero_rows:
       cache.store_zeros(zero_rows)
-    x_last = self.prefill(
-        cache,
-        transport,
-        tokens,
-        start,
-        longest,
-        seed,
-        finish,
-        next_pass=next_pass,
-        shapes=shapes,
-        counters=counters,
-        first=zero_rows // chunk,
-    )
+    x_last = self.prefill(gen, tokens, start, longest, finish, next_pass=next_pass, first=zero_rows // chunk)
     cache.rows = longest // block * block
+    gen.start = start
     return x_last, start, longest
 
-  def _generate(self, prompts, max_new_tokens, seed, on_step, cache, transport, rec, zero_rows) -> GenerateResult:
-    """Prefill, then decode; the caller closes the transport."""
-    cfg = self.config
-    shapes: set[tuple] = set()
-    fns = self.fns
-    x_last, start, longest = self.prefill_prompts(
-        cache,
-        transport,
-        prompts,
-        seed,
-        next_pass=max_new_tokens > 1,
-        shapes=shapes,
-        counters=lambda tr, d2h, rows: rec.counters("prefill", tr, d2h, rows),
-        zero_rows=zero_rows,
-    )
+  def _generate(self, gen: Generation, rec, prompts, max_new_tokens, on_step, zero_rows) -> GenerateResult:
+    """Prefill, then decode; the caller closes the generation."""
+    cfg, fns, cache, seed = self.config, self.fns, gen.cache, gen.seed
+    x_last, start, longest = self.prefill_prompts(gen, prompts, next_pass=max_new_tokens > 1, zero_rows=zero_rows)
     lg, tok, x, _ = fns.head(self.top_last, x_last, self.meta(start, longest, 0, seed))
     t_start = rec.t_start
     finished = rec.take(lg, tok)  # Waits for the prefill: decode timing starts here.
@@ -628,16 +371,14 @@ class Engine:
     # are discarded.
     meta = self.meta(start, longest, 1, seed)
     pending: collections.deque = collections.deque()
-    with self._kernels_collected(cache):  # The passes run ahead of their host kernels; all end here.
+    with gen.kernels_collected():  # The passes run ahead of their host kernels; all end here.
       for t in range(1, 1 if finished else max_new_tokens):
-        x, d2h = self.decode_pass(
-            cache, transport, x, meta, start, longest + t - 1, t < max_new_tokens - 1, shapes, run_ahead=True
-        )
+        x, d2h = self.decode_pass(gen, x, meta, longest + t - 1, t < max_new_tokens - 1, run_ahead=True)
         lg, tok, x, meta = fns.head(self.top_last, x, meta)
         lg.copy_to_host_async()
         tok.copy_to_host_async()
         cache.dispatches += 3
-        rec.counters("decode", transport, d2h, cache.rows)
+        gen.add_counters("decode", d2h, cache.rows)
         pending.append((t, lg, tok))
         if len(pending) > READ_LAG and self._take(rec, pending.popleft(), on_step, cache):
           finished = True
@@ -645,17 +386,20 @@ class Engine:
       while pending and not finished:  # Steps still in flight; none after every sequence ended.
         finished = self._take(rec, pending.popleft(), on_step, cache)
     t_end = time.perf_counter()
-    telemetry = dict(transport.summary(), compiled_shapes=len(shapes), prefill=cache.prefill_summary, **rec.totals())
-    if cache.host_split is not None:
-      telemetry["host_attention"] = dict(telemetry["host_attention"], **host_thread_ms(cache.host_times))
+    telemetry = dict(gen.summary(), compiled_shapes=len(gen.shapes), prefill=cache.prefill_summary, **rec.totals())
     if cfg.kv.transport_debug >= 1:
       telemetry["steps"] = rec.steps
     if cfg.kv.transport_debug >= 2:
-      telemetry["layer_times_ms"] = transport.layer_times_ms()
-    timing = dict(
-        prefill_s=t_prefilled - t_start, decode_s=t_end - t_prefilled, decode_steps=rec.total["steps_read"] - 1
+      telemetry["layer_times_ms"] = gen.transport.layer_times_ms()
+    timing = dict(prefill_s=t_prefilled - t_start, decode_s=t_end - t_prefilled, decode_steps=rec.steps_read - 1)
+    return GenerateResult(
+        tokens=rec.tokens,
+        tokens_sha256=hashlib.sha256(json.dumps(rec.tokens).encode()).hexdigest(),
+        logits_sha256=rec.digests.hexdigest(rec.hash),
+        logits=None if rec.logits is None else np.stack(rec.logits),
+        transport=telemetry,
+        timing=timing,
     )
-    return rec.result(telemetry, timing)
 
   @staticmethod
   def _take(rec, pending, on_step, cache) -> bool:
@@ -691,99 +435,3 @@ def prefill_plan(cache: cache_lib.KVCache, chunks: int, chunk: int, headroom_mib
     return dict(plan, reason=reason)
   where = "no device memory limit" if room is None else f"within {room / 2**20:.0f} MiB free - headroom"
   return dict(plan, keep=True, reason=f"earlier rows stay on the devices ({need / 2**20:.0f} MiB per device, {where})")
-
-
-def host_thread_ms(times: collections.Counter) -> dict:
-  """Host attention, ms per decode step in each part of the split layers. The dispatching thread: dispatching the
-  query (with the previous split layer's merge, when it carries one) and handing it to the worker, dispatching the
-  tail's partial (it waits for the tail's delivery), waiting for the host's partial (with device waits: for the
-  kernels still running at the end of the pass, or of the generate whose passes run ahead), dispatching the merges
-  that no query carries (the pass's last split layer's, one before a plain layer or at a stage boundary). The
-  kernel's worker, meanwhile: waiting for the query, the kernel with the write of its partial."""
-  steps = max(times["steps"], 1)
-  return {f"{k}_ms_per_step": 1e3 * times[k] / steps for k in HOST_THREAD_PARTS}
-
-
-def add_by_device(total: dict, c: dict) -> None:
-  """Accumulates a take_counters() result's per-device bytes (sum) and ring high-water (max) into `total`."""
-  total["h2d_bytes_by_device"].update(c["h2d_bytes_by_device"])
-  hw = total["ring_high_water_bytes_by_device"]
-  for d, b in c["ring_high_water_bytes_by_device"].items():
-    hw[d] = max(hw.get(d, 0), b)
-
-
-class _Recorder:
-  """Collects tokens, hashes logits as they arrive, and keeps per-step transport counters."""
-
-  def __init__(self, batch, eos_id, max_new, keep_logits, debug, on_chunk=None):
-    self.tokens = [[] for _ in range(batch)]
-    self.done = np.zeros(batch, bool)
-    self.eos_id, self.max_new, self.debug, self.on_chunk = eos_id, max_new, debug, on_chunk
-    self.digests = digest.Digests()
-    self.hash = self.digests.new()
-    self.logits = [] if keep_logits else None
-    self.steps: list[dict] = []
-    self.total = dict(
-        h2d_bytes=0,
-        d2h_bytes=0,
-        ring_high_water_bytes_per_device=0,
-        steps_read=0,
-        decode_dispatches=0,
-        decode_passes=0,
-        h2d_bytes_by_device=collections.Counter(),
-        ring_high_water_bytes_by_device={},
-    )
-    self.t_last = self.t_start = self.t_progress = time.perf_counter()
-
-  def counters(self, kind, transport, d2h, rows):
-    if kind == "prefill" and self.on_chunk is not None:
-      self.on_chunk(rows)
-    c = transport.take_counters()
-    self.total["h2d_bytes"] += c["h2d_bytes"]
-    self.total["d2h_bytes"] += d2h
-    self.total["ring_high_water_bytes_per_device"] = max(
-        self.total["ring_high_water_bytes_per_device"], c["ring_high_water_bytes_per_device"]
-    )
-    add_by_device(self.total, c)
-    if kind == "decode":
-      self.total["decode_dispatches"] += c["dispatches"]
-      self.total["decode_passes"] += 1
-    if self.debug >= 1:
-      now = time.perf_counter()
-      self.steps.append(dict(kind=kind, window_rows=rows, d2h_bytes=d2h, host_ms=1e3 * (now - self.t_last), **c))
-      self.t_last = now
-      if self.debug >= 3:
-        logging.info("kv transport: %s", self.steps[-1])
-
-  def take(self, lg, tok) -> bool:
-    """Records one step's logits and tokens (blocks on them). Returns True when every sequence is done."""
-    lg, tok = jax.device_get((lg, tok))
-    lg = np.asarray(lg, np.float32)
-    self.digests.update(self.hash, lg)
-    if self.logits is not None:
-      self.logits.append(lg)
-    self.total["steps_read"] += 1
-    if time.perf_counter() - self.t_progress > 10.0:
-      self.t_progress = time.perf_counter()
-      logging.info("decode step %d of at most %d", self.total["steps_read"], self.max_new)
-    for b, t in enumerate(np.asarray(tok).tolist()):
-      if not self.done[b]:
-        self.tokens[b].append(t)
-        self.done[b] = t == self.eos_id or len(self.tokens[b]) >= self.max_new
-    return bool(self.done.all())
-
-  def totals(self):
-    """The totals, with dispatches_per_step: the host's jitted calls and transfers per decode step (mean; the
-    pass, its deliveries, the head and the copies of its tokens and logits to the host)."""
-    per_step = self.total["decode_dispatches"] / max(self.total["decode_passes"], 1)
-    return dict(self.total, h2d_bytes_by_device=dict(self.total["h2d_bytes_by_device"]), dispatches_per_step=per_step)
-
-  def result(self, telemetry, timing) -> GenerateResult:
-    return GenerateResult(
-        tokens=self.tokens,
-        tokens_sha256=hashlib.sha256(json.dumps(self.tokens).encode()).hexdigest(),
-        logits_sha256=self.digests.hexdigest(self.hash),
-        logits=None if self.logits is None else np.stack(self.logits),
-        transport=telemetry,
-        timing=timing,
-    )

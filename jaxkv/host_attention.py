@@ -64,7 +64,7 @@ _wide_vectors()  # Before any function of this module compiles.
 ENGINE_THREADS = max(1, min(numba.config.NUMBA_NUM_THREADS - 2, 16))
 
 # The process's kernel thread: a split layer's kernel runs here while the dispatching thread dispatches the device's
-# side (jaxkv.engine), and so does the split's measurement (jaxkv.host_split); one per process, so the kernels run
+# side (jaxkv.host_decode), and so does the split's measurement (jaxkv.host_split); one per process, so the kernels run
 # one at a time. Run the kernel from no other thread in a process that decodes: with numba's OpenMP layer each thread
 # that starts parallel loops keeps a team of threads of its own, and one kernel call on the main thread of the H200
 # host (24 threads) slowed decode steps at 32k, batch 1 from 44-46 to 52-53 ms (two processes each; likely GNU

@@ -47,8 +47,9 @@ from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv import prefix_cache as prefix_cache_lib
 from jaxkv import sampling as sampling_lib
+from jaxkv import telemetry
 from jaxkv.config import SamplingConfig
-from jaxkv.transport import Transport
+from jaxkv.meta import Meta
 
 # The counters summed over a serve(), in ServeResult.transport whatever the run did.
 TOTALS = ("h2d_bytes", "d2h_bytes", "ring_high_water_bytes_per_device", "insertions")
@@ -119,17 +120,16 @@ def _slot_functions(cfg, mesh: jax.sharding.Mesh) -> _SlotFns:
       return sampling_lib.sample_traced(row[None], key, temperature, top_k, top_p)[0]
 
     def drawn(lg):
-      return jax.vmap(one)(lg, keys[:, 0], meta[-2] - keys[:, 1], keys[:, 2], knobs[:, 0], knobs[:, 1])
+      return jax.vmap(one)(lg, keys[:, 0], Meta.step(meta) - keys[:, 1], keys[:, 2], knobs[:, 0], knobs[:, 1])
 
     greedy = lambda lg: jnp.argmax(lg, axis=-1).astype(jnp.int32)
     tok = jax.lax.cond(jnp.all(knobs[:, 0] == 0.0), greedy, drawn, lg)
-    step = jnp.zeros_like(meta).at[-3:-1].set(1)
-    return lg, tok, model.embed(top, tok), meta + step
+    return lg, tok, model.embed(top, tok), Meta.advance(meta)
 
   def enter(x, meta, keys, knobs, x_new, b, start_b, key_b, knobs_b):
     """Slot b takes a new request: its hidden state, start row and sampling key and knobs."""
     x = jax.lax.dynamic_update_slice(x, x_new, (b, 0))
-    meta = jax.lax.dynamic_update_slice(meta, start_b[None], (b,))
+    meta = Meta.with_start(meta, b, start_b)
     keys = jax.lax.dynamic_update_slice(keys, key_b[None], (b, 0))
     return x, meta, keys, jax.lax.dynamic_update_slice(knobs, knobs_b[None], (b, 0))
 
@@ -268,9 +268,8 @@ class _Run:
     self.done = [False] * len(requests)
     self.where: list[tuple[int, int, int] | None] = [None] * len(requests)  # (slot, epoch, first row).
     self.shapes: set[tuple] = set()
-    # Every counter the telemetry reports, present from the start (a run without slot reuse has 0 insertions).
-    self.totals = collections.Counter(dict.fromkeys(TOTALS, 0))
-    self.by_device = dict(h2d_bytes_by_device=collections.Counter(), ring_high_water_bytes_by_device={})
+    self.counts = telemetry.Counters()
+    self.insertions = 0
     self.summary: dict = {}
     self.steps = 0
     self.t_progress = time.perf_counter()
@@ -287,19 +286,20 @@ class _Run:
     """Request r's next token was read back; end: why it ended with it ("eos", "length") or None."""
 
   # Recording.
-  def counters(self, transport, d2h, rows):
-    del rows
-    c = transport.take_counters()
-    self.totals["h2d_bytes"] += c["h2d_bytes"]
-    self.totals["d2h_bytes"] += d2h
-    hw = "ring_high_water_bytes_per_device"
-    self.totals[hw] = max(self.totals[hw], c[hw])
-    engine_lib.add_by_device(self.by_device, c)
+  @property
+  def totals(self) -> collections.Counter:
+    """Every counter of TOTALS, present from the start (a run without slot reuse has 0 insertions)."""
+    c = self.counts
+    return collections.Counter(
+        h2d_bytes=c.h2d_bytes,
+        d2h_bytes=c.d2h_bytes,
+        ring_high_water_bytes_per_device=c.ring_high_water_bytes_per_device,
+        insertions=self.insertions,
+    )
 
   def record(self, owners: list[int | None], lg, tok) -> None:
     """Records one read step for the slots' owners (row b of lg and tok belongs to owners[b])."""
-    lg, tok = jax.device_get((lg, tok))
-    lg = np.asarray(lg, np.float32)
+    lg, tok = telemetry.read_back(lg, tok)
     eos = self.engine.config.sampling.eos_id
     for b, r in enumerate(owners):
       if r is None or self.done[r]:
@@ -323,25 +323,20 @@ class _Run:
       first.append(self.queue.popleft())
     owners: list[int | None] = first + [None] * (self.batch - len(first))
     prompts = [self.requests[r].prompt if r is not None else (0,) for r in owners]
-    cache = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, self.batch, cap, eng.layout)
-    transport = Transport(cache, cfg.kv.pipeline_depth, cfg.kv.transport_debug)
+    gen = eng.start(self.batch, self.counts, self.shapes)
     try:
-      self._epoch(epoch, owners, prompts, cache, transport)
+      self._epoch(epoch, owners, prompts, gen)
     finally:
-      transport.close()
-      self.summary = transport.summary()
-      if cache.host_split is not None:
-        self.summary["host_attention"] = dict(
-            self.summary["host_attention"], **engine_lib.host_thread_ms(cache.host_times)
-        )
+      gen.close()
+      self.summary = gen.summary()
 
-  def _epoch(self, epoch, owners, prompts, cache, transport) -> None:
-    eng, fns = self.engine, self.server.fns
+  def _epoch(self, epoch, owners, prompts, gen: engine_lib.Generation) -> None:
+    eng, fns, cache = self.engine, self.server.fns, gen.cache
     cfg = eng.config
     if self.server.prefix_cache is None:
-      x, meta, keys, knobs, start, longest, pending = self._first_batched(owners, prompts, cache, transport)
+      x, meta, keys, knobs, start, longest, pending = self._first_batched(owners, prompts, gen)
     else:
-      x, meta, keys, knobs, start, longest, pending = self._first_alone(owners, cache, transport)
+      x, meta, keys, knobs, start, longest, pending = self._first_alone(owners, gen)
     slots: list[_Slot | None] = [
         None if r is None else _Slot(r, longest + self.requests[r].max_new_tokens - 2) for r in owners
     ]
@@ -363,23 +358,23 @@ class _Run:
           break
         self.queue.popleft()
         b = slots.index(None)
-        transport.drop()  # Deliveries issued for the next step hold slot b's old rows.
+        gen.transport.drop()  # Deliveries issued for the next step hold slot b's old rows.
         # The windows are overwritten in place below: no copy of the last step may still read them, and no
         # store may still write them (x depends on every delivery that step consumed).
         jax.block_until_ready((x, cache.windows, cache.heads))
         x, meta, keys, knobs, entry = self._insert(cache, x, meta, keys, knobs, b, r, end, step)
-        self.totals["insertions"] += 1
+        self.insertions += 1
         slots[b] = _Slot(r, end + req.max_new_tokens - 2)
         start[b] = end - len(req.prompt)
         self.placed(r, b, epoch, int(start[b]))
         pending.append(entry)
       need = max((s.last_row for s in slots if s is not None and not self.done[s.request]), default=-1)
       if end <= need:
-        x, d2h = eng.decode_pass(cache, transport, x, meta, start, end, end + 1 <= need, self.shapes)
+        x, d2h = eng.decode_pass(gen, x, meta, end, end + 1 <= need)
         lg, tok, x, meta = fns.head(eng.top_last, x, meta, keys, knobs)
         lg.copy_to_host_async()
         tok.copy_to_host_async()
-        self.counters(transport, d2h, cache.rows)
+        gen.add_counters("decode", d2h, cache.rows)
         pending.append((step, [None if s is None else s.request for s in slots], lg, tok))
         end += 1
         step += 1
@@ -390,13 +385,11 @@ class _Run:
         return
       self._read(pending.popleft(), slots)
 
-  def _first_batched(self, owners, prompts, cache, transport):
+  def _first_batched(self, owners, prompts, gen):
     """The epoch's first requests prefilled as one batch; returns the decode state, start, longest and the first
     tokens' pending read."""
     eng, fns = self.engine, self.server.fns
-    x_last, start, longest = eng.prefill_prompts(
-        cache, transport, prompts, 0, next_pass=True, shapes=self.shapes, counters=self.counters
-    )
+    x_last, start, longest = eng.prefill_prompts(gen, prompts, next_pass=True)
     keys, knobs = zip(*(self.server.sampling_of(None if r is None else self.requests[r]) for r in owners))
     keys, knobs = eng.put(keys, np.int32), eng.put(knobs, np.float32)
     lg, tok, x, _ = fns.head(eng.top_last, x_last, eng.meta(start, longest, 0, 0), keys, knobs)
@@ -404,17 +397,17 @@ class _Run:
     pending = collections.deque([(0, list(owners), lg, tok)])
     return x, meta, keys, knobs, start, longest, pending
 
-  def _first_alone(self, owners, cache, transport):
+  def _first_alone(self, owners, gen):
     """With the prefix cache: the epoch's first requests enter their slots one by one at end = the longest prompt,
     each prefilled alone like any later request (so that a prompt's rows never depend on its neighbours)."""
-    eng, cfg = self.engine, self.engine.config
+    eng, cfg, cache = self.engine, self.engine.config, gen.cache
     longest = max(len(self.requests[r].prompt) for r in owners if r is not None)
     w_rows = longest // cfg.kv.block * cfg.kv.block
     if w_rows and self.batch > 1:  # The other slots' rows; one slot's window is stored whole (_put_slot).
       cache.store_zeros(w_rows)
     cache.store_zero_opens()
     cache.rows = w_rows
-    start = np.full(self.batch, longest - 1, np.int32)  # An empty slot attends one zero row.
+    start = gen.start = np.full(self.batch, longest - 1, np.int32)  # An empty slot attends one zero row.
     keys, knobs = zip(*(self.server.sampling_of(None) for _ in owners))
     keys, knobs = eng.put(keys, np.int32), eng.put(knobs, np.float32)
     x = eng.put(np.zeros((self.batch, cfg.model.d_model)), jnp.dtype(cfg.model.dtype))
@@ -425,7 +418,6 @@ class _Run:
         x, meta, keys, knobs, entry = self._insert(cache, x, meta, keys, knobs, b, r, longest, 1)
         start[b] = longest - len(self.requests[r].prompt)
         pending.append(entry)
-    del transport  # Its first pass is the first decode step.
     return x, meta, keys, knobs, start, longest, pending
 
   def _read(self, entry, slots) -> None:
@@ -484,27 +476,16 @@ class _Run:
     # back for the next chunk. The price: the prompt's rows in device memory during its prefill.
     device = dict(placement="device", host_attention=False, host_attention_fraction=0.0)
     kv = cfg.kv if below is None else dataclasses.replace(cfg.kv, **device)
-    own = cache_lib.KVCache(cfg.model, kv, eng.mesh, 1, cfg.engine.capacity, eng.layout)
-    if first and below is None:  # Skipped chunks: zero rows below the prompt (left padding).
-      own.store_zeros(first * cfg.engine.prefill_chunk)
-    transport = Transport(own, kv.pipeline_depth, kv.transport_debug)
+
+    def fill(own):
+      if first and below is None:  # Skipped chunks: zero rows below the prompt (left padding).
+        own.store_zeros(first * cfg.engine.prefill_chunk)
+
+    own = eng.start(1, self.counts, self.shapes, kv=kv, fill=fill)
     try:
-      return eng.prefill(
-          own,
-          transport,
-          tokens,
-          start,
-          longest,
-          0,
-          finish,
-          first=first,
-          below=below,
-          next_pass=False,
-          shapes=self.shapes,
-          counters=self.counters,
-      )
+      return eng.prefill(own, tokens, start, longest, finish, next_pass=False, first=first, below=below)
     finally:
-      transport.close()
+      own.close()
 
   def _prefill_in_place(self, cache, b, prompt, end):
     """Prefills the prompt as if it ended at row `end` (chunks aligned to row 0 of the slot) straight into slot b."""
@@ -558,12 +539,9 @@ class _Run:
         for t, h, w, e in zip(self.tokens, self.hashes, self.where, self.errors)
     ]
     transcript = json.dumps([[r.tokens, r.logits_sha256] + ([r.error] if r.error else []) for r in results])
-    telemetry = dict(self.summary, compiled_shapes=len(self.shapes), epochs=epochs, **self.totals)
+    report = dict(self.summary, compiled_shapes=len(self.shapes), epochs=epochs, **self.totals)
     if self.server.prefix_cache is not None:
-      telemetry["prefix_cache"] = self.server.prefix_cache.summary()
-    telemetry.update(
-        h2d_bytes_by_device=dict(self.by_device["h2d_bytes_by_device"]),
-        ring_high_water_bytes_by_device=self.by_device["ring_high_water_bytes_by_device"],
-    )
+      report["prefix_cache"] = self.server.prefix_cache.summary()
+    report.update(self.counts.by_device())
     timing = dict(wall_s=wall_s, decode_steps=self.steps, tokens=sum(len(t) for t in self.tokens))
-    return ServeResult(results, hashlib.sha256(transcript.encode()).hexdigest(), telemetry, timing)
+    return ServeResult(results, hashlib.sha256(transcript.encode()).hexdigest(), report, timing)

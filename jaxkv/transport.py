@@ -274,15 +274,4 @@ class Transport:
         ring_bytes_per_device_configured=ring,
         fallback_reason=c.fallback_reason,
         **({"residency": self.cache.plan.summary()} if self.cache.plan else {}),
-        **(
-            {
-                "host_attention": dict(
-                    self.cache.host_split.summary(),
-                    threads=self.cache.host_threads,
-                    wait="device" if self.cache.device_wait else "thread",
-                )
-            }
-            if self.cache.host_split
-            else {}
-        ),
     )

@@ -20,8 +20,8 @@ import pytest
 
 from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
-from jaxkv import engine as engine_lib
 from jaxkv import host_attention
+from jaxkv import host_decode
 from jaxkv import host_split
 from jaxkv import host_wait
 from jaxkv import mesh as mesh_lib
@@ -55,13 +55,13 @@ def test_split_decoding_matches_the_device_placement(tensor, depth):
       fraction=FRACTION, source="override", cpu_gbps=None, link_gbps=None
   )
   # The dispatching thread's and the kernel worker's time, per part.
-  assert all(split[f"{p}_ms_per_step"] > 0 for p in engine_lib.HOST_THREAD_PARTS), split
+  assert all(split[f"{p}_ms_per_step"] > 0 for p in host_decode.HOST_THREAD_PARTS), split
 
 
 def test_split_decoding_is_deterministic_and_delivers_the_tails(monkeypatch):
   a, b = split_engine(1, debug=1).generate(PROMPTS, NEW), split_engine(1, debug=1).generate(PROMPTS, NEW)
   assert a.logits_sha256 == b.logits_sha256 and a.tokens == b.tokens
-  with monkeypatch.context() as m:  # Polled waits, as where cores are spare (engine._poll): the same bits.
+  with monkeypatch.context() as m:  # Polled waits, as where cores are spare (host_decode._poll): the same bits.
     m.setattr(numba.config, "NUMBA_DEFAULT_NUM_THREADS", 1024)
     assert split_engine(1, debug=1).generate(PROMPTS, NEW).logits_sha256 == a.logits_sha256
   # The setting reaches the kernel (the split measurement and decode), and the bits do not depend on it.
@@ -90,7 +90,7 @@ def test_the_engine_polls_its_waits_only_with_a_core_to_spare(monkeypatch, cores
     calls.append(None)
     return len(calls) == 3
 
-  engine_lib._poll(ready, threads=2)
+  host_decode._poll(ready, threads=2)
   assert len(calls) == polls
 
 
@@ -145,6 +145,7 @@ def test_the_cache_makes_the_kernel_views_once_per_head():
   eng = split_engine(2)
   cfg = eng.config
   cache = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, 2, cfg.engine.capacity)
+  host_decode.HostDecode.of(cache)
   pointers = lambda: [s.data.unsafe_buffer_pointer() for s in cache.heads[0].addressable_shards]
 
   def store(rows):  # Layer 0's window of `rows` rows, split at r1 = floor(0.5 rows / 8) 8.
@@ -172,7 +173,7 @@ def test_device_waits_give_the_bits_of_thread_waits(tensor, depth):
   got = helpers.with_kv(thread, host_attention_wait="device").generate(PROMPTS, NEW)
   assert got.logits_sha256 == want.logits_sha256 and got.tokens == want.tokens
   split = got.transport["host_attention"]
-  assert all(split[f"{p}_ms_per_step"] > 0 for p in engine_lib.HOST_THREAD_PARTS), split
+  assert all(split[f"{p}_ms_per_step"] > 0 for p in host_decode.HOST_THREAD_PARTS), split
   assert (want.transport["host_attention"]["wait"], split["wait"]) == ("thread", "device")  # "auto" on CPU: thread.
 
 
@@ -185,30 +186,30 @@ class _Device:
 def test_the_auto_wait_is_the_devices_on_one_gpu_in_one_process(monkeypatch):
   gpu = _Device("gpu")
   monkeypatch.setattr(host_wait, "available", lambda: True)
-  assert cache_lib.devices_wait("auto", {gpu})
-  assert not cache_lib.devices_wait("auto", {gpu, _Device("gpu")})  # Not measured on several GPUs.
-  assert not cache_lib.devices_wait("auto", {_Device("cpu")})
-  assert not cache_lib.devices_wait("thread", {gpu}) and cache_lib.devices_wait("device", {_Device("cpu")})
+  assert host_decode.devices_wait("auto", {gpu})
+  assert not host_decode.devices_wait("auto", {gpu, _Device("gpu")})  # Not measured on several GPUs.
+  assert not host_decode.devices_wait("auto", {_Device("cpu")})
+  assert not host_decode.devices_wait("thread", {gpu}) and host_decode.devices_wait("device", {_Device("cpu")})
   monkeypatch.setattr(jax, "process_count", lambda: 2)
-  assert not cache_lib.devices_wait("auto", {gpu})
+  assert not host_decode.devices_wait("auto", {gpu})
   monkeypatch.setattr(jax, "process_count", lambda: 1)
   monkeypatch.setattr(host_wait, "available", lambda: False)  # The ops did not build (no C++ compiler).
-  assert not cache_lib.devices_wait("auto", {gpu})
+  assert not host_decode.devices_wait("auto", {gpu})
   with pytest.raises(ValueError, match="did not build"):
-    cache_lib.devices_wait("device", {gpu})
+    host_decode.devices_wait("device", {gpu})
 
 
 @helpers.NEEDS_CXX
 def test_with_device_waits_generate_waits_for_the_kernels_once(monkeypatch):
   """A pass returns without waiting for its host kernels, so the dispatching thread runs on into the next pass;
   generate waits for them at its end. The thread's wait waits for each layer's kernel."""
-  waits, collect = [], engine_lib.Engine._collect
+  waits, collect = [], host_decode.HostDecode.collect
 
-  def counted(cache, raise_error=True):
-    waits.append(len(cache.host_pending))
-    collect(cache, raise_error)
+  def counted(host, raise_error=True):
+    waits.append(len(host.pending))
+    collect(host, raise_error)
 
-  monkeypatch.setattr(engine_lib.Engine, "_collect", staticmethod(counted))
+  monkeypatch.setattr(host_decode.HostDecode, "collect", counted)
   thread = split_engine(2)
   want = thread.generate(PROMPTS, NEW)
   assert len(waits) > NEW
@@ -258,7 +259,7 @@ def test_a_carried_merge_gives_the_bits_of_merge_then_query(monkeypatch):
   """bf16, where fusing the merge into the query's program could otherwise keep x wider than the merge returns."""
   eng = split_engine(1, cfg=helpers.tiny_config(dtype="bfloat16"))
   carried = eng.generate(PROMPTS, NEW, keep_logits=True)
-  monkeypatch.setattr(engine_lib.Engine, "_decode_split", held_merge_probe()._alone)
+  monkeypatch.setattr(host_decode.HostDecode, "decode_layer", held_merge_probe()._alone)
   alone = eng.generate(PROMPTS, NEW, keep_logits=True)
   assert carried.logits_sha256 == alone.logits_sha256 and carried.tokens == alone.tokens
 
@@ -268,7 +269,7 @@ def test_the_held_merge_probe_compares_the_same_tokens():
   rows = probe.run([(2, 0.5)], ctx=40, new=6, rounds=2, threads=0)
   assert [r["variant"] for r in rows] == ["carried", "alone", "alone", "carried"]
   assert len({r["tokens_sha256"] for r in rows}) == 1 and all(r["ms_per_step"] > 0 for r in rows)
-  assert engine_lib.Engine._decode_split is probe._CARRIED  # Restored.
+  assert host_decode.HostDecode.decode_layer is probe._CARRIED  # Restored.
 
 
 @pytest.mark.parametrize(

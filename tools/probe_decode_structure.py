@@ -15,6 +15,7 @@ import jax, jax.numpy as jnp, numpy as np
 from experiments import llama3_8b
 from jaxkv import config as C, run, model, mesh as mesh_lib
 from jaxkv.kv_quant import KVFormat
+from jaxkv.meta import Meta
 OUT = os.environ.get("OUT", "/tmp"); TAG = os.environ.get("TAG", "default")
 cd = llama3_8b.get_config(); cd.engine.capacity = 8192
 if os.environ.get("SMOKE"): cd.model.num_layers = 4; cd.model.d_model = 256; cd.model.mlp_dim = 512; cd.model.vocab_size = 512
@@ -24,17 +25,17 @@ L = mc.num_layers; layers = params["layers"]
 kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device"); rep = mesh_lib.replicated(mesh)
 fmt = KVFormat.of(mc)
 def layer_plain(p, x, w, o, meta):  # the open page appended to the window (a copy), attended together
-  start, end = meta[:-3], meta[-3]
+  start, end = Meta.start(meta), Meta.end(meta)
   q, o2 = model.query_and_write(p, x, o, start, end, end - w.shape[3], mc, fmt)
   rows = jnp.arange(w.shape[3] + o2.shape[3])
   mask = (rows[None] >= start[:, None]) & (rows[None] <= end)
   out = model.attention(q, fmt.unpack(jnp.concatenate([w, o2], axis=3)), mask[:, None, :])
   return model.attn_out_and_mlp(p, x[:, None, :], out, mc)[:, 0, :], o2
 def layer_noattn(p, x, w, o, meta):
-  q, o2 = model.query_and_write(p, x, o, meta[:-3], meta[-3], meta[-3] - w.shape[3], mc, fmt)
+  q, o2 = model.query_and_write(p, x, o, Meta.start(meta), Meta.end(meta), Meta.end(meta) - w.shape[3], mc, fmt)
   return model.attn_out_and_mlp(p, x[:, None, :], q.astype(x.dtype), mc)[:, 0, :], o2
 def layer_split(p, x, w, o, meta):  # window and open page attended apart, merged
-  return model.decode_layer(p, x, w, o, meta[:-3], meta[-3], cfg=mc, kv_format=fmt)
+  return model.decode_layer(p, x, w, o, Meta.start(meta), Meta.end(meta), cfg=mc, kv_format=fmt)
 one_layer = jax.jit(layer_split, donate_argnums=(3,))  # One call per layer.
 
 

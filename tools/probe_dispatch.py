@@ -10,6 +10,7 @@ import dataclasses, os, queue, threading, time
 import jax, jax.numpy as jnp, numpy as np
 from experiments import llama3_8b
 from jaxkv import config as C, run, cache as cache_lib, mesh as mesh_lib
+from jaxkv.meta import Meta
 
 ctx = int(os.environ.get("CTX", "4096")); N = 20
 cd = llama3_8b.get_config(); cd.engine.capacity = ctx + 512
@@ -20,7 +21,7 @@ cache = cache_lib.KVCache(cfg.model, dataclasses.replace(cfg.kv, placement="host
 hw = [jax.device_put(jnp.ones((2, 1, 8, ctx, 128), jnp.bfloat16) * 0.01, cache.host_sharding) for _ in range(L)]
 opens = [jax.device_put(jnp.zeros((2, 1, 8, 256, 128), jnp.bfloat16), cache.device_sharding) for _ in range(L)]
 rep = mesh_lib.replicated(eng.layout.last)  # The engine's replicated sharding: the head's stage.
-meta = jax.device_put(np.array([0, ctx, 1, 0], np.int32), rep)
+meta = jax.device_put(Meta.pack(np.zeros(1, np.int32), ctx, 1, 0), rep)
 x0 = jax.device_put(jnp.zeros((1, 4096), jnp.bfloat16), rep)
 layers = params["layers"]; DEV = cache.device_sharding
 acc = {"put": 0.0, "dec": 0.0}

@@ -19,15 +19,16 @@ from experiments import llama3_8b
 from experiments import tiny
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
+from jaxkv import host_decode
 from jaxkv import run as run_lib
 
-Engine = engine_lib.Engine
-_CARRIED = Engine._decode_split
+HostDecode = host_decode.HostDecode
+_CARRIED = HostDecode.decode_layer
 
 
-def _alone(self, cache, l, fns, x, held, tail, meta, start):
+def _alone(self, l, fns, p, x, held, tail, meta, start):
   """The split layer with the held merge dispatched on its own first."""
-  return _CARRIED(self, cache, l, fns, Engine._merge_held(cache, held, x), None, tail, meta, start)
+  return _CARRIED(self, l, fns, p, self.merge_held(held, x), None, tail, meta, start)
 
 
 def run(cells, ctx: int, new: int, rounds: int, threads: int) -> list[dict]:
@@ -43,17 +44,17 @@ def run(cells, ctx: int, new: int, rounds: int, threads: int) -> list[dict]:
       cfg = config_lib.from_config_dict(cd)
       if mesh is None:
         mesh, params, _ = run_lib.build(cfg, 0)
-      eng = Engine(cfg, mesh, params, run_lib.make_layout(cfg, mesh))
+      eng = engine_lib.Engine(cfg, mesh, params, run_lib.make_layout(cfg, mesh))
       prompts = run_lib.random_prompts(cfg.model.vocab_size, [ctx] * batch, 1)
       chunk = cfg.engine.prefill_chunk
       zero_rows = (ctx - 1) // chunk * chunk
       variants = {"carried": _CARRIED, "alone": _alone}
       for split in variants.values():  # Warm-up: compiles both.
-        Engine._decode_split = split
+        HostDecode.decode_layer = split
         eng.generate(prompts, new, zero_rows=zero_rows)
       for r in range(rounds):
         for name in ("carried", "alone") if r % 2 == 0 else ("alone", "carried"):
-          Engine._decode_split = variants[name]
+          HostDecode.decode_layer = variants[name]
           res = eng.generate(prompts, new, zero_rows=zero_rows)
           ha = res.transport["host_attention"]
           parts = {k.removesuffix("_ms_per_step"): round(v, 2) for k, v in ha.items() if k.endswith("_ms_per_step")}
@@ -64,7 +65,7 @@ def run(cells, ctx: int, new: int, rounds: int, threads: int) -> list[dict]:
           )
           print(json.dumps(rows[-1]), flush=True)
   finally:
-    Engine._decode_split = _CARRIED
+    HostDecode.decode_layer = _CARRIED
   return rows
 
 

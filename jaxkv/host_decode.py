@@ -1,0 +1,240 @@
+"""The host-attention path of decode (kv.host_attention): a split layer's head attended on the host CPU.
+
+A streamed layer's window is stored split at r1 (jaxkv.cache: its head, rows [0, r1), and its tail). Decode runs such a
+layer as its query on the devices, the head's partial on the host by the kernel's worker thread
+(host_attention.WORKER), the tail's partial on the devices, and the merge of the two (jaxkv.jitted). `HostDecode` is
+that path for one cache: the host's share (jaxkv.host_split), the kernel's threads, what waits for the host's
+partials (kv.host_attention_wait), the arrays that carry them back (host_attention.HandBack), the kernels' futures and
+the time spent per part. docs/design.md says why on the host's threads and not in a device callback.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import numba
+import numpy as np
+
+from jaxkv import cache as cache_lib
+from jaxkv import host_attention
+from jaxkv import host_split
+from jaxkv import host_wait
+from jaxkv import jitted
+
+HOST_THREAD_PARTS = ("query", "tail", "wait_host", "merge", "wait_query", "kernel")  # HostDecode.thread_ms.
+
+
+def devices_wait(wait: str, devices: set[jax.Device]) -> bool:
+  """Whether the devices wait for the host's partials (kv.host_attention_wait, over the cache's devices): "device"
+  (ValueError if jaxkv.host_wait's ops did not build), "thread", or "auto": "device" where it was measured faster (on
+  the H200 host: one GPU in one process) and the ops build, "thread" elsewhere."""
+  if wait == "auto":
+    one_gpu = len(devices) == 1 and next(iter(devices)).platform == "gpu" and jax.process_count() == 1
+    return one_gpu and host_wait.available()
+  if wait == "device" and not host_wait.available():
+    raise ValueError("kv.host_attention_wait device needs jaxkv.host_wait's ops, which did not build (see the log)")
+  return wait == "device"
+
+
+def _poll(ready: Callable[[], bool], threads: int) -> None:
+  """Polls ready() until it holds, releasing the GIL between polls, where a core is spare beside the kernel's
+  `threads`, the dispatching thread and the feeder (cores: numba's count of the CPUs this process may run on);
+  elsewhere returns at once (the caller then blocks: a poller without a core of its own slows the kernel down). The
+  two waits on the path from one host-attention kernel to the next use it: a blocked thread's core idles and is slow
+  to wake; on the H200 host decode steps at 32k, batch 1 ran 0-9% faster polled (medians, two machine starts;
+  docs/design.md)."""
+  if threads + 2 <= numba.config.NUMBA_DEFAULT_NUM_THREADS:
+    while not ready():
+      time.sleep(0)
+
+
+class HeldMerge(NamedTuple):
+  """A split layer's merge, not dispatched yet: merge(p, x, o, lse, host_part, slot=slot) on the stage of `fns`, with
+  host_part, slot = _hand_back_args(hand_back)."""
+
+  fns: jitted.Fns
+  p: dict
+  o: jax.Array  # f32[B, K, G, Dh], the device's partial.
+  lse: jax.Array  # f32[B, K, G].
+  hand_back: host_attention.HandBack
+
+
+def _hand_back_args(hand_back: host_attention.HandBack) -> tuple[jax.Array | None, int | None]:
+  """The merge's host_part and slot: the pinned array itself, or the slot the devices wait on (jaxkv.host_wait)."""
+  if not hand_back.device_wait:
+    return hand_back.array, None
+  return None, hand_back.array_slot.id
+
+
+class HostDecode:
+  """The host-attention path of one cache's decode (`of`)."""
+
+  def __init__(self, cache: cache_lib.KVCache, split: host_split.Split, threads: int, device_wait: bool):
+    self.cache, self.split, self.threads, self.device_wait = cache, split, threads, device_wait
+    # Seconds the dispatching thread and the kernel's worker spent per part of the split layers (thread_ms).
+    self.times: collections.Counter = collections.Counter()
+    self.pending: collections.deque = collections.deque()  # The kernel's futures not yet collected.
+    self._hand_backs: dict[jax.sharding.Sharding, host_attention.HandBack] = {}
+
+  @classmethod
+  def of(cls, cache: cache_lib.KVCache) -> HostDecode | None:
+    """With kv.host_attention and streamed layers: the path, its share measured (or the override) and set as the
+    cache's split (KVCache.head_fraction, before anything is stored); else None."""
+    kv, m = cache.kv, cache.model
+    if not (kv.host_attention and any(cache.streamed)):
+      return None
+    threads = host_attention.engine_threads(kv.host_attention_threads)
+    split = host_split.split(
+        kv.host_attention_fraction,
+        cache.host_sharding,
+        cache.device_sharding,
+        cache.format,
+        m.num_heads // m.num_kv_heads,
+        threads,
+    )
+    device_wait = devices_wait(kv.host_attention_wait, {d for s in cache.device_shardings for d in s.mesh.devices.flat})
+    cache.head_fraction = split.fraction
+    return cls(cache, split, threads, device_wait)
+
+  def hand_back(self, sharding: jax.sharding.Sharding) -> host_attention.HandBack:
+    """The array that carries the host's partials f32[B, K, G, Dh + 1] to a stage's devices, in `sharding` (its
+    heads, pinned host memory); one per stage, made at first use."""
+    if sharding not in self._hand_backs:
+      m = self.cache.model
+      shape = (self.cache.batch, m.num_kv_heads, m.num_heads // m.num_kv_heads, m.head_dim + 1)
+      self._hand_backs[sharding] = host_attention.HandBack(shape, sharding, self.device_wait)
+    return self._hand_backs[sharding]
+
+  def decode_layer(self, l, fns, p, x, held, tail, meta, start) -> tuple[jax.Array, HeldMerge]:
+    """Layer l (weights p) with rows [0, r1) (cache.heads[l], r1 > 0) attended on the host CPU by the kernel's
+    worker thread and the tail [r1, W) (delivered) and the open page on the devices.
+
+    x [B, D] is the input of layer l on its stage, or with `held` (the previous split layer's merge, on the same
+    stage) the input of that merge. Returns layer l's input and its own merge, held: the next split layer's query
+    carries it (one dispatch per layer on the path from one kernel to the next), else `merge_held` dispatches it.
+    start: i32[B] on the host, meta's starts (the kernel's mask).
+
+    The query's call also writes q to pinned host memory; the worker waits for it there, attends the head and writes
+    its partial in place into the stage's hand-back array, while this thread dispatches the device's partial over the
+    tail (dispatching a call that consumes a delivery in flight blocks this thread until it lands, so on one thread
+    the kernel and that wait would add up). The feeder keeps issuing the next layers' deliveries meanwhile.
+
+    With device waits (jaxkv.host_wait) the devices publish q to the worker themselves, and this thread does not wait
+    for the worker: the merge it holds waits on the devices for the worker's signal. The workers' futures are
+    collected as they end, and all of them where the caller says (`kernels_collected`)."""
+    cache = self.cache
+    cache.dispatches += 2  # The query's call (with the held merge) and the tail's.
+    hand_back = self.hand_back(fns.pinned_heads)
+    times, t0 = self.times, time.perf_counter()
+    # The held merge reads the hand-back array before this query, hence before the worker writes it again (with
+    # device waits it waits on the devices for the worker's signal). q f32[B, K, G, Dh] also lands in pinned host
+    # memory as q_host, or with device waits the devices publish it to hand_back.query.
+    q_host, q_slot = None, None if hand_back.query_slot is None else hand_back.query_slot.id
+    if held is None:
+      args = (p, x, cache.opens[l], meta)
+      if q_slot is None:
+        q, q_host, cache.opens[l] = fns.query(*args)
+      else:
+        q, cache.opens[l] = fns.query_published(*args, q_slot=q_slot)
+    else:
+      host_part, slot = _hand_back_args(held.hand_back)
+      args = (held.p, x, held.o, held.lse, host_part, p, cache.opens[l], meta)
+      if q_slot is None:
+        x, q, q_host, cache.opens[l] = fns.merge_query(*args)
+      else:
+        x, q, cache.opens[l] = fns.merge_query_published(*args, slot=slot, q_slot=q_slot)
+    views, rows = cache.head_views(l), cache.head_rows(l)  # Read here: the worker does not touch the cache's state.
+    self.pending.append(host_attention.WORKER.submit(self._host_part, views, rows, q_host, start, hand_back))
+    t1 = time.perf_counter()
+    o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
+    times.update(query=t1 - t0, tail=time.perf_counter() - t1)
+    if not hand_back.device_wait:  # The merge takes the partial from this thread: wait for it.
+      self.collect()
+    while self.pending and self.pending[0].done():  # A kernel's error surfaces here, not at the end.
+      times.update(self.pending.popleft().result())
+    return x, HeldMerge(fns, p, o, lse, hand_back)
+
+  def merge_held(self, held: HeldMerge | None, x: jax.Array) -> jax.Array:
+    """x after the held merge (x itself without one)."""
+    if held is None:
+      return x
+    t0 = time.perf_counter()
+    host_part, slot = _hand_back_args(held.hand_back)
+    x = held.fns.merge(held.p, x, held.o, held.lse, host_part, slot=slot)
+    self.times["merge"] += time.perf_counter() - t0
+    self.cache.dispatches += 1
+    return x
+
+  @contextlib.contextmanager
+  def kernels_collected(self, wait: bool = True):
+    """Collects the host kernels submitted in the block: on an error always (they read the heads in place: none
+    may run on past it), else if `wait`."""
+    try:
+      yield
+    except BaseException:
+      self.collect(raise_error=False)
+      raise
+    if wait:
+      self.collect()
+
+  def collect(self, raise_error: bool = True) -> None:
+    """Waits for the kernels submitted and not collected yet, adds their times, and raises the first one's error."""
+    t0, error = time.perf_counter(), None
+    if self.pending:  # One worker: the last ends last.
+      _poll(self.pending[-1].done, self.threads)
+    while self.pending:
+      try:
+        self.times.update(self.pending.popleft().result())
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        error = error or e
+    self.times["wait_host"] += time.perf_counter() - t0
+    if error is not None and raise_error:
+      raise error
+
+  def _host_part(self, views, rows, q_host, start, hand_back) -> dict:
+    """On the kernel's worker: waits for q f32[B, K, G, Dh] in pinned host memory, attends rows [0, rows) of the
+    layer's head (its kernel views) and writes o and lse into `hand_back`, then signals the devices where they wait
+    for it (even on an error: else they would wait forever); returns this thread's seconds per part."""
+    try:
+      t0 = time.perf_counter()
+      if q_host is None:  # Published by the devices (jaxkv.host_wait).
+        q = hand_back.read_query()
+      else:
+        _poll(q_host.is_ready, self.threads)
+        if q_host.is_fully_addressable:  # One call: on the H200 host ~0.05 ms a layer less than a view per shard.
+          q = np.asarray(q_host)
+        else:  # This process's heads; the kernel reads only those.
+          q = host_attention.gather(host_attention.shard_views(q_host), q_host.shape)
+      t1 = time.perf_counter()
+      o, lse = host_attention.attend_views(views, q, start, 0, rows, self.cache.format, threads=self.threads)
+      hand_back.write(o, lse)
+    finally:
+      if hand_back.device_wait:
+        hand_back.signal()
+    return dict(wait_query=t1 - t0, kernel=time.perf_counter() - t1)
+
+  def thread_ms(self) -> dict:
+    """Ms per decode step in each part of the split layers. The dispatching thread: dispatching the query (with the
+    previous split layer's merge, when it carries one) and handing it to the worker, dispatching the tail's partial
+    (it waits for the tail's delivery), waiting for the host's partial (with device waits: for the kernels still
+    running at the end of the pass, or of the generate whose passes run ahead), dispatching the merges that no query
+    carries (the pass's last split layer's, one before a plain layer or at a stage boundary). The kernel's worker,
+    meanwhile: waiting for the query, the kernel with the write of its partial."""
+    steps = max(self.times["steps"], 1)
+    return {f"{k}_ms_per_step": 1e3 * self.times[k] / steps for k in HOST_THREAD_PARTS}
+
+  def summary(self) -> dict:
+    """The split (host_split.Split.summary), the kernel's threads and what waits ("thread" or "device")."""
+    return dict(self.split.summary(), threads=self.threads, wait="device" if self.device_wait else "thread")
+
+
+def report(host: HostDecode | None) -> dict:
+  """A run's telemetry of the path: {"host_attention": its summary and thread_ms}, or {} without one."""
+  if host is None:
+    return {}
+  return {"host_attention": dict(host.summary(), **host.thread_ms())}
