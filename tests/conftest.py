@@ -78,3 +78,16 @@ def pytest_runtest_teardown(item, nextitem):
   if note:
     warnings.warn(note)
   return result
+
+
+@pytest.hookimpl(tryfirst=True)  # Before pytest-xdist reads the groups.
+def pytest_collection_modifyitems(items):
+  """The tests that use a module-scoped fixture of their own module run on one pytest-xdist worker (--dist=loadgroup,
+  pyproject.toml), which builds the fixture once; spread over the workers, each would build it."""
+  for item in items:
+    info, module = getattr(item, "_fixtureinfo", None), getattr(item, "module", None)
+    if info is None or module is None:
+      continue
+    defs = [d[-1] for d in info.name2fixturedefs.values() if d]
+    if any(d.scope == "module" and getattr(d.func, "__module__", None) == module.__name__ for d in defs):
+      item.add_marker(pytest.mark.xdist_group(module.__name__))
