@@ -1,4 +1,4 @@
-"""The jitted functions of prefill and decode: one set per mesh, KV dtype, sampling and prefill attention.
+"""The jitted functions of prefill and decode: one set per mesh, KV dtype and prefill attention; a head per sampling.
 
 Each layer is ONE jitted function, shared by every delivery mode: only where its KV window comes from changes
 (jaxkv.transport). Decode runs consecutive layers as one call (a group, jaxkv.residency.decode_groups) in which each
@@ -50,7 +50,6 @@ class Fns:
   prefill_attention: str  # The prefill attention that runs: "xla" or "cudnn" (model.prefill_attention_impl).
 
 
-@functools.lru_cache(maxsize=None)
 def functions(
     cfg: ModelConfig,
     mesh: jax.sharding.Mesh,
@@ -58,8 +57,30 @@ def functions(
     kv_dtype: str = "model",
     prefill_attention: str = "auto",
 ) -> Fns:
-  """The jitted per-layer functions, shared by every engine (and delivery mode) on one mesh, KV dtype and prefill
-  attention (engine.prefill_attention, resolved for the mesh's devices: model.prefill_attention_impl)."""
+  """The jitted functions of an engine: the layers' (_layer_functions), shared whatever the sampling, and the head,
+  which samples by `sampling` (its eos_id is the host's business: one head serves every eos_id)."""
+  head = _head(cfg, mesh, dataclasses.replace(sampling, eos_id=SamplingConfig.eos_id))
+  return dataclasses.replace(_layer_functions(cfg, mesh, kv_dtype, prefill_attention), head=head)
+
+
+@functools.lru_cache(maxsize=None)
+def _head(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConfig):
+  """(top, x, meta) -> logits, sampled tokens, their embeddings, and the next step's meta (end + 1, step + 1)."""
+
+  def head(top, x, meta):
+    lg = model.logits(top, x, cfg)
+    key = jax.random.fold_in(jax.random.key(Meta.seed(meta)), Meta.step(meta))
+    tok = sampling_lib.sample(lg, key, sampling)
+    return lg, tok, model.embed(top, tok), Meta.advance(meta)
+
+  return jax.jit(head, out_shardings=mesh_lib.replicated(mesh))
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, prefill_attention: str) -> Fns:
+  """The jitted per-layer functions (no head), shared by every engine (delivery mode and sampling) on one mesh, KV
+  dtype and prefill attention (engine.prefill_attention, resolved for the mesh's devices:
+  model.prefill_attention_impl)."""
   rep = mesh_lib.replicated(mesh)
   kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
   heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None))  # q and the partials' o.
@@ -118,13 +139,6 @@ def functions(
   def flush(window, open_page):
     return cache_lib.grow(window, open_page), jnp.zeros_like(open_page)
 
-  def head(top, x, meta):
-    """Logits, sampled tokens, their embeddings, and the next step's meta (end + 1, step + 1)."""
-    lg = model.logits(top, x, cfg)
-    key = jax.random.fold_in(jax.random.key(Meta.seed(meta)), Meta.step(meta))
-    tok = sampling_lib.sample(lg, key, sampling)
-    return lg, tok, model.embed(top, tok), Meta.advance(meta)
-
   return Fns(
       prefill=jax.jit(prefill, out_shardings=(rep, kv)),
       decode_group=jax.jit(decode_group, out_shardings=(rep, kv), donate_argnums=(3,)),
@@ -134,7 +148,7 @@ def functions(
       flush=jax.jit(flush, out_shardings=kv, donate_argnums=(1,)),
       grow=jax.jit(cache_lib.grow, out_shardings=kv),
       split=jax.jit(cache_lib.split_prefilled, static_argnames=("w_rows", "block"), out_shardings=kv),
-      head=jax.jit(head, out_shardings=rep),
+      head=None,  # functions() adds the head of a sampling config.
       embed=jax.jit(model.embed, out_shardings=rep),
       last_row=jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), out_shardings=rep),
       query=jax.jit(query, out_shardings=(heads, pinned_heads, kv), donate_argnums=(2,)),

@@ -1,5 +1,5 @@
 """Eight simulated CPU devices for every test, set before JAX is imported anywhere, one persistent compilation cache
-for the apps that tests run, and a test process that never runs out of memory mappings."""
+for the test processes and the apps that tests run, and a test process that never runs out of memory mappings."""
 
 import gc
 import os
@@ -16,11 +16,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Two XLA:CPU threads per device at least, as jaxkv.cli.setup_platform sets for the apps: with one per device a
 # program's collective and the next program's launch can deadlock (seen as an all-reduce rendezvous timeout).
 os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 16)))
-# The apps that tests start in processes of their own share one persistent compilation cache (jaxkv.compile_cache
-# reads this folder before the user's default one): a program that one of them compiled, the next loads. The test
-# processes themselves do not write the cache: on jax 0.10.2 (CPU) a pytest worker once died with a segmentation fault
-# inside the cache's write of an executable (jax/_src/compilation_cache.py, put_executable_and_time).
+# Every test process shares one persistent compilation cache: the pytest workers of a run and of later runs, and the
+# apps that tests start in processes of their own (jaxkv.compile_cache reads this folder before the user's default
+# one). A program that one of them compiled, the next loads, and so does a worker whose compiled programs were released
+# (below). JAX writes an entry in place: an entry read half-written fails to decompress, which JAX reports as a
+# warning, and the program compiles.
 os.environ.setdefault("JAXKV_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxkv-tests-jax-cache"))
+
+from jaxkv import compile_cache  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+compile_cache.configure(compile_cache.resolve(None))
 
 
 # XLA:CPU maps the code and data of every kernel it compiles into memory mappings of their own, and a test process keeps
@@ -73,3 +78,16 @@ def pytest_runtest_teardown(item, nextitem):
   if note:
     warnings.warn(note)
   return result
+
+
+@pytest.hookimpl(tryfirst=True)  # Before pytest-xdist reads the groups.
+def pytest_collection_modifyitems(items):
+  """The tests that use a module-scoped fixture of their own module run on one pytest-xdist worker (--dist=loadgroup,
+  pyproject.toml), which builds the fixture once; spread over the workers, each would build it."""
+  for item in items:
+    info, module = getattr(item, "_fixtureinfo", None), getattr(item, "module", None)
+    if info is None or module is None:
+      continue
+    defs = [d[-1] for d in info.name2fixturedefs.values() if d]
+    if any(d.scope == "module" and getattr(d.func, "__module__", None) == module.__name__ for d in defs):
+      item.add_marker(pytest.mark.xdist_group(module.__name__))
