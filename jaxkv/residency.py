@@ -5,8 +5,8 @@ Granularity: whole decode groups (`decode_groups`, the same in every placement).
 in one memory, so a streamed group is one delivery and a resident group none, and every group runs the same
 compiled function whichever memory its windows come from: outputs stay bit-identical to the device and host
 placements. A row-range split of every layer would need two arrays per layer (two deliveries, or a device-side
-concatenation that copies the resident rows through HBM each step). Where the KV is large a group is one layer,
-1-3% of the KV with 32-80 layers; groups of several layers hold at most ~64 MiB per device.
+concatenation that copies the resident rows through HBM each step). A group holds at most 1 GiB per device
+(GROUP_TARGET_BYTES) or one layer where a layer is larger: 1-3% of the KV with 32-80 layers at long contexts.
 
 Budget (per device, at the cache's full capacity): free memory of the fullest device when the cache is
 allocated (after the weights), minus the delivery ring (`ring_bytes`: depth + 2 groups of streamed layers), minus a

@@ -264,7 +264,7 @@ class _Run:
     self.batch = batch or min(server.parallel, len(self.queue))
     self.tokens: list[list[int]] = [[] for _ in requests]
     self.digests = digest.Digests()  # Closed by whoever runs this (Server.serve, ServingLoop).
-    self.hashes = [self.digests.new() for _ in requests]
+    self.hashes = [self.digests.new() for _ in requests]  # Per request; None where nobody reads it (serving_loop).
     self.done = [False] * len(requests)
     self.where: list[tuple[int, int, int] | None] = [None] * len(requests)  # (slot, epoch, first row).
     self.shapes: set[tuple] = set()
@@ -306,7 +306,8 @@ class _Run:
         continue
       t = int(tok[b])
       self.tokens[r].append(t)
-      self.digests.update(self.hashes[r], lg[b])
+      if self.hashes[r] is not None:
+        self.digests.update(self.hashes[r], lg[b])
       end = "eos" if t == eos else "length" if len(self.tokens[r]) >= self.requests[r].max_new_tokens else None
       self.done[r] = end is not None
       self.emitted(r, t, end)
