@@ -15,8 +15,8 @@ float8_e4m3fn head_dim quantized bytes followed by their float16 scales, all in 
 layer's window is still ONE array (one transfer). Zero bytes decode to zeros in every format.
 
 With kv.host_attention (placement "host" or "auto"), a streamed layer's window of W rows is stored as two pinned_host
-arrays split at r1 = split_row(W) = floor(f W / P) P, f = head_fraction (set by jaxkv.host_decode: measured or the
-override, jaxkv.host_split): head[l] [2, B, K, r1, E] rows [0, r1), attended on the host CPU during decode
+arrays split at r1 = split_row(W) = floor(f W / P) P, f = head_split.share of the window's bytes (set by
+jaxkv.host_decode: the measured model or the override, jaxkv.host_split): head[l] [2, B, K, r1, E] rows [0, r1), attended on the host CPU during decode
 (jaxkv.host_attention), and window[l] [2, B, K, W - r1, E] rows [r1, W) (the tail), the only rows delivered.
 head[l] is None while r1 = 0, and always for resident layers.
 
@@ -38,6 +38,7 @@ import numpy as np
 
 from jaxkv import distributed
 from jaxkv import host_attention
+from jaxkv import host_split
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv.config import KVConfig, ModelConfig
@@ -88,6 +89,17 @@ def _zeros_fn(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
   return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
+def rows_bound(capacity: int, block: int) -> int:
+  """Largest window plus open page of a cache of `capacity` rows: capacity rounded up to a block, plus a block."""
+  return -(-capacity // block) * block + block
+
+
+def window_bytes(model: ModelConfig, fmt: KVFormat, batch: int, devices: int, rows: int) -> int:
+  """Bytes of `rows` stored rows of one layer (K and V, `batch` sequences, packed scales included) held by each of
+  `devices` head shards."""
+  return 2 * batch * (model.num_kv_heads // devices) * fmt.row_bytes * rows
+
+
 class KVCache:
   """Holds the per-layer windows and open pages; see the module docstring for the layout."""
 
@@ -123,9 +135,9 @@ class KVCache:
       needed = self.host_bytes_per_process()
       check_host_memory(needed, sum(self.streamed), model, self.format, batch, self.rows_bound(), host_ram_for_cache())
       _POOL_HELD[0] = max(_POOL_HELD[0], needed)
-    # With host attention: f, the share of each streamed window's rows held as its head (split_row); set by
+    # With host attention: how each streamed window's rows are split into its head and tail (split_row); set by
     # jaxkv.host_decode before anything is stored.
-    self.head_fraction: float | None = None
+    self.head_split: host_split.Split | None = None
     # Jitted calls and transfers the host has issued for this cache (the engine's, the transport's deliveries and
     # the stores below), read and reset by jaxkv.transport.Transport.take_counters.
     self.dispatches = 0
@@ -137,13 +149,17 @@ class KVCache:
     self.prefill_summary: dict = {}  # The last prefill's attention and plan (jaxkv.engine.prefill_plan).
 
   def rows_bound(self) -> int:
-    """Largest window plus open page the cache can reach: capacity rounded up to a block, plus a block."""
-    return -(-self.capacity // self.block) * self.block + self.block
+    """Largest window plus open page the cache can reach (rows_bound)."""
+    return rows_bound(self.capacity, self.block)
 
   def row_bytes(self, devices: int = 1) -> int:
     """Bytes of one stored cache row (K and V, all batch entries, packed scales included) held by each of
     `devices` head shards."""
-    return 2 * self.batch * (self.model.num_kv_heads // devices) * self.format.row_bytes
+    return window_bytes(self.model, self.format, self.batch, devices, 1)
+
+  def max_window_bytes(self) -> int:
+    """Bytes of the largest window plus open page of layer 0 per device."""
+    return self.row_bytes(mesh_lib.tensor_size(self.mesh)) * self.rows_bound()
 
   def host_bytes_per_process(self) -> int:
     """Pinned host bytes this process needs at full capacity: its devices' head shares of every layer,
@@ -189,7 +205,7 @@ class KVCache:
   def store_group(self, layers: tuple[int, ...], windows_device: list[jax.Array]) -> int:
     """store() of several layers' windows (device arrays); without host attention the streamed ones move in one
     transfer call. Returns bytes moved D2H."""
-    if self.head_fraction is not None:
+    if self.head_split is not None:
       return sum(self.store(l, w) for l, w in zip(layers, windows_device))
     moved = [i for i, l in enumerate(layers) if self.streamed[l]]
     for i, l in enumerate(layers):
@@ -203,10 +219,12 @@ class KVCache:
     return sum(windows_device[i].nbytes for i in moved)
 
   def split_row(self, rows: int) -> int:
-    """r1 for a window of `rows` rows: floor(f rows / P) P (0 with host attention off)."""
-    if self.head_fraction is None:
+    """r1 for a window of `rows` rows: floor(f rows / P) P, f = head_split.share of its bytes per device (0 with
+    host attention off)."""
+    if self.head_split is None:
       return 0
-    return int(self.head_fraction * rows) // self.block * self.block
+    f = self.head_split.share(self.row_bytes(mesh_lib.tensor_size(self.mesh)) * rows)
+    return int(f * rows) // self.block * self.block
 
   def set_head(self, layer: int, head: jax.Array | None) -> None:
     """Replaces layer's head rows [0, r1) (pinned host) and drops the kernel's views of the old ones."""

@@ -26,6 +26,7 @@ from absl import logging
 from jaxkv import cache as cache_lib
 from jaxkv import distributed
 from jaxkv import host_decode
+from jaxkv import host_split
 from jaxkv import jitted
 from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
@@ -104,6 +105,7 @@ class Generation:
   shapes: set[tuple]
   seed: int = 0
   start: np.ndarray | None = None
+  split: host_split.Split | None = None  # With kv.host_attention: the split, also where it turned the path off.
 
   def add_counters(self, kind: str, d2h: int, rows: int) -> None:
     """After a pass ("prefill" chunk or "decode") that stored `d2h` bytes, the window rows now `rows`."""
@@ -115,7 +117,7 @@ class Generation:
 
   def summary(self) -> dict:
     """The transport's summary and the host-attention path's report."""
-    return dict(self.transport.summary(), **host_decode.report(self.host))
+    return dict(self.transport.summary(), **host_decode.report(self.host, self.split, self.cache.max_window_bytes()))
 
   def close(self) -> None:
     self.transport.close()
@@ -209,14 +211,15 @@ class Engine:
     path and its transport. counters: where the transport's counters go (default fresh telemetry.Counters); shapes:
     the set of compiled shapes to add to (default a new one); seed: the sampling seed. fill(cache), if given, stores
     rows into the cache before the transport starts (it sizes its ring from the free device memory)."""
-    kv = kv or self.config.kv
-    cache = cache_lib.KVCache(self.config.model, kv, self.mesh, batch, self.config.engine.capacity, self.layout)
-    host = host_decode.HostDecode.of(cache)
+    m, capacity = self.config.model, self.config.engine.capacity
+    kv, split = host_decode.plan(m, kv or self.config.kv, self.layout.mesh(0), batch, capacity)
+    cache = cache_lib.KVCache(m, kv, self.mesh, batch, capacity, self.layout)
+    host = host_decode.HostDecode.of(cache, split)
     if fill is not None:
       fill(cache)
     transport = Transport(cache, kv.pipeline_depth, kv.transport_debug)
     counters = telemetry_lib.Counters() if counters is None else counters
-    return Generation(cache, transport, host, counters, set() if shapes is None else shapes, seed)
+    return Generation(cache, transport, host, counters, set() if shapes is None else shapes, seed, split=split)
 
   def prefill(self, gen: Generation, tokens, start, longest, finish, *, next_pass, first=0, below=None):
     """Prefills right-aligned prompts in chunks of engine.prefill_chunk rows, the last one only as many kv.block

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -19,12 +20,16 @@ from typing import NamedTuple
 import jax
 import numba
 import numpy as np
+from absl import logging
 
 from jaxkv import cache as cache_lib
 from jaxkv import host_attention
 from jaxkv import host_split
 from jaxkv import host_wait
 from jaxkv import jitted
+from jaxkv import mesh as mesh_lib
+from jaxkv.config import KVConfig, ModelConfig
+from jaxkv.kv_quant import KVFormat
 
 HOST_THREAD_PARTS = ("query", "tail", "wait_host", "merge", "wait_query", "kernel")  # HostDecode.thread_ms.
 
@@ -51,6 +56,40 @@ def _poll(ready: Callable[[], bool], threads: int) -> None:
   if threads + 2 <= numba.config.NUMBA_DEFAULT_NUM_THREADS:
     while not ready():
       time.sleep(0)
+
+
+def plan(
+    model: ModelConfig, kv: KVConfig, mesh: jax.sharding.Mesh, batch: int, capacity: int
+) -> tuple[KVConfig, host_split.Split | None]:
+  """Before a cache of `batch` sequences and `capacity` rows is made: with kv.host_attention and a placement that
+  streams, the split (jaxkv.host_split: measured, or the override) and kv; kv with host attention off where the
+  measured model predicts a gain under host_split.MIN_GAIN for the largest window the cache reaches (its windows
+  then stream alone, in the decode groups of streaming; logged, and in the telemetry)."""
+  if not kv.host_attention or kv.placement == "device":
+    return kv, None
+  fmt = KVFormat.of(model, kv.dtype)
+  host, device = (mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, k) for k in ("pinned_host", "device"))
+  window = cache_lib.window_bytes(
+      model, fmt, batch, mesh_lib.tensor_size(mesh), cache_lib.rows_bound(capacity, kv.block)
+  )
+  split = host_split.split(
+      kv.host_attention_fraction,
+      kv.host_attention_threads,
+      host,
+      device,
+      fmt,
+      model.num_heads // model.num_kv_heads,
+      window,
+  )
+  if split.share(window):
+    return kv, split
+  logging.warning(
+      "host attention off: predicted gain %.3f over streaming alone at %d MiB a window per device, under %.2f",
+      split.gain(window),
+      window // 2**20,
+      host_split.MIN_GAIN,
+  )
+  return dataclasses.replace(kv, host_attention=False), split
 
 
 class HeldMerge(NamedTuple):
@@ -82,24 +121,15 @@ class HostDecode:
     self._hand_backs: dict[jax.sharding.Sharding, host_attention.HandBack] = {}
 
   @classmethod
-  def of(cls, cache: cache_lib.KVCache) -> HostDecode | None:
-    """With kv.host_attention and streamed layers: the path, its share measured (or the override) and set as the
-    cache's split (KVCache.head_fraction, before anything is stored); else None."""
-    kv, m = cache.kv, cache.model
-    if not (kv.host_attention and any(cache.streamed)):
+  def of(cls, cache: cache_lib.KVCache, split: host_split.Split | None) -> HostDecode | None:
+    """With kv.host_attention, a split (`plan`) and streamed layers: the path, its split set as the cache's
+    (KVCache.head_split, before anything is stored); else None."""
+    kv = cache.kv
+    if not (kv.host_attention and split is not None and any(cache.streamed)):
       return None
-    threads = host_attention.engine_threads(kv.host_attention_threads)
-    split = host_split.split(
-        kv.host_attention_fraction,
-        cache.host_sharding,
-        cache.device_sharding,
-        cache.format,
-        m.num_heads // m.num_kv_heads,
-        threads,
-    )
     device_wait = devices_wait(kv.host_attention_wait, {d for s in cache.device_shardings for d in s.mesh.devices.flat})
-    cache.head_fraction = split.fraction
-    return cls(cache, split, threads, device_wait)
+    cache.head_split = split
+    return cls(cache, split, split.threads, device_wait)
 
   def hand_back(self, sharding: jax.sharding.Sharding) -> host_attention.HandBack:
     """The array that carries the host's partials f32[B, K, G, Dh + 1] to a stage's devices, in `sharding` (its
@@ -229,12 +259,15 @@ class HostDecode:
     return {f"{k}_ms_per_step": 1e3 * self.times[k] / steps for k in HOST_THREAD_PARTS}
 
   def summary(self) -> dict:
-    """The split (host_split.Split.summary), the kernel's threads and what waits ("thread" or "device")."""
-    return dict(self.split.summary(), threads=self.threads, wait="device" if self.device_wait else "thread")
+    """The split (host_split.Split.summary at the cache's largest window) and what waits ("thread" or "device")."""
+    return dict(self.split.summary(self.cache.max_window_bytes()), wait="device" if self.device_wait else "thread")
 
 
-def report(host: HostDecode | None) -> dict:
-  """A run's telemetry of the path: {"host_attention": its summary and thread_ms}, or {} without one."""
-  if host is None:
-    return {}
-  return {"host_attention": dict(host.summary(), **host.thread_ms())}
+def report(host: HostDecode | None, split: host_split.Split | None = None, window_bytes: int = 0) -> dict:
+  """A run's telemetry of the path: {"host_attention": its summary and thread_ms}; with host attention turned off by
+  `plan`, {"host_attention": the split's summary at `window_bytes`, off: True}; else {}."""
+  if host is not None:
+    return {"host_attention": dict(host.summary(), **host.thread_ms())}
+  if split is not None:
+    return {"host_attention": dict(split.summary(window_bytes), off=True)}
+  return {}

@@ -1,18 +1,21 @@
-"""The host's share of each window for host attention, chosen from rates measured on this machine.
+"""The host's share of each window for host attention, chosen at start from rates measured on this machine.
 
 With host attention a decode step moves (1 - f) of each streamed window over the link while the CPU attends the other
-f in place (jaxkv.host_attention). Both sides work at once, so a step is shortest when they take the same time:
+f in place (jaxkv.host_attention), then the devices merge the two partials. For one layer whose window holds W bytes
+per device, with s = W / link, k = W / cpu (the kernel's rate over the process's local heads) and c the fixed cost of
+a split layer's round trip (the query's call and its copy to the host, the kernel's call, the hand-back, the merge's
+call: all on the path from one layer's kernel to the next), the model is
 
-  f B / cpu = (1 - f) B / link   ->   f = cpu / (cpu + link)
+  streaming alone:   t = s
+  split at f:        t(f) = max((1 - f) s, c + f k)   ->   f* = (s - c) / (s + k),   gain = s / t(f*).
 
-where cpu is the kernel's rate over stored rows and link the pinned host -> device rate, both in bytes per second,
-measured TOGETHER (each slows the other: they share the host's memory). `measure` runs them side by side on one
-layer's worth of rows (SAMPLE_BYTES per device, zeros: the rate does not depend on the values), once per process and
-(shardings, format); with several processes, process 0's rates decide for all. The serial work of each layer (the
-query's round trip, the merge, the MLP) is not in the model, so the measured f is an upper bound on the best one, near
-it where a layer's kernel is long: on the H200 host (32 cores, 24 threads, device waits) the measured share (0.54-0.57)
-ran 2.01x the link-bound tokens/s at 32k batch 4 (f = 0.48: 1.80x) but 1.39x at 32k batch 1, where f = 0.48 ran
-1.66-1.77x (docs/performance.md).
+A window whose predicted gain is under MIN_GAIN is not split (f = 0): it streams like any other, and where that holds
+for the largest window a cache can reach, host attention is off for it (jaxkv.host_decode). `measure` runs the kernel
+and the link side by side on one layer's worth of rows (SAMPLE_BYTES per device; each slows the other: they share the
+host's memory) and times FIXED_RUNS round trips of the path, once per process and (shardings, format, threads); with
+several processes, process 0's figures decide for all. With kv.host_attention_threads = 0 the kernel's threads are
+chosen too: the candidate (ENGINE_THREADS and fewer, leaving cores to the dispatching thread, the feeder and XLA's
+own threads) with the largest predicted gain.
 """
 
 from __future__ import annotations
@@ -35,43 +38,75 @@ from jaxkv.kv_quant import KVFormat
 
 SAMPLE_BYTES = 64 * 2**20  # Stored rows per device to measure on: about one layer's window at long context.
 MAX_FRACTION = 0.95  # A share of rows is always delivered: the device also attends the open page.
+MIN_GAIN = 1.03  # A window whose predicted gain over streaming alone is smaller is not split.
+FIXED_RUNS = 32  # Round trips timed for the fixed cost c.
+_WEIGHT_ARGS = 9  # A layer's weight arrays: what each of its calls takes.
+THREAD_STEPS = (0, 2, 4)  # Kernel threads tried with kv.host_attention_threads = 0: ENGINE_THREADS minus these.
 _KERNEL_RUNS = 3
 _MAX_COPIES = 16  # Copies in flight while measuring together: at most 1 GiB per device.
 
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-  """fraction: the host's share f in (0, 1); source: "measured" or "override"; cpu_gbps / link_gbps: the rates
-  measured together (None for an override), GB/s = 1e9 B/s of stored rows, the link's per device."""
+  """How a cache's streamed windows are split. source: "measured" (the model's f for each window, from cpu_gbps and
+  link_gbps, rates measured together, GB/s = 1e9 B/s of stored rows, the link's per device and the CPU's over
+  `local` head shards, and fixed_ms, a split layer's fixed cost) or "override" (`fraction` for every window)."""
 
-  fraction: float
   source: str
+  threads: int
+  fraction: float | None = None
   cpu_gbps: float | None = None
   link_gbps: float | None = None
+  fixed_ms: float | None = None
+  local: int = 1
 
-  def summary(self) -> dict:
-    return dataclasses.asdict(self)
+  def share(self, window_bytes: int) -> float:
+    """f for a window of `window_bytes` per device (one layer, every sequence): the override, or f* of the model,
+    at most MAX_FRACTION, 0 where its predicted gain is under MIN_GAIN."""
+    if self.source == "override":
+      return self.fraction
+    s, k = self._seconds(window_bytes)
+    f = min(max((s - self.fixed_ms / 1e3) / (s + k), 0.0), MAX_FRACTION)
+    return f if self.gain(window_bytes, f) >= MIN_GAIN else 0.0
 
+  def gain(self, window_bytes: int, f: float | None = None) -> float:
+    """Predicted step time of streaming alone over that of the split at f (default share(window_bytes))."""
+    f = self.share(window_bytes) if f is None else f
+    s, k = self._seconds(window_bytes)
+    return s / max((1 - f) * s, self.fixed_ms / 1e3 + f * k) if f else 1.0
 
-def choose(cpu_gbps: float, link_gbps: float) -> float:
-  """f = cpu / (cpu + link), at most MAX_FRACTION."""
-  if cpu_gbps <= 0 or link_gbps <= 0:
-    raise ValueError(f"rates must be positive, got cpu {cpu_gbps} and link {link_gbps} GB/s")
-  return min(cpu_gbps / (cpu_gbps + link_gbps), MAX_FRACTION)
+  def _seconds(self, window_bytes: int) -> tuple[float, float]:
+    if self.cpu_gbps is None:
+      raise ValueError("an override split has no model")
+    return window_bytes / (self.link_gbps * 1e9), self.local * window_bytes / (self.cpu_gbps * 1e9)
+
+  def summary(self, window_bytes: int) -> dict:
+    """The fields, with a measured split's share (`fraction`) and predicted gain at `window_bytes`."""
+    out = dataclasses.asdict(self)
+    if self.source == "measured":
+      out.update(window_bytes=window_bytes, fraction=self.share(window_bytes), predicted_gain=self.gain(window_bytes))
+    return out
 
 
 def split(
     fraction: float,
+    threads: int,
     host: jax.sharding.NamedSharding,
     device: jax.sharding.NamedSharding,
     fmt: KVFormat,
     groups: int,
-    threads: int,
+    window_bytes: int,
 ) -> Split:
-  """The override when fraction > 0, else the measured split."""
+  """The override when fraction > 0, else the measured split; threads > 0 is the kernel's, 0 chooses them (the
+  candidate with the largest predicted gain for a window of `window_bytes` per device, the largest the cache
+  reaches). ValueError past numba's pool."""
+  candidates = [host_attention.engine_threads(threads)]
+  if not threads:
+    candidates = sorted({max(1, candidates[0] - d) for d in THREAD_STEPS}, reverse=True)
   if fraction:
-    return Split(fraction, "override")
-  return measure(host, device, fmt, groups, threads)
+    return Split("override", candidates[0], fraction)
+  measured = [measure(host, device, fmt, groups, t) for t in candidates]
+  return max(measured, key=lambda s: s.gain(window_bytes))
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,7 +115,7 @@ def measure(
 ) -> Split:
   """Measures the kernel on `threads` threads over SAMPLE_BYTES of `fmt` rows per device (host: the cache's
   pinned_host sharding of a window [2, B, K, W, E]; groups: query heads per KV head, G, which sets the kernel's
-  arithmetic per row) while the same rows stream to `device`, and returns the split they give."""
+  arithmetic per row) while the same rows stream to `device`, and a split layer's fixed cost; returns the Split."""
   mesh = host.mesh
   t = mesh_lib.tensor_size(mesh)
   heads = t  # One KV head per device shard: the kernel's and the link's rates are per byte, not per head.
@@ -124,22 +159,68 @@ def measure(
   n = min(_MAX_COPIES, math.ceil(_KERNEL_RUNS * cpu_alone / link_alone) + 1)
   runs = [together(n) for _ in range(2)]
   t_cpu, t_link = min(r[0] for r in runs), min(r[1] for r in runs)
+  fixed = _fixed_seconds(window, q, start, fmt, threads)
   # The CPU reads every local head shard; each device's link carries its own share, all in parallel.
   local = len({shard.index[2].indices(heads) for shard in window.addressable_shards})
   window.delete()
-  cpu_gbps = _KERNEL_RUNS * local * per_device / t_cpu / 1e9
-  link_gbps = n * per_device / t_link / 1e9
-  if jax.process_count() > 1:  # Every process must split at the same rows: process 0's rates decide.
-    cpu_gbps, link_gbps = (float(v) for v in multihost_utils.broadcast_one_to_all(np.array([cpu_gbps, link_gbps])))
-  fraction = choose(cpu_gbps, link_gbps * local)
+  figures = np.array([_KERNEL_RUNS * local * per_device / t_cpu / 1e9, n * per_device / t_link / 1e9, fixed * 1e3])
+  if jax.process_count() > 1:  # Every process must split at the same rows: process 0's figures decide.
+    figures = np.asarray(multihost_utils.broadcast_one_to_all(figures))
+  cpu_gbps, link_gbps, fixed_ms = (float(v) for v in figures)
   logging.info(
-      "host attention split: f = %.3f from cpu %.1f GB/s and link %.1f GB/s per device x %d, measured together "
-      "(alone: %.1f and %.1f)",
-      fraction,
+      "host attention, %d kernel threads: cpu %.1f GB/s and link %.1f GB/s per device x %d, measured together "
+      "(alone: %.1f and %.1f), a split layer's fixed cost %.3f ms",
+      threads,
       cpu_gbps,
       link_gbps,
       local,
       local * per_device / cpu_alone / 1e9,
       per_device / link_alone / 1e9,
+      fixed_ms,
   )
-  return Split(fraction, "measured", cpu_gbps, link_gbps)
+  return Split("measured", threads, None, cpu_gbps, link_gbps, fixed_ms, local)
+
+
+def _fixed_seconds(window: jax.Array, q: np.ndarray, start: np.ndarray, fmt: KVFormat, threads: int) -> float:
+  """Seconds of one round trip of a split layer's path with one row block on each side, the median of FIXED_RUNS in
+  a row: a device call writes q to pinned host memory; the kernel's worker waits for it and attends one row block of
+  `window` while a device call attends a block delivered from pinned host memory (issued before the query, as the
+  feeder does); a device call takes the host's partial back. Each call takes a layer's weights' worth of arguments
+  (_WEIGHT_ARGS arrays), and each trip starts from the last one's result."""
+  mesh = window.sharding.mesh
+  device = mesh_lib.sharding(mesh, (), "device")
+  pinned = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None), "pinned_host")
+  on_device = window.sharding.with_memory_kind("device")
+  shape = (*window.shape[:3], host_attention.ROW_BLOCK, window.shape[4])
+  block_host = distributed.move(
+      jax.jit(lambda: jnp.zeros(shape, window.dtype), out_shardings=on_device)(), window.sharding
+  )
+  weights = jax.jit(lambda: [jnp.zeros((8,), jnp.float32)] * _WEIGHT_ARGS, out_shardings=device)()
+  query = jax.jit(lambda w, x: jnp.broadcast_to(x + sum(v[0] for v in w), q.shape), out_shardings=pinned)
+  tail = jax.jit(
+      lambda w, x, blk: x + 0 * blk[0, 0, 0, 0, 0].astype(jnp.float32) + sum(v[0] for v in w), out_shardings=device
+  )
+  # The partial's sum (0 here) joins x: each trip waits for the last one's kernel.
+  merge = jax.jit(
+      lambda w, x, o, lse: x + 0 * jnp.nan_to_num(o.sum() + lse.sum()) + sum(v[0] for v in w), out_shardings=device
+  )
+
+  def host_part(q_host):
+    if q_host.is_fully_addressable:
+      q_np = np.asarray(q_host)
+    else:  # This process's heads; the kernel reads only those.
+      q_np = host_attention.gather(host_attention.shard_views(q_host), q_host.shape)
+    return host_attention.attend_array(window, q_np, start, 0, host_attention.ROW_BLOCK, fmt, threads)
+
+  x, times = jax.jit(lambda: jnp.zeros((), jnp.float32), out_shardings=device)(), []
+  for _ in range(FIXED_RUNS + 1):
+    t0 = time.perf_counter()
+    delivered = distributed.move(block_host, on_device)
+    kernel = host_attention.WORKER.submit(host_part, query(weights, x))
+    y = tail(weights, x, delivered)
+    o, lse = kernel.result()
+    x = merge(weights, y, o, lse)
+    x.block_until_ready()
+    times.append(time.perf_counter() - t0)
+  block_host.delete()
+  return float(np.median(times[1:]))

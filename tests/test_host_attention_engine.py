@@ -94,16 +94,47 @@ def test_the_engine_polls_its_waits_only_with_a_core_to_spare(monkeypatch, cores
   assert len(calls) == polls
 
 
-def test_the_split_is_chosen_from_rates_measured_together():
-  assert host_split.choose(40.0, 50.0) == pytest.approx(40 / 90)
-  assert host_split.choose(1000.0, 1.0) == host_split.MAX_FRACTION
-  with pytest.raises(ValueError, match="must be positive"):
-    host_split.choose(0.0, 50.0)
+def test_the_split_is_the_models_optimum_and_off_under_its_min_gain():
+  """t(f) = max((1 - f) s, c + f k): f* = (s - c) / (s + k); a window whose gain s / t(f*) is under MIN_GAIN streams
+  alone (f = 0)."""
+  split = host_split.Split("measured", 4, cpu_gbps=40.0, link_gbps=50.0, fixed_ms=0.5)
+  w = 100 * 10**6  # s = 2 ms, k = 2.5 ms: f* = 1.5 / 4.5, t = 4/3 ms.
+  assert split.share(w) == pytest.approx(1 / 3) and split.gain(w) == pytest.approx(1.5)
+  assert split.gain(w, 0.5) == pytest.approx(2 / 1.75)  # Past f*, the kernel's side sets the time.
+  assert split.share(25 * 10**6) == 0 and split.gain(25 * 10**6) == 1  # s = c: nothing to gain.
+  assert split.share(26 * 10**6) == 0  # s = 0.52 ms: f* = 0.017 > 0, but a gain of 1.017.
+  two = dataclasses.replace(split, local=2)  # Two local head shards: the CPU reads both, k doubles.
+  assert two.share(w) == pytest.approx(1.5 / 7)
+  assert host_split.Split("override", 4, 0.3).share(w) == 0.3
+
+
+def test_the_measured_split_decides_the_engines_path():
   res = split_engine(2, host_attention_fraction=0.0).generate(PROMPTS, NEW)
   split = res.transport["host_attention"]
-  assert split["source"] == "measured" and split["cpu_gbps"] > 0 and split["link_gbps"] > 0
-  assert split["fraction"] == host_split.choose(split["cpu_gbps"], 2 * split["link_gbps"])  # Two links, in parallel.
+  assert split["source"] == "measured" and split["cpu_gbps"] > 0 and split["link_gbps"] > 0 and split["fixed_ms"] > 0
+  assert split["local"] == 2 and split["threads"] >= 1  # Two head shards on this process's two devices.
+  model = host_split.Split(**{k: split[k] for k in ("source", "threads", "cpu_gbps", "link_gbps", "fixed_ms", "local")})
+  assert split["fraction"] == model.share(split["window_bytes"])
+  assert split.get("off", False) == (split["fraction"] == 0)
   assert res.tokens == helpers.engine(2).generate(PROMPTS, NEW).tokens
+
+
+@pytest.mark.parametrize("fixed_ms, on", [(1e3, False), (0.0, True)])
+def test_host_attention_turns_itself_off_where_the_model_predicts_no_gain(monkeypatch, fixed_ms, on):
+  """A split layer's fixed cost of 1 s: no window gains, host attention is off (streaming's decode groups, streaming's
+  bits, `off` in the telemetry). None: the windows split, f* by the model."""
+  rates = host_split.Split("measured", 1, cpu_gbps=1.0, link_gbps=1.0, fixed_ms=fixed_ms, local=2)
+  monkeypatch.setattr(host_split, "measure", lambda *args: rates)
+  stream = helpers.engine(2, placement="host", depth=1, debug=1).generate(PROMPTS, NEW, keep_logits=True)
+  got = split_engine(2, host_attention_fraction=0.0, debug=1).generate(PROMPTS, NEW, keep_logits=True)
+  split = got.transport["host_attention"]
+  assert split.get("off", False) == (not on) and split["fixed_ms"] == fixed_ms
+  assert split["fraction"] == (pytest.approx(1 / 3) if on else 0)  # s = k / 2: f* = s / (s + 2 s).
+  if on:
+    assert got.tokens == stream.tokens and decode_h2d(got) < 0.8 * decode_h2d(stream)
+  else:
+    assert got.transport["decode_groups"] == stream.transport["decode_groups"]
+    assert got.logits_sha256 == stream.logits_sha256 and decode_h2d(got) == decode_h2d(stream)
 
 
 def test_the_split_is_measured_on_the_kernels_thread(monkeypatch):
@@ -144,8 +175,9 @@ def test_auto_placement_splits_only_the_streamed_layers():
 def test_the_cache_makes_the_kernel_views_once_per_head():
   eng = split_engine(2)
   cfg = eng.config
-  cache = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, 2, cfg.engine.capacity)
-  host_decode.HostDecode.of(cache)
+  kv, split = host_decode.plan(cfg.model, cfg.kv, eng.mesh, 2, cfg.engine.capacity)
+  cache = cache_lib.KVCache(cfg.model, kv, eng.mesh, 2, cfg.engine.capacity)
+  host_decode.HostDecode.of(cache, split)
   pointers = lambda: [s.data.unsafe_buffer_pointer() for s in cache.heads[0].addressable_shards]
 
   def store(rows):  # Layer 0's window of `rows` rows, split at r1 = floor(0.5 rows / 8) 8.
