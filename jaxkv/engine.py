@@ -205,12 +205,14 @@ class Engine:
       rec.digests.close()
 
   def start(self, batch: int, counters=None, shapes=None, *, seed: int = 0, kv=None, fill=None) -> Generation:
-    """A generation of `batch` sequences: a fresh cache placed as `kv` says (default config.kv), its host-attention
-    path and its transport. counters: where the transport's counters go (default fresh telemetry.Counters); shapes:
-    the set of compiled shapes to add to (default a new one); seed: the sampling seed. fill(cache), if given, stores
-    rows into the cache before the transport starts (it sizes its ring from the free device memory)."""
+    """A generation of `batch` sequences: a fresh cache placed as `kv` says (default config.kv; residency.place
+    plans it), its host-attention path and its transport. counters: where the transport's counters go (default fresh
+    telemetry.Counters); shapes: the set of compiled shapes to add to (default a new one); seed: the sampling seed.
+    fill(cache), if given, stores rows into the cache before the transport starts (it sizes its ring from the free
+    device memory)."""
     kv = kv or self.config.kv
-    cache = cache_lib.KVCache(self.config.model, kv, self.mesh, batch, self.config.engine.capacity, self.layout)
+    args = (self.config.model, kv, self.mesh, batch, self.config.engine.capacity, self.layout)
+    cache = cache_lib.KVCache(*args, placement=residency.place(*args))
     host = host_decode.HostDecode.of(cache)
     if fill is not None:
       fill(cache)

@@ -18,7 +18,6 @@ import numba
 import numpy as np
 import pytest
 
-from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
 from jaxkv import host_attention
 from jaxkv import host_decode
@@ -144,7 +143,7 @@ def test_auto_placement_splits_only_the_streamed_layers():
 def test_the_cache_makes_the_kernel_views_once_per_head():
   eng = split_engine(2)
   cfg = eng.config
-  cache = cache_lib.KVCache(cfg.model, cfg.kv, eng.mesh, 2, cfg.engine.capacity)
+  cache = helpers.kv_cache(cfg.model, cfg.kv, eng.mesh, 2, cfg.engine.capacity)
   host_decode.HostDecode.of(cache)
   pointers = lambda: [s.data.unsafe_buffer_pointer() for s in cache.heads[0].addressable_shards]
 
