@@ -1,5 +1,9 @@
 """The KV cache: its layout, its placement, and the pure functions that grow it.
 
+KVCache is data: it is given its placement (jaxkv.residency.Placement: which windows are streamed, the decode groups,
+auto's plan), which jaxkv.residency.place plans from free device memory and checks against host memory with this
+module's host memory functions (the end of the file) before the cache is made.
+
 Layout, per layer l (B = batch, K = kv heads, P = kv block rows, E = stored values per head row):
 
   window[l]: [2, B, K, W, E]  rows [0, W) of K (index 0) and V (index 1), W = n * P (None while W = 0).
@@ -40,7 +44,6 @@ from jaxkv import distributed
 from jaxkv import host_attention
 from jaxkv import host_split
 from jaxkv import mesh as mesh_lib
-from jaxkv import residency
 from jaxkv.config import KVConfig, ModelConfig
 from jaxkv.kv_quant import KVFormat
 
@@ -69,6 +72,25 @@ def split_prefilled(window, chunk, *, w_rows: int, block: int):
   return head, page
 
 
+def rows_bound(capacity: int, block: int) -> int:
+  """Largest window plus open page a cache can reach: capacity rounded up to a block, plus a block."""
+  return -(-capacity // block) * block + block
+
+
+def row_bytes(model: ModelConfig, kv_dtype: str, batch: int, devices: int = 1) -> int:
+  """Bytes of one stored cache row (K and V, all batch entries, packed scales included) held by each of
+  `devices` head shards."""
+  return 2 * batch * (model.num_kv_heads // devices) * KVFormat.of(model, kv_dtype).row_bytes
+
+
+def host_bytes_per_process(mesh: jax.sharding.Mesh, layer_bytes: int, streamed_layers: int) -> int:
+  """Pinned host bytes this process needs at full capacity: its devices' head shares (layer_bytes: one layer's
+  window per device) of the streamed layers, plus one layer's window in flight while a grown window replaces the
+  old one."""
+  local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+  return layer_bytes * local * (streamed_layers + 1)
+
+
 @functools.lru_cache(maxsize=None)
 def _split_fn(sharding: jax.sharding.Sharding):
   return jax.jit(lambda w, r1: (w[:, :, :, :r1], w[:, :, :, r1:]), static_argnums=1, out_shardings=(sharding,) * 2)
@@ -89,22 +111,23 @@ def _zeros_fn(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
   return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
-def rows_bound(capacity: int, block: int) -> int:
-  """Largest window plus open page of a cache of `capacity` rows: capacity rounded up to a block, plus a block."""
-  return -(-capacity // block) * block + block
-
-
-def window_bytes(model: ModelConfig, fmt: KVFormat, batch: int, devices: int, rows: int) -> int:
-  """Bytes of `rows` stored rows of one layer (K and V, `batch` sequences, packed scales included) held by each of
-  `devices` head shards."""
-  return 2 * batch * (model.num_kv_heads // devices) * fmt.row_bytes * rows
-
-
 class KVCache:
   """Holds the per-layer windows and open pages; see the module docstring for the layout."""
 
-  def __init__(self, model: ModelConfig, kv: KVConfig, mesh: jax.sharding.Mesh, batch: int, capacity: int, layout=None):
-    """layout (jaxkv.layout.Layout): the mesh of each layer (split mode layer); default `mesh` for every layer."""
+  def __init__(
+      self,
+      model: ModelConfig,
+      kv: KVConfig,
+      mesh: jax.sharding.Mesh,
+      batch: int,
+      capacity: int,
+      layout=None,
+      *,
+      placement,
+  ):
+    """layout (jaxkv.layout.Layout): the mesh of each layer (split mode layer); default `mesh` for every layer.
+    placement (jaxkv.residency.Placement, from residency.place with the same arguments): where each window lives,
+    the decode groups and the auto plan."""
     meshes = [mesh if layout is None else layout.mesh(l) for l in range(model.num_layers)]
     self.model, self.kv, self.mesh, self.layout = model, kv, meshes[0], layout
     self.batch, self.capacity, self.block = batch, capacity, kv.block
@@ -114,27 +137,9 @@ class KVCache:
     self.device_shardings = [mesh_lib.sharding(m, mesh_lib.CACHE_AXES, "device") for m in meshes]
     self.host_shardings = [mesh_lib.sharding(m, mesh_lib.CACHE_AXES, "pinned_host") for m in meshes]
     self.device_sharding, self.host_sharding = self.device_shardings[0], self.host_shardings[0]  # Layer 0's.
-    # One layer's window per device at full capacity, and the decode groups that every placement shares.
-    self.layer_bytes = self.row_bytes(mesh_lib.tensor_size(self.mesh)) * self.rows_bound()
-    group = residency.group_layers(kv.group_layers, kv.host_attention, self.layer_bytes)
-    self.groups = residency.decode_groups(layout.stage_of if layout else (0,) * model.num_layers, group)
-    self.plan: residency.Plan | None = None
-    if kv.placement == "auto" and len({id(m) for m in meshes}) > 1:
-      raise ValueError("kv.placement auto plans one mesh for every layer; use split mode tensor or none with it")
-    if kv.placement == "auto":
-      free = residency.free_device_bytes(mesh.local_devices)
-      ring = residency.ring_bytes(kv.pipeline_depth, min(group, model.num_layers) * self.layer_bytes)
-      budget, source = residency.device_budget(
-          free, kv.device_budget_gib, ring, group * self.layer_bytes, kv.headroom_mib
-      )
-      self.plan = residency.plan(self.groups, self.layer_bytes, budget, source)
-      self.streamed = self.plan.streamed
-    else:
-      self.streamed = (kv.placement == "host",) * model.num_layers  # streamed[l]: window l in pinned host memory.
-    if any(self.streamed):
-      needed = self.host_bytes_per_process()
-      check_host_memory(needed, sum(self.streamed), model, self.format, batch, self.rows_bound(), host_ram_for_cache())
-      _POOL_HELD[0] = max(_POOL_HELD[0], needed)
+    self.layer_bytes = self.row_bytes(mesh_lib.tensor_size(self.mesh)) * self.rows_bound()  # One window per device.
+    # streamed[l]: window l in pinned host memory; groups: the decode groups; plan: auto's (else None).
+    self.streamed, self.groups, self.plan = placement.streamed, placement.groups, placement.plan
     # With host attention: how each streamed window's rows are split into its head and tail (split_row); set by
     # jaxkv.host_decode before anything is stored.
     self.head_split: host_split.Split | None = None
@@ -149,24 +154,13 @@ class KVCache:
     self.prefill_summary: dict = {}  # The last prefill's attention and plan (jaxkv.engine.prefill_plan).
 
   def rows_bound(self) -> int:
-    """Largest window plus open page the cache can reach (rows_bound)."""
     return rows_bound(self.capacity, self.block)
 
   def row_bytes(self, devices: int = 1) -> int:
-    """Bytes of one stored cache row (K and V, all batch entries, packed scales included) held by each of
-    `devices` head shards."""
-    return window_bytes(self.model, self.format, self.batch, devices, 1)
-
-  def max_window_bytes(self) -> int:
-    """Bytes of the largest window plus open page of layer 0 per device."""
-    return self.row_bytes(mesh_lib.tensor_size(self.mesh)) * self.rows_bound()
+    return row_bytes(self.model, self.kv.dtype, self.batch, devices)
 
   def host_bytes_per_process(self) -> int:
-    """Pinned host bytes this process needs at full capacity: its devices' head shares of every layer,
-    plus one layer's window in flight while a grown window replaces the old one (streamed layers only)."""
-    local = sum(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
-    share = self.row_bytes(mesh_lib.tensor_size(self.mesh)) * local
-    return share * self.rows_bound() * (sum(self.streamed) + 1)
+    return host_bytes_per_process(self.mesh, self.layer_bytes, sum(self.streamed))
 
   def streamed_bytes_per_device(self, rows: int) -> int:
     """Bytes that `rows` rows of every streamed layer take on the fullest device (its heads of the layers on it)."""
@@ -297,6 +291,12 @@ def available_host_bytes() -> int | None:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
   except (ValueError, OSError, AttributeError):
     return None
+
+
+def reserve_host_memory(needed: int, layers: int, model: ModelConfig, fmt: KVFormat, batch: int, rows: int) -> None:
+  """check_host_memory against host_ram_for_cache(), then counts `needed` as held by the pinned pool."""
+  check_host_memory(needed, layers, model, fmt, batch, rows, host_ram_for_cache())
+  _POOL_HELD[0] = max(_POOL_HELD[0], needed)
 
 
 def check_host_memory(

@@ -117,7 +117,7 @@ class Generation:
 
   def summary(self) -> dict:
     """The transport's summary and the host-attention path's report."""
-    return dict(self.transport.summary(), **host_decode.report(self.host, self.split, self.cache.max_window_bytes()))
+    return dict(self.transport.summary(), **host_decode.report(self.host, self.split, self.cache.layer_bytes))
 
   def close(self) -> None:
     self.transport.close()
@@ -207,13 +207,15 @@ class Engine:
       rec.digests.close()
 
   def start(self, batch: int, counters=None, shapes=None, *, seed: int = 0, kv=None, fill=None) -> Generation:
-    """A generation of `batch` sequences: a fresh cache placed as `kv` says (default config.kv), its host-attention
-    path and its transport. counters: where the transport's counters go (default fresh telemetry.Counters); shapes:
-    the set of compiled shapes to add to (default a new one); seed: the sampling seed. fill(cache), if given, stores
-    rows into the cache before the transport starts (it sizes its ring from the free device memory)."""
+    """A generation of `batch` sequences: a fresh cache placed as `kv` says (default config.kv; residency.place
+    plans it), its host-attention path (host_decode.plan measures its split, or turns it off) and its transport.
+    counters: where the transport's counters go (default fresh telemetry.Counters); shapes: the set of compiled shapes
+    to add to (default a new one); seed: the sampling seed. fill(cache), if given, stores rows into the cache before
+    the transport starts (it sizes its ring from the free device memory)."""
     m, capacity = self.config.model, self.config.engine.capacity
     kv, split = host_decode.plan(m, kv or self.config.kv, self.layout.mesh(0), batch, capacity)
-    cache = cache_lib.KVCache(m, kv, self.mesh, batch, capacity, self.layout)
+    args = (m, kv, self.mesh, batch, capacity, self.layout)
+    cache = cache_lib.KVCache(*args, placement=residency.place(*args))
     host = host_decode.HostDecode.of(cache, split)
     if fill is not None:
       fill(cache)

@@ -69,8 +69,8 @@ def plan(
     return kv, None
   fmt = KVFormat.of(model, kv.dtype)
   host, device = (mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, k) for k in ("pinned_host", "device"))
-  window = cache_lib.window_bytes(
-      model, fmt, batch, mesh_lib.tensor_size(mesh), cache_lib.rows_bound(capacity, kv.block)
+  window = cache_lib.row_bytes(model, kv.dtype, batch, mesh_lib.tensor_size(mesh)) * cache_lib.rows_bound(
+      capacity, kv.block
   )
   split = host_split.split(
       kv.host_attention_fraction,
@@ -260,7 +260,7 @@ class HostDecode:
 
   def summary(self) -> dict:
     """The split (host_split.Split.summary at the cache's largest window) and what waits ("thread" or "device")."""
-    return dict(self.split.summary(self.cache.max_window_bytes()), wait="device" if self.device_wait else "thread")
+    return dict(self.split.summary(self.cache.layer_bytes), wait="device" if self.device_wait else "thread")
 
 
 def report(host: HostDecode | None, split: host_split.Split | None = None, window_bytes: int = 0) -> dict:

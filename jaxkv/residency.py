@@ -1,5 +1,7 @@
-"""The residency planner behind `kv.placement = "auto"`: keep in device memory the layers whose KV fits, stream
-the rest from pinned host memory.
+"""The residency planner: `place` plans a new KVCache's placement before anything is allocated, and the cache is
+given it: which layers' windows live in pinned host memory, the decode groups, and with `kv.placement = "auto"` the
+plan that keeps in device memory the layers whose KV fits and streams the rest. Where a layer is streamed it also
+checks the host RAM and the pinned pool (jaxkv.cache.reserve_host_memory).
 
 Granularity: whole decode groups (`decode_groups`, the same in every placement). A layer's window stays ONE array
 in one memory, so a streamed group is one delivery and a resident group none, and every group runs the same
@@ -27,9 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 from absl import logging
 
+from jaxkv import cache as cache_lib
+from jaxkv import mesh as mesh_lib
 from jaxkv import model
+from jaxkv.config import KVConfig, ModelConfig
+from jaxkv.kv_quant import KVFormat
 
 WORKSPACE_SCORE_BLOCKS = 3  # f32 scores, their softmax weights and one spare, of the prefill's query blocks.
 GROUP_TARGET_BYTES = 2**30  # Per device: what an automatic group (kv.group_layers 0) delivers, up to GROUP_MAX_LAYERS.
@@ -94,6 +101,47 @@ class Plan:
         budget_source=self.budget_source,
         streamed=[l for l, s in enumerate(self.streamed) if s],
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """A cache's placement (jaxkv.cache.KVCache): streamed[l], layer l's window in pinned host memory (else device
+  memory); the decode groups (decode_groups); plan, auto's Plan (None for "device" and "host")."""
+
+  streamed: tuple[bool, ...]
+  groups: tuple[tuple[int, ...], ...]
+  plan: Plan | None
+
+
+def place(
+    model_config: ModelConfig, kv: KVConfig, mesh: jax.sharding.Mesh, batch: int, capacity: int, layout=None
+) -> Placement:
+  """The placement of a new KVCache of the same arguments (layout: jaxkv.layout.Layout or None), planned before
+  anything is allocated: the decode groups; with kv.placement "auto" the plan, its budget from the free memory of
+  `mesh`'s devices (this process's); where a layer is streamed, the host memory check
+  (jaxkv.cache.reserve_host_memory)."""
+  num_layers = model_config.num_layers
+  meshes = [mesh if layout is None else layout.mesh(l) for l in range(num_layers)]
+  rows = cache_lib.rows_bound(capacity, kv.block)
+  layer_bytes = cache_lib.row_bytes(model_config, kv.dtype, batch, mesh_lib.tensor_size(meshes[0])) * rows
+  group = group_layers(kv.group_layers, kv.host_attention, layer_bytes)
+  groups = decode_groups(layout.stage_of if layout else (0,) * num_layers, group)
+  auto = None
+  if kv.placement == "auto" and len({id(m) for m in meshes}) > 1:
+    raise ValueError("kv.placement auto plans one mesh for every layer; use split mode tensor or none with it")
+  if kv.placement == "auto":
+    free = free_device_bytes(mesh.local_devices)
+    ring = ring_bytes(kv.pipeline_depth, min(group, num_layers) * layer_bytes)
+    budget, source = device_budget(free, kv.device_budget_gib, ring, group * layer_bytes, kv.headroom_mib)
+    auto = plan(groups, layer_bytes, budget, source)
+    streamed = auto.streamed
+  else:
+    streamed = (kv.placement == "host",) * num_layers
+  if any(streamed):
+    needed = cache_lib.host_bytes_per_process(meshes[0], layer_bytes, sum(streamed))
+    fmt = KVFormat.of(model_config, kv.dtype)
+    cache_lib.reserve_host_memory(needed, sum(streamed), model_config, fmt, batch, rows)
+  return Placement(streamed, groups, auto)
 
 
 def free_device_bytes(devices) -> int | None:

@@ -25,6 +25,7 @@ from jaxkv import engine as engine_lib
 from jaxkv import host_wait
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
+from jaxkv import residency
 from jaxkv import tokenizer as tokenizer_lib
 
 MESH_SIZES = (1, 2, 4, 8)
@@ -129,9 +130,15 @@ def device_memory(monkeypatch, free_bytes: int) -> None:
 
 def layer_bytes(eng, batch: int) -> int:
   """Bytes per device of one layer's KV at the engine's capacity for `batch` sequences (the planner's unit)."""
-  kv = dataclasses.replace(eng.config.kv, placement="device", host_attention=False, host_attention_fraction=0.0)
-  probe = cache_lib.KVCache(eng.config.model, kv, eng.mesh, batch, eng.config.engine.capacity)
-  return probe.row_bytes(mesh_lib.tensor_size(eng.mesh)) * probe.rows_bound()
+  cfg = eng.config
+  rows = cache_lib.rows_bound(cfg.engine.capacity, cfg.kv.block)
+  return cache_lib.row_bytes(cfg.model, cfg.kv.dtype, batch, mesh_lib.tensor_size(eng.mesh)) * rows
+
+
+def kv_cache(model_config, kv, mesh, batch: int, capacity: int) -> cache_lib.KVCache:
+  """A KVCache placed as the engine places one (jaxkv.residency.place)."""
+  placement = residency.place(model_config, kv, mesh, batch, capacity)
+  return cache_lib.KVCache(model_config, kv, mesh, batch, capacity, placement=placement)
 
 
 # Hugging Face checkpoint folders, written with safetensors.numpy (no torch).

@@ -9,7 +9,6 @@ import jax
 import numpy as np
 import pytest
 
-from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import layout as layout_lib
@@ -51,7 +50,7 @@ def test_device_host_and_auto_run_the_same_groups():
   eng = helpers.engine(2, placement="device", depth=1, group_layers=2)
   layer = helpers.layer_bytes(eng, 1)
   for kv in (dict(placement="host"), dict(placement="auto", device_budget_gib=3.5 * layer / 2**30)):
-    cache = cache_lib.KVCache(
+    cache = helpers.kv_cache(
         eng.config.model, dataclasses.replace(eng.config.kv, **kv), eng.mesh, 1, eng.config.engine.capacity
     )
     transport = transport_lib.Transport(cache, 1)

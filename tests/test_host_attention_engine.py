@@ -18,7 +18,6 @@ import numba
 import numpy as np
 import pytest
 
-from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
 from jaxkv import host_attention
 from jaxkv import host_decode
@@ -176,7 +175,7 @@ def test_the_cache_makes_the_kernel_views_once_per_head():
   eng = split_engine(2)
   cfg = eng.config
   kv, split = host_decode.plan(cfg.model, cfg.kv, eng.mesh, 2, cfg.engine.capacity)
-  cache = cache_lib.KVCache(cfg.model, kv, eng.mesh, 2, cfg.engine.capacity)
+  cache = helpers.kv_cache(cfg.model, kv, eng.mesh, 2, cfg.engine.capacity)
   host_decode.HostDecode.of(cache, split)
   pointers = lambda: [s.data.unsafe_buffer_pointer() for s in cache.heads[0].addressable_shards]
 

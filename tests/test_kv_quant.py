@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from experiments import tiny
-from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
 from jaxkv import kv_quant
 from jaxkv import model
@@ -228,7 +227,7 @@ def test_cache_row_bytes_and_pinned_pool_sizing_use_the_packed_rows():
   sizes = {}
   for kv_dtype in ("model", "int8"):
     kv = dataclasses.replace(cfg.kv, placement="host", dtype=kv_dtype)
-    c = cache_lib.KVCache(cfg.model, kv, helpers.mesh(2), batch=3, capacity=64)
+    c = helpers.kv_cache(cfg.model, kv, helpers.mesh(2), batch=3, capacity=64)
     sizes[kv_dtype] = (c.row_bytes(2), c.host_bytes_per_process(), c.dtype, c.row_width)
   assert sizes["model"][0] == 2 * 3 * 4 * DH * 4 and sizes["model"][2:] == (np.float32, DH)
   assert sizes["int8"][0] == 2 * 3 * 4 * (DH + 2) and sizes["int8"][2:] == (np.uint8, DH + 2)

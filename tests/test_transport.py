@@ -99,7 +99,7 @@ def test_delivered_shards_hold_the_device_heads_and_the_ring_is_bounded():
   tensor, depth = 4, 2
   cfg = helpers.tiny_config()
   kv = dataclasses.replace(cfg.kv, placement="host", pipeline_depth=depth, group_layers=2)  # 3 groups.
-  cache = cache_lib.KVCache(cfg.model, kv, helpers.mesh(tensor), batch=2, capacity=64)
+  cache = helpers.kv_cache(cfg.model, kv, helpers.mesh(tensor), batch=2, capacity=64)
   shape = (2, 2, cfg.model.num_kv_heads, 3 * BLOCK, cfg.model.head_dim)
   for l in range(cfg.model.num_layers):
     cache.windows[l] = jax.device_put(np.full(shape, l, np.float32), cache.host_sharding)

@@ -9,7 +9,7 @@ Run from the repo root: PYTHONPATH=. CTX=16384 python3 tools/probe_dispatch.py
 import dataclasses, os, queue, threading, time
 import jax, jax.numpy as jnp, numpy as np
 from experiments import llama3_8b
-from jaxkv import config as C, run, cache as cache_lib, mesh as mesh_lib
+from jaxkv import config as C, run, cache as cache_lib, mesh as mesh_lib, residency
 from jaxkv.meta import Meta
 
 ctx = int(os.environ.get("CTX", "4096")); N = 20
@@ -17,7 +17,9 @@ cd = llama3_8b.get_config(); cd.engine.capacity = ctx + 512
 cfg = C.from_config_dict(cd)
 mesh, params, eng = run.build(cfg, 0)
 L = cfg.model.num_layers; fns = eng.fns
-cache = cache_lib.KVCache(cfg.model, dataclasses.replace(cfg.kv, placement="host"), mesh, 1, cfg.engine.capacity)
+kv = dataclasses.replace(cfg.kv, placement="host")
+args = (cfg.model, kv, mesh, 1, cfg.engine.capacity)
+cache = cache_lib.KVCache(*args, placement=residency.place(*args))
 hw = [jax.device_put(jnp.ones((2, 1, 8, ctx, 128), jnp.bfloat16) * 0.01, cache.host_sharding) for _ in range(L)]
 opens = [jax.device_put(jnp.zeros((2, 1, 8, 256, 128), jnp.bfloat16), cache.device_sharding) for _ in range(L)]
 rep = mesh_lib.replicated(eng.layout.last)  # The engine's replicated sharding: the head's stage.

@@ -36,6 +36,7 @@ import jaxlib
 import tqdm
 from absl import logging
 
+from jaxkv import cache as cache_lib
 from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
@@ -44,7 +45,6 @@ from jaxkv.bench import ceilings
 from jaxkv.bench import peer_hf
 from jaxkv.bench import report
 from jaxkv.bench.arms import DEVICE_ARM, ORDERED_ARM, PEER_ARM, arm_config, arm_kv_dtype, parse_arm
-from jaxkv.cache import KVCache
 from jaxkv.config import Config
 from jaxkv.engine import Engine
 
@@ -95,8 +95,7 @@ def kv_step_bytes(config: Config, layout, batch: int, rows: list[int]) -> dict:
   total: over all devices.
   """
   m = config.model
-  kv = dataclasses.replace(config.kv, placement="device", host_attention=False, host_attention_fraction=0.0)
-  row_bytes = KVCache(m, kv, layout.first, batch, config.engine.capacity).row_bytes()  # One row, all heads.
+  row_bytes = cache_lib.row_bytes(m, config.kv.dtype, batch)  # One row, all heads.
   per_row = collections.Counter()
   in_sequence = 0
   for l in range(m.num_layers):

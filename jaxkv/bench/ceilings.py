@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
+from jaxkv import residency
 from jaxkv.cache import KVCache
 from jaxkv.config import Config
 from jaxkv.transport import Transport
@@ -66,7 +67,8 @@ def host_cache_filled(config: Config, mesh: jax.sharding.Mesh, batch: int, rows:
   Each layer gets its own host buffer, as in a real cache. Raises ValueError when the pinned pool is too small.
   """
   kv = dataclasses.replace(config.kv, placement="host", host_attention=False, host_attention_fraction=0.0)
-  cache = KVCache(config.model, kv, mesh, batch, config.engine.capacity, layout)
+  args = (config.model, kv, mesh, batch, config.engine.capacity, layout)
+  cache = KVCache(*args, placement=residency.place(*args))
   m = config.model
   shape = (2, batch, m.num_kv_heads, rows, cache.row_width)
   for l in range(m.num_layers):  # Each layer in its own stage's memory (split mode layer).

@@ -24,12 +24,12 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from jaxkv import cache as cache_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import run as run_lib
 from jaxkv import serving
 from jaxkv.bench import arms as arms_lib
 from jaxkv.bench import benchmark
-from jaxkv.cache import KVCache
 from jaxkv.config import Config, SamplingConfig
 from jaxkv.engine import Engine
 
@@ -72,8 +72,7 @@ def window_rows(config: Config, prompt_length: int, new_tokens: int) -> int:
 def row_bytes_per_device(config: Config, mesh) -> int:
   """Bytes of one cache row of one sequence on each device of layer 0's stage (its share of the KV heads)."""
   first = run_lib.make_layout(config, mesh).first
-  kv = dataclasses.replace(config.kv, placement="device", host_attention=False, host_attention_fraction=0.0)
-  return KVCache(config.model, kv, first, 1, config.engine.capacity).row_bytes(mesh_lib.tensor_size(first))
+  return cache_lib.row_bytes(config.model, config.kv.dtype, 1, mesh_lib.tensor_size(first))
 
 
 def _task_hash(res) -> str:
