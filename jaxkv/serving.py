@@ -69,8 +69,9 @@ class Request:
 @dataclasses.dataclass
 class RequestResult:
   """tokens: generated ids (up to and including EOS); logits_sha256: over its f32 logits rows, in order;
-  slot, epoch: where it ran; first_row: start of its prompt in the slot (E - L). A request that cannot run (its
-  prompt does not fit the capacity, ...) is rejected alone: `error` says why, no tokens, slot/epoch/first_row -1."""
+  slot, epoch: where it ran; first_row: start of its prompt in the slot (E - L); ttft_s: seconds from the serve's
+  start to its first token on the host. A request that cannot run (its prompt does not fit the capacity, ...) is
+  rejected alone: `error` says why, no tokens, slot/epoch/first_row -1, ttft_s None."""
 
   tokens: list[int]
   logits_sha256: str
@@ -78,6 +79,7 @@ class RequestResult:
   epoch: int
   first_row: int
   error: str | None = None
+  ttft_s: float | None = None
 
 
 @dataclasses.dataclass
@@ -272,7 +274,8 @@ class _Run:
     self.insertions = 0
     self.summary: dict = {}
     self.steps = 0
-    self.t_progress = time.perf_counter()
+    self.t_progress = self.t_start = time.perf_counter()
+    self.ttft_s: list[float | None] = [None] * len(requests)
 
   # Hooks for a run fed while it serves (jaxkv.serving_loop); a list given up front needs none.
   def arrivals(self) -> None:
@@ -306,6 +309,8 @@ class _Run:
         continue
       t = int(tok[b])
       self.tokens[r].append(t)
+      if len(self.tokens[r]) == 1:
+        self.ttft_s[r] = time.perf_counter() - self.t_start
       if self.hashes[r] is not None:
         self.digests.update(self.hashes[r], lg[b])
       end = "eos" if t == eos else "length" if len(self.tokens[r]) >= self.requests[r].max_new_tokens else None
@@ -536,8 +541,8 @@ class _Run:
 
   def result(self, wall_s: float, epochs: int) -> ServeResult:
     results = [
-        RequestResult(t, self.digests.hexdigest(h), *(w or (-1, -1, -1)), error=e)
-        for t, h, w, e in zip(self.tokens, self.hashes, self.where, self.errors)
+        RequestResult(t, self.digests.hexdigest(h), *(w or (-1, -1, -1)), error=e, ttft_s=f)
+        for t, h, w, e, f in zip(self.tokens, self.hashes, self.where, self.errors, self.ttft_s)
     ]
     transcript = json.dumps([[r.tokens, r.logits_sha256] + ([r.error] if r.error else []) for r in results])
     report = dict(self.summary, compiled_shapes=len(self.shapes), epochs=epochs, **self.totals)

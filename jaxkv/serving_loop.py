@@ -165,6 +165,7 @@ class _LiveRun(serving._Run):  # pylint: disable=protected-access
       self.done.append(False)
       self.where.append(None)
       self.errors.append(None)
+      self.ttft_s.append(None)
       self.queue.append(r)
       self.handles[r] = handle
     for r in [r for r, h in self.handles.items() if h.cancelled]:

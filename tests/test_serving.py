@@ -35,6 +35,9 @@ def test_results_come_back_in_request_order_with_slots_reused(served):
   assert served.transport["insertions"] >= 4 and len(set(places)) < len(places)  # Slots were reused.
   assert {r.slot for r in served.results} == {0, 1, 2, 3}
   assert served.timing["tokens"] == sum(r.max_new_tokens for r in reqs)
+  # Each first token is timed from the serve's start: the first 4 took their slots at once, the rest later.
+  ttft = [r.ttft_s for r in served.results]
+  assert all(0 < t < served.timing["wall_s"] for t in ttft) and max(ttft[:4]) < min(ttft[4:])
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -83,6 +86,7 @@ def test_a_request_that_cannot_run_is_rejected_alone():
   out = serving.Server(eng, 2).serve(reqs)
   assert [r.error is None for r in out.results] == [True, False, False, True]
   assert out.results[1].error == "its prompt is empty" and out.results[1].tokens == [] and out.results[1].slot == -1
+  assert out.results[1].ttft_s is None and out.results[0].ttft_s > 0
   assert "needs 139 cache rows, more than the capacity 128" in out.results[2].error
   alone = serving.Server(eng, 2).serve([reqs[0], reqs[3]]).results
   assert [r.tokens for r in alone] == [out.results[0].tokens, out.results[3].tokens]
