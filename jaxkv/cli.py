@@ -97,14 +97,15 @@ KV_HOST_ATTENTION = flags.DEFINE_bool(
 KV_HOST_ATTENTION_FRACTION = flags.DEFINE_float(
     "kv_host_attention_fraction",
     None,
-    "With --kv_host_attention: the host's share of each window's full-block rows, in (0, 1) (default: chosen from "
-    "the CPU and link rates measured at start).",
+    "With --kv_host_attention: the host's share of each window's full-block rows, in (0, 1) (default: chosen for "
+    "each window from the CPU's and the link's rates and a split layer's fixed cost, measured at start; off where "
+    "that predicts under 3% gain).",
 )
 KV_HOST_ATTENTION_THREADS = flags.DEFINE_integer(
     "kv_host_attention_threads",
     None,
-    "With --kv_host_attention: the CPU kernel's threads (default: config kv.host_attention_threads, 0 = numba's "
-    "pool, by default the cores, minus two, at most 16).",
+    "With --kv_host_attention: the CPU kernel's threads (default: config kv.host_attention_threads, 0 = chosen at "
+    "start among numba's pool, by default the cores, minus two, four and six, at most 16).",
 )
 KV_HOST_ATTENTION_WAIT = flags.DEFINE_enum(
     "kv_host_attention_wait",

@@ -132,11 +132,12 @@ class KVConfig:
   host_attention: with placement "host" or "auto", each streamed layer's window of W rows is split at
     r1 = floor(f W / block) block: rows [0, r1) are attended on the host CPU during decode, in place, and only the
     rest is delivered (jaxkv.host_attention, docs/design.md). Not bit-identical to the other modes.
-  host_attention_fraction: the host's share f: 0 = chosen from the CPU and link rates measured at start
+  host_attention_fraction: the host's share f: 0 = chosen for each window by a model of the CPU's and the link's
+    rates and a split layer's fixed cost, measured at start, and off where it predicts under 3% gain
     (jaxkv.host_split); f in (0, 1) overrides it.
-  host_attention_threads: with host_attention, the CPU kernel's threads: 0 = numba's pool (by default the
-    cores) minus two, at most 16 (jaxkv.host_attention.ENGINE_THREADS); ignored without it (in a bench it affects
-    only the host attention arms).
+  host_attention_threads: with host_attention, the CPU kernel's threads: 0 = chosen at start by the same model among
+    numba's pool (by default the cores) minus two, four and six, at most 16 (jaxkv.host_attention.ENGINE_THREADS);
+    ignored without it (in a bench it affects only the host attention arms).
   host_attention_wait: with host_attention, what waits for the host's partial of a layer before the device merges
     it: "thread" (the dispatching thread waits, then dispatches the merge) or "device" (the merge is dispatched at once
     and the devices wait in pinned host memory for the host's signal, q reaches the host the same way, and a
