@@ -151,6 +151,8 @@ class KVCache:
     self._head_views: list[list | None] = [None] * model.num_layers  # host_attention.kernel_views of heads[l].
     self.opens: list[jax.Array | None] = [None] * model.num_layers
     self.rows = 0  # W, the same for every layer.
+    # The D2H copies of stored windows still in flight, a list per layer, oldest first (_copying).
+    self._in_flight: collections.deque[list[jax.Array]] = collections.deque()
     self.prefill_summary: dict = {}  # The last prefill's attention and plan (jaxkv.engine.prefill_plan).
 
   def rows_bound(self) -> int:
@@ -194,6 +196,7 @@ class KVCache:
     self.set_head(layer, None if head is None else distributed.move(head, self.host_shardings[layer]))
     self.windows[layer] = distributed.move(tail, self.host_shardings[layer])
     self.dispatches += 3 if r1 else 1
+    self._copying([self.windows[layer]] + ([self.heads[layer]] if r1 else []))
     return window_device.nbytes
 
   def store_group(self, layers: tuple[int, ...], windows_device: list[jax.Array]) -> int:
@@ -209,8 +212,19 @@ class KVCache:
     hosts = distributed.move_many([windows_device[i] for i in moved], [self.host_shardings[layers[i]] for i in moved])
     for i, w in zip(moved, hosts):
       self.windows[layers[i]] = w
+      self._copying([w])
     self.dispatches += 1
     return sum(windows_device[i].nbytes for i in moved)
+
+  def _copying(self, copies: list[jax.Array]) -> None:
+    """Records one layer's D2H copies, just issued, and waits for the oldest layers' while more layers than the
+    largest decode group's are in flight: until a copy lands, the device window it reads stays allocated, and a loop
+    that stores layer after layer faster than the link drains (a prefill's last chunk, a synthetic fill) would
+    otherwise hold every layer's window on the devices at once, past the one group of workspace that
+    residency.place counts for them."""
+    self._in_flight.append(copies)
+    while len(self._in_flight) > max(map(len, self.groups)):
+      jax.block_until_ready(self._in_flight.popleft())
 
   def split_row(self, rows: int) -> int:
     """r1 for a window of `rows` rows: floor(f rows / P) P, f = head_split.share of its bytes per device (0 with
@@ -252,6 +266,7 @@ class KVCache:
     if self.split_row(r1 + tail.shape[3]) == r1:
       self.windows[layer] = distributed.move(tail, self.host_shardings[layer])
       self.dispatches += 1
+      self._copying([self.windows[layer]])
       return tail.nbytes
     return self.store(layer, self.full_window(layer, tail))
 

@@ -129,3 +129,19 @@ def test_depth_is_lowered_to_what_free_device_memory_holds(monkeypatch):
   assert 0 < t["ring_high_water_bytes_per_device"] <= 3 * layer
   np.testing.assert_array_equal(res.logits, ref.logits)
   assert res.tokens == ref.tokens
+
+
+@pytest.mark.parametrize("group_layers", [1, 2])
+def test_stored_windows_in_flight_stay_within_the_workspace_the_planner_counts(monkeypatch, group_layers):
+  """A synthetic fill stores every layer's window in turn: before a layer's D2H copy is issued past the largest
+  group's worth, the oldest copies are waited for, so at most one group's device windows are held for them."""
+  eng = helpers.engine(2, placement="host", depth=1, group_layers=group_layers)
+  cfg = eng.config
+  waited = []
+  block = jax.block_until_ready
+  monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append(x) or block(x))
+  cache = helpers.kv_cache(cfg.model, cfg.kv, eng.mesh, 2, cfg.engine.capacity)
+  cache.store_zeros(16)
+  layers = cfg.model.num_layers
+  assert len(cache._in_flight) == group_layers  # pylint: disable=protected-access
+  assert [w[0] for w in waited] == cache.windows[: layers - group_layers]  # The oldest, in order.
