@@ -224,7 +224,8 @@ class KVCache:
     residency.place counts for them."""
     self._in_flight.append(copies)
     while len(self._in_flight) > max(map(len, self.groups)):
-      jax.block_until_ready(self._in_flight.popleft())
+      # A copy donated since (a slot inserted in place: jaxkv.serving) has landed.
+      jax.block_until_ready([a for a in self._in_flight.popleft() if not a.is_deleted()])
 
   def split_row(self, rows: int) -> int:
     """r1 for a window of `rows` rows: floor(f rows / P) P, f = head_split.share of its bytes per device (0 with

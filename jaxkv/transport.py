@@ -190,12 +190,14 @@ class Transport:
       if self.debug >= 2 and nbytes:
         jax.block_until_ready(windows)
         self.layer_times.append((layers[0], t_issue, time.perf_counter()))
-      compute(layers, windows)
-      del windows
-      with self._lock:
-        self._held[self._stage_of[layers[0]]] -= nbytes
-        self._previous[self._stage_of[layers[0]]] = nbytes
-      self._slots.release()
+      try:
+        compute(layers, windows)
+      finally:  # Also on an error: close() waits for the feeder, which may wait for this slot.
+        del windows
+        with self._lock:
+          self._held[self._stage_of[layers[0]]] -= nbytes
+          self._previous[self._stage_of[layers[0]]] = nbytes
+        self._slots.release()
 
   def _queue_pass(self) -> None:
     if self.streamed:

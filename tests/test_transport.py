@@ -1,6 +1,7 @@
 """Host placement and the delivery pipeline: exactness across modes, the ring, budgets, telemetry."""
 
 import dataclasses
+import threading
 
 import helpers
 import jax
@@ -121,6 +122,30 @@ def test_delivered_shards_hold_the_device_heads_and_the_ring_is_bounded():
   window_share = np.prod(shape) * 4 // tensor
   assert c["ring_high_water_bytes_per_device"] == (depth + 2) * 2 * window_share
   assert c["dispatches"] == 3 * 3  # One transfer a group.
+
+
+def test_an_error_in_a_pass_frees_its_slot_and_close_returns():
+  """A compute that raises mid-pass gives its ring slot back: close() drains the feeder, which may be waiting for
+  that slot (it hung before), and the error reaches the caller."""
+  cfg = helpers.tiny_config()
+  kv = dataclasses.replace(cfg.kv, placement="host", pipeline_depth=0, group_layers=1)
+  cache = helpers.kv_cache(cfg.model, kv, helpers.mesh(2), batch=2, capacity=64)
+  shape = (2, 2, cfg.model.num_kv_heads, BLOCK, cfg.model.head_dim)
+  for l in range(cfg.model.num_layers):
+    cache.windows[l] = jax.device_put(np.zeros(shape, np.float32), cache.host_sharding)
+  tr = transport_lib.Transport(cache, 0)  # One slot: the feeder's next delivery waits for the failed layer's.
+
+  def compute(l, window):
+    del window
+    if l == 2:
+      raise ValueError("compute failed")
+
+  with pytest.raises(ValueError, match="compute failed"):
+    tr.run_pass(compute, next_pass=True)
+  closed = threading.Thread(target=tr.close, daemon=True)  # A regression fails here, not hangs.
+  closed.start()
+  closed.join(timeout=30)
+  assert not closed.is_alive()
 
 
 def test_budget_falls_back_to_a_smaller_depth_with_the_same_output():
