@@ -220,8 +220,8 @@ class KVCache:
     """Records one layer's D2H copies, just issued, and waits for the oldest layers' while more layers than the
     largest decode group's are in flight: until a copy lands, the device window it reads stays allocated, and a loop
     that stores layer after layer faster than the link drains (a prefill's last chunk, a synthetic fill) would
-    otherwise hold every layer's window on the devices at once, past the one group of workspace that
-    residency.place counts for them."""
+    otherwise hold every layer's window on the devices at once, past the workspace (two groups' windows: one being
+    made, one copied) that residency.place counts."""
     self._in_flight.append(copies)
     while len(self._in_flight) > max(map(len, self.groups)):
       # A copy donated since (a slot inserted in place: jaxkv.serving) has landed.

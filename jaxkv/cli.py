@@ -105,7 +105,7 @@ KV_HOST_ATTENTION_THREADS = flags.DEFINE_integer(
     "kv_host_attention_threads",
     None,
     "With --kv_host_attention: the CPU kernel's threads (default: config kv.host_attention_threads, 0 = chosen at "
-    "start among numba's pool, by default the cores, minus two, four and six, at most 16).",
+    "start among numba's pool, by default the cores, minus two (at most 16), and two and four fewer).",
 )
 KV_HOST_ATTENTION_WAIT = flags.DEFINE_enum(
     "kv_host_attention_wait",

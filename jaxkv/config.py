@@ -136,8 +136,8 @@ class KVConfig:
     rates and a split layer's fixed cost, measured at start, and off where it predicts under 3% gain
     (jaxkv.host_split); f in (0, 1) overrides it.
   host_attention_threads: with host_attention, the CPU kernel's threads: 0 = chosen at start by the same model among
-    numba's pool (by default the cores) minus two, four and six, at most 16 (jaxkv.host_attention.ENGINE_THREADS);
-    ignored without it (in a bench it affects only the host attention arms).
+    numba's pool (by default the cores) minus two, at most 16 (jaxkv.host_attention.ENGINE_THREADS), and two and four
+    fewer; ignored without it (in a bench it affects only the host attention arms).
   host_attention_wait: with host_attention, what waits for the host's partial of a layer before the device merges
     it: "thread" (the dispatching thread waits, then dispatches the merge) or "device" (the merge is dispatched at once
     and the devices wait in pinned host memory for the host's signal, q reaches the host the same way, and a

@@ -212,10 +212,14 @@ class Engine:
     counters: where the transport's counters go (default fresh telemetry.Counters); shapes: the set of compiled shapes
     to add to (default a new one); seed: the sampling seed. fill(cache), if given, stores rows into the cache before
     the transport starts (it sizes its ring from the free device memory)."""
-    m, capacity = self.config.model, self.config.engine.capacity
-    kv, split = host_decode.plan(m, kv or self.config.kv, self.layout.mesh(0), batch, capacity)
-    args = (m, kv, self.mesh, batch, capacity, self.layout)
-    cache = cache_lib.KVCache(*args, placement=residency.place(*args))
+    m, capacity, kv = self.config.model, self.config.engine.capacity, kv or self.config.kv
+    place = lambda kv: residency.place(m, kv, self.mesh, batch, capacity, self.layout)
+    placement, split = place(kv), None
+    if kv.host_attention and any(placement.streamed):
+      kv, split = host_decode.plan(m, kv, self.layout.mesh(0), batch, capacity)
+      if not kv.host_attention:  # Turned off: the placement of streaming (its decode groups).
+        placement = place(kv)
+    cache = cache_lib.KVCache(m, kv, self.mesh, batch, capacity, self.layout, placement=placement)
     host = host_decode.HostDecode.of(cache, split)
     if fill is not None:
       fill(cache)

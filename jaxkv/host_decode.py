@@ -5,7 +5,8 @@ layer as its query on the devices, the head's partial on the host by the kernel'
 (host_attention.WORKER), the tail's partial on the devices, and the merge of the two (jaxkv.jitted). `HostDecode` is
 that path for one cache: the host's share (jaxkv.host_split), the kernel's threads, what waits for the host's
 partials (kv.host_attention_wait), the arrays that carry them back (host_attention.HandBack), the kernels' futures and
-the time spent per part. docs/design.md says why on the host's threads and not in a device callback.
+the time spent per part; `plan`, before a cache is made, measures the split or turns the path off. docs/design.md
+says why on the host's threads and not in a device callback.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -83,13 +85,19 @@ def plan(
   )
   if split.share(window):
     return kv, split
+  _warn_off(round(split.gain(window), 3), window // 2**20)
+  return dataclasses.replace(kv, host_attention=False), split
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_off(gain: float, window_mib: int) -> None:
+  """Logs host attention off, once per process for each figure (a server starts a cache per request)."""
   logging.warning(
       "host attention off: predicted gain %.3f over streaming alone at %d MiB a window per device, under %.2f",
-      split.gain(window),
-      window // 2**20,
+      gain,
+      window_mib,
       host_split.MIN_GAIN,
   )
-  return dataclasses.replace(kv, host_attention=False), split
 
 
 class HeldMerge(NamedTuple):

@@ -2,9 +2,9 @@
 
 With host attention a decode step moves (1 - f) of each streamed window over the link while the CPU attends the other
 f in place (jaxkv.host_attention), then the devices merge the two partials. For one layer whose window holds W bytes
-per device, with s = W / link, k = W / cpu (the kernel's rate over the process's local heads) and c the fixed cost of
-a split layer's round trip (the query's call and its copy to the host, the kernel's call, the hand-back, the merge's
-call: all on the path from one layer's kernel to the next), the model is
+per device, with s = W / link, k = local W / cpu (the kernel reads the process's `local` head shards) and c the
+fixed cost of a split layer's round trip (the query's call and its copy to the host, the kernel's call, the
+hand-back, the merge's call: all on the path from one layer's kernel to the next), the model is
 
   streaming alone:   t = s
   split at f:        t(f) = max((1 - f) s, c + f k)   ->   f* = (s - c) / (s + k),   gain = s / t(f*).
@@ -14,7 +14,7 @@ for the largest window a cache can reach, host attention is off for it (jaxkv.ho
 and the link side by side on one layer's worth of rows (SAMPLE_BYTES per device; each slows the other: they share the
 host's memory) and times FIXED_RUNS round trips of the path, once per process and (shardings, format, threads); with
 several processes, process 0's figures decide for all. With kv.host_attention_threads = 0 the kernel's threads are
-chosen too: the candidate (ENGINE_THREADS and fewer, leaving cores to the dispatching thread, the feeder and XLA's
+chosen too: the candidate (ENGINE_THREADS and two and four fewer, leaving cores to the dispatching thread, the feeder and XLA's
 own threads) with the largest predicted gain.
 """
 
@@ -61,27 +61,32 @@ class Split:
   local: int = 1
 
   def share(self, window_bytes: int) -> float:
-    """f for a window of `window_bytes` per device (one layer, every sequence): the override, or f* of the model,
-    at most MAX_FRACTION, 0 where its predicted gain is under MIN_GAIN."""
+    """f for a window of `window_bytes` per device (one layer, every sequence): the override, or the model's
+    optimum, 0 where its predicted gain is under MIN_GAIN."""
     if self.source == "override":
       return self.fraction
+    return self.optimum(window_bytes) if self.gain(window_bytes) >= MIN_GAIN else 0.0
+
+  def optimum(self, window_bytes: int) -> float:
+    """The model's f* = (s - c) / (s + k), within [0, MAX_FRACTION]."""
     s, k = self._seconds(window_bytes)
-    f = min(max((s - self.fixed_ms / 1e3) / (s + k), 0.0), MAX_FRACTION)
-    return f if self.gain(window_bytes, f) >= MIN_GAIN else 0.0
+    return min(max((s - self.fixed_ms / 1e3) / (s + k), 0.0), MAX_FRACTION) if window_bytes > 0 else 0.0
 
   def gain(self, window_bytes: int, f: float | None = None) -> float:
-    """Predicted step time of streaming alone over that of the split at f (default share(window_bytes))."""
-    f = self.share(window_bytes) if f is None else f
+    """Predicted step time of streaming alone over that of the split at f (default the optimum)."""
+    f = self.optimum(window_bytes) if f is None else f
     s, k = self._seconds(window_bytes)
     return s / max((1 - f) * s, self.fixed_ms / 1e3 + f * k) if f else 1.0
 
   def _seconds(self, window_bytes: int) -> tuple[float, float]:
+    """(s, k): the window's seconds over the link, and in the kernel over the `local` head shards the CPU reads."""
     if self.cpu_gbps is None:
       raise ValueError("an override split has no model")
     return window_bytes / (self.link_gbps * 1e9), self.local * window_bytes / (self.cpu_gbps * 1e9)
 
   def summary(self, window_bytes: int) -> dict:
-    """The fields, with a measured split's share (`fraction`) and predicted gain at `window_bytes`."""
+    """The fields, with a measured split's share (`fraction`, 0 where off) and the predicted gain of its optimum at
+    `window_bytes`."""
     out = dataclasses.asdict(self)
     if self.source == "measured":
       out.update(window_bytes=window_bytes, fraction=self.share(window_bytes), predicted_gain=self.gain(window_bytes))
@@ -100,9 +105,10 @@ def split(
   """The override when fraction > 0, else the measured split; threads > 0 is the kernel's, 0 chooses them (the
   candidate with the largest predicted gain for a window of `window_bytes` per device, the largest the cache
   reaches). ValueError past numba's pool."""
-  candidates = [host_attention.engine_threads(threads)]
-  if not threads:
-    candidates = sorted({max(1, candidates[0] - d) for d in THREAD_STEPS}, reverse=True)
+  base = host_attention.engine_threads(threads)
+  if jax.process_count() > 1:  # The same candidates, hence the same collective measurements, in every process.
+    base = int(multihost_utils.broadcast_one_to_all(np.int32(base)))
+  candidates = [base] if threads else sorted({max(1, base - d) for d in THREAD_STEPS}, reverse=True)
   if fraction:
     return Split("override", candidates[0], fraction)
   measured = [measure(host, device, fmt, groups, t) for t in candidates]
@@ -163,10 +169,13 @@ def measure(
   # The CPU reads every local head shard; each device's link carries its own share, all in parallel.
   local = len({shard.index[2].indices(heads) for shard in window.addressable_shards})
   window.delete()
-  figures = np.array([_KERNEL_RUNS * local * per_device / t_cpu / 1e9, n * per_device / t_link / 1e9, fixed * 1e3])
+  figures = np.array(
+      [_KERNEL_RUNS * local * per_device / t_cpu / 1e9, n * per_device / t_link / 1e9, fixed * 1e3, local]
+  )
   if jax.process_count() > 1:  # Every process must split at the same rows: process 0's figures decide.
     figures = np.asarray(multihost_utils.broadcast_one_to_all(figures))
-  cpu_gbps, link_gbps, fixed_ms = (float(v) for v in figures)
+  cpu_gbps, link_gbps, fixed_ms = (float(v) for v in figures[:3])
+  local = int(figures[3])
   logging.info(
       "host attention, %d kernel threads: cpu %.1f GB/s and link %.1f GB/s per device x %d, measured together "
       "(alone: %.1f and %.1f), a split layer's fixed cost %.3f ms",

@@ -65,6 +65,8 @@ def main(argv):
     for arm, server, prompt in (("off", off, a), ("cold", on, a), ("warm", on, b)):
       t0 = time.perf_counter()
       out[arm] = server.serve([serving.Request(prompt, 1)])
+      if out[arm].results[0].error:
+        raise RuntimeError(f"the {arm} request was rejected: {out[arm].results[0].error}")
       if rnd:
         walls[arm].append(time.perf_counter() - t0)
         times[arm].append(out[arm].results[0].ttft_s)
