@@ -20,8 +20,9 @@ layer's window is still ONE array (one transfer). Zero bytes decode to zeros in 
 
 With kv.host_attention (placement "host" or "auto"), a streamed layer's window of W rows is stored as two pinned_host
 arrays split at r1 = split_row(W) = floor(f W / P) P, f = head_split.share of the window's bytes (set by
-jaxkv.host_decode: the measured model or the override, jaxkv.host_split): head[l] [2, B, K, r1, E] rows [0, r1), attended on the host CPU during decode
-(jaxkv.host_attention), and window[l] [2, B, K, W - r1, E] rows [r1, W) (the tail), the only rows delivered.
+jaxkv.host_decode: the measured model or the override, jaxkv.host_split): head[l] [2, B, K, r1, E] rows [0, r1),
+attended on the host CPU during decode (jaxkv.host_attention), and window[l] [2, B, K, W - r1, E] rows [r1, W) (the
+tail), the only rows delivered.
 head[l] is None while r1 = 0, and always for resident layers.
 
 Row r of sequence b is valid when start[b] <= r < end. A decode step writes row `end` into the open page

@@ -14,8 +14,8 @@ for the largest window a cache can reach, host attention is off for it (jaxkv.ho
 and the link side by side on one layer's worth of rows (SAMPLE_BYTES per device; each slows the other: they share the
 host's memory) and times FIXED_RUNS round trips of the path, once per process and (shardings, format, threads); with
 several processes, process 0's figures decide for all. With kv.host_attention_threads = 0 the kernel's threads are
-chosen too: the candidate (ENGINE_THREADS and two and four fewer, leaving cores to the dispatching thread, the feeder and XLA's
-own threads) with the largest predicted gain.
+chosen too: the candidate (ENGINE_THREADS and two and four fewer, leaving cores to the dispatching thread, the feeder
+and XLA's own threads) with the largest predicted gain.
 """
 
 from __future__ import annotations

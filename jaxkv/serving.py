@@ -85,8 +85,8 @@ class RequestResult:
 @dataclasses.dataclass
 class ServeResult:
   """results: one per request, in request order; transcript_sha256: sha256 of the JSON list of every
-  request's [tokens, logits_sha256] (and its error, if rejected); transport: telemetry summed over the epochs; timing: wall_s,
-  decode_steps, tokens."""
+  request's [tokens, logits_sha256] (and its error, if rejected); transport: telemetry summed over the epochs;
+  timing: wall_s, decode_steps, tokens."""
 
   results: list[RequestResult]
   transcript_sha256: str

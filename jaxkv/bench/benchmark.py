@@ -57,9 +57,9 @@ class BenchSpec:
   optional "_<kv dtype>" suffix;
   new_tokens: tokens generated per sequence (>= 2; decode steps = new_tokens - 1); rounds: timed samples per
   arm and cell; peer: add PEER_ARM; peak_bytes: per-device size of the link peak transfer (0 = sized to the run,
-  link_test_bytes); ceiling_reps: samples per ceiling; synthetic_context: the jaxkv arms store each prompt's rows below its last prefill chunk as
-  zeros instead of prefilling them (Engine.generate's zero_rows; the peer prefills in full): the same decode work
-  for a fraction of the prefill time, with other tokens than a full prefill's."""
+  link_test_bytes); ceiling_reps: samples per ceiling; synthetic_context: the jaxkv arms store each prompt's rows
+  below its last prefill chunk as zeros instead of prefilling them (Engine.generate's zero_rows; the peer prefills
+  in full): the same decode work for a fraction of the prefill time, with other tokens than a full prefill's."""
 
   contexts: tuple[int, ...]
   batches: tuple[int, ...]

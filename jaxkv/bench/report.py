@@ -103,16 +103,18 @@ def markdown(out: dict) -> str:
         "",
         "f = the host's share of the cache's largest window (measured: f* of jaxkv.host_split's model, from the CPU's "
         "and the link's rates measured together and a split layer's fixed cost c, with its predicted gain over "
-        "streaming alone and the kernel threads it chose; 'off': host attention turned itself off); x link bound = tok/s / (batch x link peak / the arm's KV bytes per "
-        "step): above 1 only because the CPU attends part of the rows. Thread ms/step, per decode step in the split "
-        "layers (last sample): the dispatching thread dispatching the query (with the previous split layer's merge) "
-        "/ the tail's partial (it waits for the tail's delivery) / waiting for the host's partial / the merges no "
-        "query carries (the last split layer's, one before a plain layer or at a stage boundary); the kernel's worker "
-        "meanwhile waiting for the query / running the kernel and writing its partial. wait: what waited for the "
-        "host's partials (kv.host_attention_wait as resolved: thread or device).",
+        "streaming alone and the kernel threads it chose; 'off': host attention turned itself off); x link bound = "
+        "tok/s / (batch x link peak / the arm's KV bytes per step): above 1 only because the CPU attends part of the "
+        "rows. Thread ms/step, per decode step in the split layers (last sample): the dispatching thread dispatching "
+        "the query (with the previous split layer's merge) / the tail's partial (it waits for the tail's delivery) / "
+        "waiting for the host's partial / the merges no query carries (the last split layer's, one before a plain "
+        "layer or at a stage boundary); the kernel's worker meanwhile waiting for the query / running the kernel and "
+        "writing its partial. wait: what waited for the host's partials (kv.host_attention_wait as resolved: thread or"
+        " device).",
         "",
-        "| context | batch | arm | f (source) | predicted gain | threads | c ms | wait | cpu GB/s | link GB/s/device "
-        "| tok/s | ms/step | x link bound | thread ms/step: query / tail / wait host / merge; worker: wait q / kernel |",
+        "| context | batch | arm | f (source) | predicted gain | threads | c ms | wait | cpu GB/s "
+        "| link GB/s/device | tok/s | ms/step | x link bound "
+        "| thread ms/step: query / tail / wait host / merge; worker: wait q / kernel |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell, name, a in split:
@@ -120,7 +122,8 @@ def markdown(out: dict) -> str:
       lines.append(
           f"| {cell['context']} | {cell['batch']} | {name} | {ha['fraction']:.3f} "
           f"({'off' if ha.get('off') else ha['source']}) | {_num(ha.get('predicted_gain'), '.2f')} | {ha['threads']} "
-          f"| {_num(ha.get('fixed_ms'), '.2f')} | {ha.get('wait', '—')} | {_num(ha['cpu_gbps'], '.1f')} | {_num(ha['link_gbps'], '.1f')} "
+          f"| {_num(ha.get('fixed_ms'), '.2f')} | {ha.get('wait', '—')} | {_num(ha['cpu_gbps'], '.1f')} "
+          f"| {_num(ha['link_gbps'], '.1f')} "
           f"| {_num((a['tok_s'] or {}).get('median'), '.2f')} | {_num((a['ms_per_step'] or {}).get('median'), '.2f')} "
           f"| {_num(a['x_link_bound'], '.2f')} | "
           + " / ".join(_num(ha.get(f"{p}_ms_per_step"), ".2f") for p in ("query", "tail", "wait_host", "merge"))
