@@ -178,7 +178,10 @@ class KVCache:
     """Stores zeros as rows [0, rows) of every layer's window: rows no prompt computes (left padding of a prompt
     prefilled alone, or a benchmark's synthetic context; decode reads and attends them like any rows)."""
     shape = (2, self.batch, self.model.num_kv_heads, rows, self.row_width)
-    for l in range(self.model.num_layers):
+    # Resident layers first: their windows lie side by side in device memory, so that the holes each one leaves when
+    # it grows (a prefill chunk, a page) join its neighbours' (a streamed layer's zeros, moved to the host at once,
+    # would sit between them and split the free memory into pieces each smaller than a grown window).
+    for l in sorted(range(self.model.num_layers), key=lambda l: self.streamed[l]):
       self.store(l, _zeros_fn(shape, self.dtype, self.device_shardings[l])())
 
   def store_zero_opens(self) -> None:

@@ -213,7 +213,8 @@ class Engine:
     to add to (default a new one); seed: the sampling seed. fill(cache), if given, stores rows into the cache before
     the transport starts (it sizes its ring from the free device memory)."""
     m, capacity, kv = self.config.model, self.config.engine.capacity, kv or self.config.kv
-    place = lambda kv: residency.place(m, kv, self.mesh, batch, capacity, self.layout)
+    chunk = self.config.engine.prefill_chunk
+    place = lambda kv: residency.place(m, kv, self.mesh, batch, capacity, self.layout, prefill_chunk=chunk)
     placement, split = place(kv), None
     if kv.host_attention and any(placement.streamed):
       kv, split = host_decode.plan(m, kv, self.layout.mesh(0), batch, capacity)

@@ -12,7 +12,8 @@ concatenation that copies the resident rows through HBM each step). A group hold
 
 Budget (per device, at the cache's full capacity): free memory of the fullest device when the cache is
 allocated (after the weights), minus the delivery ring (`ring_bytes`: depth + 2 groups of streamed layers), minus a
-workspace (a decode group's windows unpacked and grown at a page boundary, two groups' windows; the prefill scores,
+workspace (`workspace_bytes`: a decode group's windows unpacked and grown at a page boundary, two groups' windows;
+a prefill call's temporaries; one layer's window more, for the holes that grown windows leave; the prefill scores,
 WORKSPACE_SCORE_BLOCKS x jaxkv.model.SCORE_BUDGET_BYTES), minus kv.headroom_mib. kv.device_budget_gib replaces the
 automatic figure (and lets tests and benchmarks emulate a smaller device); it may not exceed the free memory where
 that is known. Where the backend reports no memory (CPU) and no budget is given, every layer is resident.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from absl import logging
 
 from jaxkv import cache as cache_lib
@@ -114,12 +116,18 @@ class Placement:
 
 
 def place(
-    model_config: ModelConfig, kv: KVConfig, mesh: jax.sharding.Mesh, batch: int, capacity: int, layout=None
+    model_config: ModelConfig,
+    kv: KVConfig,
+    mesh: jax.sharding.Mesh,
+    batch: int,
+    capacity: int,
+    layout=None,
+    prefill_chunk: int = 0,
 ) -> Placement:
   """The placement of a new KVCache of the same arguments (layout: jaxkv.layout.Layout or None), planned before
   anything is allocated: the decode groups; with kv.placement "auto" the plan, its budget from the free memory of
-  `mesh`'s devices (this process's); where a layer is streamed, the host memory check
-  (jaxkv.cache.reserve_host_memory)."""
+  `mesh`'s devices (this process's) less the workspace of decode and of a prefill in chunks of `prefill_chunk` rows
+  (0: no prefill); where a layer is streamed, the host memory check (jaxkv.cache.reserve_host_memory)."""
   num_layers = model_config.num_layers
   meshes = [mesh if layout is None else layout.mesh(l) for l in range(num_layers)]
   rows = cache_lib.rows_bound(capacity, kv.block)
@@ -132,7 +140,9 @@ def place(
   if kv.placement == "auto":
     free = free_device_bytes(mesh.local_devices)
     ring = ring_bytes(kv.pipeline_depth, min(group, num_layers) * layer_bytes)
-    budget, source = device_budget(free, kv.device_budget_gib, ring, group * layer_bytes, kv.headroom_mib)
+    tensor = mesh_lib.tensor_size(meshes[0])
+    workspace = workspace_bytes(model_config, batch, prefill_chunk, group * layer_bytes, layer_bytes, tensor)
+    budget, source = device_budget(free, kv.device_budget_gib, ring, workspace, kv.headroom_mib)
     auto = plan(groups, layer_bytes, budget, source)
     streamed = auto.streamed
   else:
@@ -162,8 +172,25 @@ def spread(num_layers: int, resident: int) -> tuple[bool, ...]:
   return tuple(l not in keep for l in range(num_layers))
 
 
+def workspace_bytes(
+    model_config: ModelConfig, batch: int, prefill_chunk: int, group_bytes: int, layer_bytes: int, devices: int
+) -> int:
+  """Device memory per device that the KV must leave free beside the ring (module docstring), measured as OOMs on the
+  H200 (8B, the planner without the last three terms): a group's windows grow inside its call at a page boundary,
+  the old and the grown alive together (one call for all 32 layers of 2 GiB, 512k, needed 64 GiB more); a prefill
+  call's temporaries are one block, the larger of the cuDNN attention's reordered copy of the window (a layer's
+  window: 4.03 GiB at 1M tokens) and the MLP's rows of the chunk (x, gate, up and their product: B x C x (D + 3 F /
+  devices) values, 5.75 GiB at 32 sequences x 2048 rows); the windows that grow one after another leave holes
+  each a chunk or a page smaller than the next (free memory in pieces: 16.6 GiB free, none of 5.75 GiB, at 32 x 32k),
+  one layer's window more."""
+  itemsize = jnp.dtype(model_config.dtype).itemsize
+  mlp_rows = batch * prefill_chunk * (model_config.d_model + 3 * model_config.mlp_dim // devices) * itemsize
+  prefill = max(layer_bytes, mlp_rows) if prefill_chunk else 0
+  return 2 * group_bytes + prefill + layer_bytes + WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
+
+
 def device_budget(
-    free_bytes: int | None, override_gib: float | None, ring_bytes: int, group_bytes: int, headroom_mib: int
+    free_bytes: int | None, override_gib: float | None, ring_bytes: int, workspace: int, headroom_mib: int
 ) -> tuple[int | None, str]:
   """(bytes the KV may take per device, where the figure comes from); see the module docstring."""
   if override_gib is not None:
@@ -178,9 +205,6 @@ def device_budget(
     return budget, "kv.device_budget_gib"
   if free_bytes is None:
     return None, "no device memory limit"
-  # A group's windows grow inside its call at a page boundary, the old and the grown alive together: one call for all
-  # 32 layers of 2 GiB (8B, 512k) needed 64 GiB more and ran out of device memory.
-  workspace = 2 * group_bytes + WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
   return max(free_bytes - ring_bytes - workspace - headroom_mib * 2**20, 0), "free device memory"
 
 

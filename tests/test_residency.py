@@ -5,6 +5,8 @@ import jax
 import numpy as np
 import pytest
 
+from experiments import llama3_8b
+from jaxkv import config as config_lib
 from jaxkv import model
 from jaxkv import residency
 from jaxkv import serving
@@ -37,15 +39,29 @@ def test_free_device_bytes_takes_the_fullest_device():
 
 def test_device_budget_from_free_memory_or_the_override():
   gib, mib = 2**30, 2**20
-  budget, source = residency.device_budget(10 * gib, None, ring_bytes=gib, group_bytes=100 * mib, headroom_mib=512)
+  budget, source = residency.device_budget(10 * gib, None, ring_bytes=gib, workspace=300 * mib, headroom_mib=512)
   assert source == "free device memory"
-  assert budget == 10 * gib - gib - 200 * mib - residency.WORKSPACE_SCORE_BLOCKS * 2**30 - 512 * mib
+  assert budget == 10 * gib - gib - 300 * mib - 512 * mib
   assert residency.device_budget(10 * gib, 2.0, gib, mib, 0) == (2 * gib, "kv.device_budget_gib")
   assert residency.device_budget(None, None, gib, mib, 0) == (None, "no device memory limit")
   with pytest.raises(ValueError, match="more than the free memory"):
     residency.device_budget(gib, 2.0, 0, mib, 0)
   with pytest.raises(ValueError, match="must be >= 0"):
     residency.device_budget(None, -1.0, 0, mib, 0)
+
+
+def test_workspace_counts_a_prefill_calls_largest_temporary():
+  """The 8B geometry's two cells that ran out of device memory on the H200 (docs/design.md): 32 sequences x 32k,
+  whose prefill MLP rows (5.75 GiB) outgrow a layer's window, and 1M tokens at batch 1, whose window does."""
+  cfg = config_lib.from_config_dict(llama3_8b.get_config()).model
+  gib, scores = 2**30, residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
+  layer = 4 * gib
+  assert residency.workspace_bytes(cfg, 32, 2048, layer, layer, 1) == 2 * layer + 5.75 * gib + layer + scores
+  assert residency.workspace_bytes(cfg, 1, 2048, layer, layer, 1) == 2 * layer + layer + layer + scores
+  assert residency.workspace_bytes(cfg, 32, 0, layer, layer, 1) == 2 * layer + layer + scores  # No prefill.
+  # Over 4 devices each holds a quarter of the MLP's columns (and of the window, in layer_bytes).
+  mlp = 32 * 2048 * (cfg.d_model + 3 * cfg.mlp_dim // 4) * 2
+  assert residency.workspace_bytes(cfg, 32, 2048, gib, gib, 4) == 2 * gib + mlp + gib + scores
 
 
 def _auto(tensor, depth, layers):
@@ -100,7 +116,8 @@ def test_auto_budget_from_free_device_memory_leaves_room_for_the_ring(monkeypatc
   eng = helpers.engine(2, placement="auto", depth=depth, group_layers=1)  # A ring slot holds one layer's window.
   layer = helpers.layer_bytes(eng, len(LENGTHS))
   headroom = eng.config.kv.headroom_mib * 2**20
-  workspace = 2 * layer + residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
+  workspace = residency.workspace_bytes(eng.config.model, len(LENGTHS), eng.config.engine.prefill_chunk, layer, layer, 2)
+  assert workspace > 3 * layer + residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES  # A prefill's too.
   free = (depth + 2) * layer + workspace + headroom + resident * layer + layer // 2
   helpers.device_memory(monkeypatch, free)
   res = eng.generate(prompts, NEW, keep_logits=True)

@@ -47,11 +47,15 @@ _EXTRA: list[str] = []  # --bench_args.
 _WEIGHT = {131072: 1.0, 262144: 1.0, 524288: 1.3, 1048576: 1.7}
 
 
-def _host_estimate(model, kv_dtype: str, capacity: int, free_gib: float, depth: int = 2) -> tuple[float, float]:
+def _host_estimate(
+    model, kv_dtype: str, capacity: int, free_gib: float, chunk: int, depth: int = 2
+) -> tuple[float, float]:
   """(the whole KV, the pinned host bytes its auto arm needs at most) in GiB, with free_gib of device memory
-  free after the weights: residency's budget, two layers fewer resident for safety, plus one layer in flight."""
+  free after the weights: residency's budget (prefill chunks of `chunk` rows), two layers fewer resident for safety,
+  plus one layer in flight."""
   layer = 2 * model.num_kv_heads * capacity * kv_quant.KVFormat.of(model, kv_dtype).row_bytes
-  budget = residency.device_budget(int(free_gib * _GIB), None, (depth + 2) * layer, layer, 512)[0]
+  workspace = residency.workspace_bytes(model, 1, chunk, layer, layer, 1)
+  budget = residency.device_budget(int(free_gib * _GIB), None, (depth + 2) * layer, workspace, 512)[0]
   resident = max(min(model.num_layers, budget // layer) - 2, 0)
   streamed = model.num_layers - resident
   return model.num_layers * layer / _GIB, (streamed + 1) * layer / _GIB if streamed else 0.0
@@ -123,7 +127,8 @@ def main():
   a = p.parse_args()
   _EXTRA[:] = a.bench_args.split()
   t_end = time.perf_counter() + a.budget_s
-  model = config_lib.from_config_dict(llama3_8b.get_config("3.1")).model
+  config = config_lib.from_config_dict(llama3_8b.get_config("3.1"))
+  model = config.model
   weights_gib = 2 * model.num_params() / _GIB  # bfloat16.
   mem_fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", a.mem_fraction))
   free_gib = mem_fraction * a.device_gib - weights_gib - 2.0  # 2 GiB for the rest (estimate).
@@ -147,7 +152,7 @@ def main():
   def pool_env(context: int) -> tuple[dict | None, dict]:
     """The env for one context's process, or None with the reason when host RAM limits it."""
     cap = -(-(context + a.new_tokens) // 256) * 256
-    est = {d: _host_estimate(model, d, cap, free_gib) for d in dtypes}
+    est = {d: _host_estimate(model, d, cap, free_gib, config.engine.prefill_chunk) for d in dtypes}
     host_gib = max([h for _, h in est.values()], default=0.0)
     info = dict(
         capacity=cap,

@@ -138,11 +138,10 @@ def _stats(values: list[float]) -> dict | None:
   return dict(median=statistics.median(values), min=min(values), max=max(values)) if values else None
 
 
-def device_peak(mesh: jax.sharding.Mesh) -> int | None:
-  """Largest memory_stats()['peak_bytes_in_use'] of this process's devices of the mesh, or None where there are no
-  stats."""
-  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in mesh.local_devices]
-  return None if None in peaks else max(peaks)
+def device_peak(mesh: jax.sharding.Mesh, stat: str = "peak_bytes_in_use") -> int | None:
+  """Largest memory_stats()[stat] of this process's devices of the mesh, or None where there are no stats."""
+  values = [(d.memory_stats() or {}).get(stat) for d in mesh.local_devices]
+  return None if None in values else max(values)
 
 
 def hardware() -> dict:
@@ -176,7 +175,10 @@ class _Arm:
       reason = skip_reason(e)
       if reason is None:
         raise
-      self.rec.update(status="skipped", reason=f"{label}: {reason}")
+      # In use when it failed (the failed call's arrays are still referenced here): what filled the device.
+      self.rec.update(
+          status="skipped", reason=f"{label}: {reason}", device_bytes_in_use_at_skip=device_peak(mesh, "bytes_in_use")
+      )
       logging.warning("arm %s skipped at %s: %s", self.name, label, reason)
       return None
     finally:
