@@ -175,14 +175,12 @@ def spread(num_layers: int, resident: int) -> tuple[bool, ...]:
 def workspace_bytes(
     model_config: ModelConfig, batch: int, prefill_chunk: int, group_bytes: int, layer_bytes: int, devices: int
 ) -> int:
-  """Device memory per device that the KV must leave free beside the ring (module docstring), measured as OOMs on the
-  H200 (8B, the planner without the last three terms): a group's windows grow inside its call at a page boundary,
-  the old and the grown alive together (one call for all 32 layers of 2 GiB, 512k, needed 64 GiB more); a prefill
-  call's temporaries are one block, the larger of the cuDNN attention's reordered copy of the window (a layer's
-  window: 4.03 GiB at 1M tokens) and the MLP's rows of the chunk (x, gate, up and their product: B x C x (D + 3 F /
-  devices) values, 5.75 GiB at 32 sequences x 2048 rows); the windows that grow one after another leave holes
-  each a chunk or a page smaller than the next (free memory in pieces: 16.6 GiB free, none of 5.75 GiB, at 32 x 32k),
-  one layer's window more."""
+  """Device memory per device that the KV must leave free beside the ring: two groups' windows (a group's windows
+  grow inside its call at a page boundary, the old and the grown alive together); a prefill call's temporaries, one
+  block, the larger of the attention's copy of a layer's window (cuDNN: reordered; XLA: joined to the chunk) and the
+  MLP's rows of the chunk (x, gate, up and their product: B x C x (D + 3 F / devices) values); one layer's window
+  more, for the holes that windows growing one after another leave, each a chunk or a page smaller than the next;
+  the prefill scores. docs/design.md ("Residency planner") has the out-of-memory errors that decided it."""
   itemsize = jnp.dtype(model_config.dtype).itemsize
   mlp_rows = batch * prefill_chunk * (model_config.d_model + 3 * model_config.mlp_dim // devices) * itemsize
   prefill = max(layer_bytes, mlp_rows) if prefill_chunk else 0

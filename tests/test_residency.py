@@ -116,7 +116,9 @@ def test_auto_budget_from_free_device_memory_leaves_room_for_the_ring(monkeypatc
   eng = helpers.engine(2, placement="auto", depth=depth, group_layers=1)  # A ring slot holds one layer's window.
   layer = helpers.layer_bytes(eng, len(LENGTHS))
   headroom = eng.config.kv.headroom_mib * 2**20
-  workspace = residency.workspace_bytes(eng.config.model, len(LENGTHS), eng.config.engine.prefill_chunk, layer, layer, 2)
+  workspace = residency.workspace_bytes(
+      eng.config.model, len(LENGTHS), eng.config.engine.prefill_chunk, layer, layer, 2
+  )
   assert workspace > 3 * layer + residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES  # A prefill's too.
   free = (depth + 2) * layer + workspace + headroom + resident * layer + layer // 2
   helpers.device_memory(monkeypatch, free)
