@@ -295,7 +295,37 @@ def test_arm_that_does_not_fit_is_skipped(monkeypatch):
   host = cell["arms"]["host_d1"]
   assert host["status"] == "skipped" and "warm-up" in host["reason"] and "pinned" in host["reason"]
   assert host["tok_s"] is None and not host["samples"]
+  assert host["device_bytes_in_use_at_skip"] is None  # The CPU reports no memory stats.
   assert arms.PEER_ARM not in cell["arms"]
+
+
+def test_auto_prediction_without_a_device_arm_is_the_links_term():
+  """An auto arm alone in its cell (the device arm does not fit: 1M tokens of bf16 KV on one H200) is predicted
+  from its streamed bytes over the link alone, and says that no compute time entered."""
+  gib = 2**30
+  sample = dict(ms_per_step=1000.0, tok_s=1.0, prefill_s=2.0, tokens_sha256="t")
+  auto = dict(
+      status="ok",
+      samples=[sample],
+      kv_dtype="model",
+      kv_bytes_per_step_in_sequence=128 * gib,
+      kv_bytes_per_step_per_device=128 * gib,
+      transport=dict(residency=dict(resident_layers=20, streamed_layers=12)),
+  )
+  cell = dict(
+      arms={"auto_d2": auto},
+      batch=1,
+      kv_dtype="model",
+      kv_bytes_per_step_per_device=128 * gib,
+      kv_bytes_per_step_in_sequence=128 * gib,
+      ceilings=dict(skipped="host RAM"),
+      ceilings_kv_dtype={},
+  )
+  benchmark._summarize(cell, 50.0)  # pylint: disable=protected-access
+  streamed = 48 * gib
+  assert auto["streamed_bytes_per_step_per_device"] == streamed and auto["predicted_compute_ms"] is None
+  assert auto["predicted_ms_per_step"] == pytest.approx(1e3 * streamed / 50e9)
+  assert auto["overlap_ratio"] == pytest.approx(1000.0 / auto["predicted_ms_per_step"])
 
 
 def _layer_config(proportions: str):

@@ -3,8 +3,8 @@
 Each context (default 128k, 256k, 512k, 1M tokens) is one `python3 -m jaxkv.bench` process with --synthetic_context
 (each prompt's rows below its last prefill chunk stored as zeros: the decode does the same work) and the arms
 device, device_int8, auto_d2 and auto_d2_int8: tokens/s, resident/streamed layers of the auto arms, their predicted
-ms per step (jaxkv.residency.predict_step_ms: max(streamed bytes / link peak, the device arm's ms) against the
-measured. The auto arms' budget is the free device memory (XLA_PYTHON_CLIENT_MEM_FRACTION raised to --mem_fraction
+ms per step (jaxkv.residency.predict_step_ms: max(streamed bytes / link peak, the device arm's ms; the link's term
+alone where the device arm does not fit) against the measured. The auto arms' budget is the free device memory (XLA_PYTHON_CLIENT_MEM_FRACTION raised to --mem_fraction
 so that JAX's pool is most of the device). Then (first, as it is the shortest) a real 128k prefill: one bench process
 without --synthetic_context, arm auto_d2, whose timed sample's prefill_s is the prefill of 128k real tokens.
 

@@ -362,11 +362,13 @@ def _summarize(cell: dict, peak_gbps: float) -> None:
     bound = rec["link_bound_tok_s"]
     rec["x_link_bound"] = tok_s / bound if tok_s and bound and not is_device else None
     plan = rec.get("transport", {}).get("residency")
-    if plan and compute_ms:  # Residency planner: the streamed share of the KV against the model.
+    if plan:  # Residency planner: the streamed share of the KV against the model; without a device arm to time
+      # the compute (it did not run, or does not fit) the link's term alone, a lower bound.
       share = plan["streamed_layers"] / (plan["streamed_layers"] + plan["resident_layers"])
       rec["streamed_bytes_per_step_per_device"] = share * rec["kv_bytes_per_step_per_device"]
+      rec["predicted_compute_ms"] = compute_ms
       rec["predicted_ms_per_step"] = residency.predict_step_ms(
-          rec["streamed_bytes_per_step_per_device"], peak_gbps, compute_ms
+          rec["streamed_bytes_per_step_per_device"], peak_gbps, compute_ms or 0.0
       )
       if ms:
         rec["overlap_ratio"] = ms / rec["predicted_ms_per_step"]
