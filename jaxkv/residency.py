@@ -130,8 +130,8 @@ def place(
   (0: no prefill); where a layer is streamed, the host memory check (jaxkv.cache.reserve_host_memory)."""
   num_layers = model_config.num_layers
   meshes = [mesh if layout is None else layout.mesh(l) for l in range(num_layers)]
-  rows = cache_lib.rows_bound(capacity, kv.block)
-  layer_bytes = cache_lib.row_bytes(model_config, kv.dtype, batch, mesh_lib.tensor_size(meshes[0])) * rows
+  rows, tensor = cache_lib.rows_bound(capacity, kv.block), mesh_lib.tensor_size(meshes[0])
+  layer_bytes = cache_lib.row_bytes(model_config, kv.dtype, batch, tensor) * rows
   group = group_layers(kv.group_layers, kv.host_attention, layer_bytes)
   groups = decode_groups(layout.stage_of if layout else (0,) * num_layers, group)
   auto = None
@@ -140,8 +140,7 @@ def place(
   if kv.placement == "auto":
     free = free_device_bytes(mesh.local_devices)
     ring = ring_bytes(kv.pipeline_depth, min(group, num_layers) * layer_bytes)
-    tensor = mesh_lib.tensor_size(meshes[0])
-    workspace = workspace_bytes(model_config, batch, prefill_chunk, group * layer_bytes, layer_bytes, tensor)
+    workspace = workspace_bytes(model_config, kv.dtype, batch, rows, prefill_chunk, group, tensor)
     budget, source = device_budget(free, kv.device_budget_gib, ring, workspace, kv.headroom_mib)
     auto = plan(groups, layer_bytes, budget, source)
     streamed = auto.streamed
@@ -173,18 +172,21 @@ def spread(num_layers: int, resident: int) -> tuple[bool, ...]:
 
 
 def workspace_bytes(
-    model_config: ModelConfig, batch: int, prefill_chunk: int, group_bytes: int, layer_bytes: int, devices: int
+    model_config: ModelConfig, kv_dtype: str, batch: int, rows: int, prefill_chunk: int, group: int, devices: int
 ) -> int:
-  """Device memory per device that the KV must leave free beside the ring: two groups' windows (a group's windows
-  grow inside its call at a page boundary, the old and the grown alive together); a prefill call's temporaries, one
-  block, the larger of the attention's copy of a layer's window (cuDNN: reordered; XLA: joined to the chunk) and the
-  MLP's rows of the chunk (x, gate, up and their product: B x C x (D + 3 F / devices) values); one layer's window
-  more, for the holes that windows growing one after another leave, each a chunk or a page smaller than the next;
-  the prefill scores. docs/design.md ("Residency planner") has the out-of-memory errors that decided it."""
+  """Device memory per device that the KV (windows of `rows` rows, decode groups of `group` layers, heads over
+  `devices`) must leave free beside the ring: two groups' windows (a group's windows grow inside its call at a page
+  boundary, the old and the grown alive together); a prefill call's temporaries, one block, the larger of the
+  attention's copy of a layer's window in the model dtype (cuDNN: reordered; XLA: joined to the chunk) and the MLP's
+  rows of the chunk (x, gate, up and their product: B x C x (D + 3 F / devices) values); one layer's window more, for
+  the holes that windows growing one after another leave, each a chunk or a page smaller than the next; the prefill
+  scores. docs/design.md ("Residency planner") has the out-of-memory errors that decided it."""
+  layer = cache_lib.row_bytes(model_config, kv_dtype, batch, devices) * rows
   itemsize = jnp.dtype(model_config.dtype).itemsize
+  window_values = 2 * batch * (model_config.num_kv_heads // devices) * model_config.head_dim * itemsize * rows
   mlp_rows = batch * prefill_chunk * (model_config.d_model + 3 * model_config.mlp_dim // devices) * itemsize
-  prefill = max(layer_bytes, mlp_rows) if prefill_chunk else 0
-  return 2 * group_bytes + prefill + layer_bytes + WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
+  prefill = max(window_values, mlp_rows) if prefill_chunk else 0
+  return 2 * group * layer + prefill + layer + WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
 
 
 def device_budget(

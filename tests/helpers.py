@@ -136,7 +136,7 @@ def layer_bytes(eng, batch: int) -> int:
 
 
 def kv_cache(model_config, kv, mesh, batch: int, capacity: int) -> cache_lib.KVCache:
-  """A KVCache placed as the engine places one (jaxkv.residency.place)."""
+  """A KVCache placed as the engine places one (jaxkv.residency.place) for decode alone (no prefill's workspace)."""
   placement = residency.place(model_config, kv, mesh, batch, capacity)
   return cache_lib.KVCache(model_config, kv, mesh, batch, capacity, placement=placement)
 

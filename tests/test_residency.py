@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from experiments import llama3_8b
+from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
 from jaxkv import model
 from jaxkv import residency
@@ -55,13 +56,17 @@ def test_workspace_counts_a_prefill_calls_largest_temporary():
   whose prefill MLP rows (5.75 GiB) outgrow a layer's window, and 1M tokens at batch 1, whose window does."""
   cfg = config_lib.from_config_dict(llama3_8b.get_config()).model
   gib, scores = 2**30, residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
-  layer = 4 * gib
-  assert residency.workspace_bytes(cfg, 32, 2048, layer, layer, 1) == 2 * layer + 5.75 * gib + layer + scores
-  assert residency.workspace_bytes(cfg, 1, 2048, layer, layer, 1) == 2 * layer + layer + layer + scores
-  assert residency.workspace_bytes(cfg, 32, 0, layer, layer, 1) == 2 * layer + layer + scores  # No prefill.
-  # Over 4 devices each holds a quarter of the MLP's columns (and of the window, in layer_bytes).
+  layer = 4 * gib  # 32 x 32k rows, or 1M rows of one sequence, of bf16 K and V.
+  assert residency.workspace_bytes(cfg, "model", 32, 2**15, 2048, 1, 1) == 2 * layer + 5.75 * gib + layer + scores
+  assert residency.workspace_bytes(cfg, "model", 1, 2**20, 2048, 1, 1) == 2 * layer + layer + layer + scores
+  assert residency.workspace_bytes(cfg, "model", 1, 2**20, 0, 1, 1) == 2 * layer + layer + scores  # No prefill.
+  # int8 rows: the attention's copy holds the window's values in bf16, about twice its stored bytes.
+  stored = cache_lib.row_bytes(cfg, "int8", 1) * 2**20
+  assert stored < 0.6 * layer
+  assert residency.workspace_bytes(cfg, "int8", 1, 2**20, 2048, 1, 1) == 2 * stored + layer + stored + scores
+  # Over 4 devices each holds a quarter of the heads and of the MLP's columns; groups of 2 layers.
   mlp = 32 * 2048 * (cfg.d_model + 3 * cfg.mlp_dim // 4) * 2
-  assert residency.workspace_bytes(cfg, 32, 2048, gib, gib, 4) == 2 * gib + mlp + gib + scores
+  assert residency.workspace_bytes(cfg, "model", 32, 2**15, 2048, 2, 4) == 4 * gib + mlp + gib + scores
 
 
 def _auto(tensor, depth, layers):
@@ -116,8 +121,9 @@ def test_auto_budget_from_free_device_memory_leaves_room_for_the_ring(monkeypatc
   eng = helpers.engine(2, placement="auto", depth=depth, group_layers=1)  # A ring slot holds one layer's window.
   layer = helpers.layer_bytes(eng, len(LENGTHS))
   headroom = eng.config.kv.headroom_mib * 2**20
+  rows = cache_lib.rows_bound(eng.config.engine.capacity, eng.config.kv.block)
   workspace = residency.workspace_bytes(
-      eng.config.model, len(LENGTHS), eng.config.engine.prefill_chunk, layer, layer, 2
+      eng.config.model, "model", len(LENGTHS), rows, eng.config.engine.prefill_chunk, 1, 2
   )
   assert workspace > 3 * layer + residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES  # A prefill's too.
   free = (depth + 2) * layer + workspace + headroom + resident * layer + layer // 2

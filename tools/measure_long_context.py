@@ -4,8 +4,8 @@ Each context (default 128k, 256k, 512k, 1M tokens) is one `python3 -m jaxkv.benc
 (each prompt's rows below its last prefill chunk stored as zeros: the decode does the same work) and the arms
 device, device_int8, auto_d2 and auto_d2_int8: tokens/s, resident/streamed layers of the auto arms, their predicted
 ms per step (jaxkv.residency.predict_step_ms: max(streamed bytes / link peak, the device arm's ms; the link's term
-alone where the device arm does not fit) against the measured. The auto arms' budget is the free device memory (XLA_PYTHON_CLIENT_MEM_FRACTION raised to --mem_fraction
-so that JAX's pool is most of the device). Then (first, as it is the shortest) a real 128k prefill: one bench process
+alone where the device arm does not fit) against the measured. The auto arms' budget is the free device memory
+(XLA_PYTHON_CLIENT_MEM_FRACTION raised to --mem_fraction so that JAX's pool is most of the device). Then (first, as it is the shortest) a real 128k prefill: one bench process
 without --synthetic_context, arm auto_d2, whose timed sample's prefill_s is the prefill of 128k real tokens.
 
 The pinned host pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, 64 GiB unless raised) is set per context to what its auto
@@ -54,7 +54,7 @@ def _host_estimate(
   free after the weights: residency's budget (prefill chunks of `chunk` rows), two layers fewer resident for safety,
   plus one layer in flight."""
   layer = 2 * model.num_kv_heads * capacity * kv_quant.KVFormat.of(model, kv_dtype).row_bytes
-  workspace = residency.workspace_bytes(model, 1, chunk, layer, layer, 1)
+  workspace = residency.workspace_bytes(model, kv_dtype, 1, capacity, chunk, 1, 1)
   budget = residency.device_budget(int(free_gib * _GIB), None, (depth + 2) * layer, workspace, 512)[0]
   resident = max(min(model.num_layers, budget // layer) - 2, 0)
   streamed = model.num_layers - resident

@@ -138,7 +138,7 @@ def _stats(values: list[float]) -> dict | None:
   return dict(median=statistics.median(values), min=min(values), max=max(values)) if values else None
 
 
-def device_peak(mesh: jax.sharding.Mesh, stat: str = "peak_bytes_in_use") -> int | None:
+def device_stat(mesh: jax.sharding.Mesh, stat: str = "peak_bytes_in_use") -> int | None:
   """Largest memory_stats()[stat] of this process's devices of the mesh, or None where there are no stats."""
   values = [(d.memory_stats() or {}).get(stat) for d in mesh.local_devices]
   return None if None in values else max(values)
@@ -177,7 +177,7 @@ class _Arm:
         raise
       # In use when it failed (the failed call's arrays are still referenced here): what filled the device.
       self.rec.update(
-          status="skipped", reason=f"{label}: {reason}", device_bytes_in_use_at_skip=device_peak(mesh, "bytes_in_use")
+          status="skipped", reason=f"{label}: {reason}", device_bytes_in_use_at_skip=device_stat(mesh, "bytes_in_use")
       )
       logging.warning("arm %s skipped at %s: %s", self.name, label, reason)
       return None
@@ -188,7 +188,7 @@ class _Arm:
     s.update(
         ms_per_step=1e3 * s["decode_s"] / s["decode_steps"],
         tok_s=batch * s["decode_steps"] / s["decode_s"],
-        device_peak_bytes_in_use_process=device_peak(mesh),
+        device_peak_bytes_in_use_process=device_stat(mesh),
     )
     return s
 
@@ -362,8 +362,8 @@ def _summarize(cell: dict, peak_gbps: float) -> None:
     bound = rec["link_bound_tok_s"]
     rec["x_link_bound"] = tok_s / bound if tok_s and bound and not is_device else None
     plan = rec.get("transport", {}).get("residency")
-    if plan:  # Residency planner: the streamed share of the KV against the model; without a device arm to time
-      # the compute (it did not run, or does not fit) the link's term alone, a lower bound.
+    if plan and (compute_ms or plan["streamed_layers"]):  # Residency planner: the streamed share of the KV against
+      # the model; without a device arm to time the compute (it did not run, or does not fit) the link's term alone.
       share = plan["streamed_layers"] / (plan["streamed_layers"] + plan["resident_layers"])
       rec["streamed_bytes_per_step_per_device"] = share * rec["kv_bytes_per_step_per_device"]
       rec["predicted_compute_ms"] = compute_ms

@@ -114,7 +114,7 @@ def run(
         ring_high_water_bytes_per_device=max(high),
         ring_bytes_per_device_needed=max(needed),
         ring_bytes_per_device_configured=configured,
-        device_peak_bytes_in_use_process=benchmark.device_peak(mesh),
+        device_peak_bytes_in_use_process=benchmark.device_stat(mesh),
         over_needed_prompt_lengths=[n for n, h, w in zip(lengths, high, needed) if h > w],  # Tasks that fail.
     )
     memory[arm]["passed"] = not memory[arm]["over_needed_prompt_lengths"] and max(high) <= configured

@@ -82,7 +82,7 @@ def markdown(out: dict) -> str:
         "## Residency planner (auto arms)",
         "",
         "predicted = max(streamed KV bytes / link peak, compute-only), the link's term alone where no device arm "
-        "ran (a lower bound); the overlap ratio of an auto arm is "
+        "ran; the overlap ratio of an auto arm is "
         "measured / predicted, its link efficiency counts the streamed bytes only.",
         "",
         "| context | batch | arm | resident / streamed layers | device budget MiB | streamed MiB/step/device "
