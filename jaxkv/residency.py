@@ -182,8 +182,8 @@ def workspace_bytes(
   the holes that windows growing one after another leave, each a chunk or a page smaller than the next; the prefill
   scores. docs/design.md ("Residency planner") has the out-of-memory errors that decided it."""
   layer = cache_lib.row_bytes(model_config, kv_dtype, batch, devices) * rows
+  window_values = cache_lib.row_bytes(model_config, "model", batch, devices) * rows  # Unpacked to the model dtype.
   itemsize = jnp.dtype(model_config.dtype).itemsize
-  window_values = 2 * batch * (model_config.num_kv_heads // devices) * model_config.head_dim * itemsize * rows
   mlp_rows = batch * prefill_chunk * (model_config.d_model + 3 * model_config.mlp_dim // devices) * itemsize
   prefill = max(window_values, mlp_rows) if prefill_chunk else 0
   return 2 * group * layer + prefill + layer + WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
