@@ -60,7 +60,10 @@ def base_config() -> ml_collections.ConfigDict:
       )
   )
   # prefill_attention: "auto" (cuDNN's flash attention on a GPU where it runs, else plain XLA), "xla" or "cudnn".
-  c.engine = ml_collections.ConfigDict(dict(capacity=4096, prefill_chunk=1024, prefill_attention="auto"))
+  # decode_attention: "auto" (the Pallas kernel on a GPU where it runs, else plain XLA), "xla", "pallas" or "legacy".
+  c.engine = ml_collections.ConfigDict(
+      dict(capacity=4096, prefill_chunk=1024, prefill_attention="auto", decode_attention="auto")
+  )
   c.sampling = ml_collections.ConfigDict(dict(temperature=0.0, top_k=0, top_p=1.0, eos_id=-1))
   c.mesh = ml_collections.ConfigDict(dict(tensor=-1))
   c.split = ml_collections.ConfigDict(dict(mode="tensor", layer_split=""))  # jaxkv.layout.

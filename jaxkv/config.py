@@ -14,6 +14,7 @@ PLACEMENTS = ("device", "host", "auto")
 SPLIT_MODES = ("none", "layer", "tensor")
 HOST_ATTENTION_WAITS = ("auto", "thread", "device")
 PREFILL_ATTENTIONS = ("auto", "xla", "cudnn")  # engine.prefill_attention (jaxkv.model.prefill_attention_impl).
+DECODE_ATTENTIONS = ("auto", "xla", "pallas", "legacy")  # engine.decode_attention (jaxkv.decode_attention.resolve).
 # KV cache storage: "model" = the model dtype; two float dtypes; two quantized ones (see jaxkv.kv_quant).
 KV_DTYPES = ("model", "bfloat16", "float32", "int8", "float8_e4m3fn")
 INT8_BLOCK = 32  # int8 KV: values per scale along head_dim (llama.cpp q8_0).
@@ -214,11 +215,17 @@ class EngineConfig:
   prefill_chunk: prompt rows per prefill step, a multiple of kv.block.
   prefill_attention: the prefill's attention, one of PREFILL_ATTENTIONS: "xla" (plain XLA, the reference),
     "cudnn" (cuDNN's flash attention: GPU, bfloat16 or float16) or "auto" (cudnn where it can run, else xla;
-    jaxkv.model.prefill_attention_impl)."""
+    jaxkv.model.prefill_attention_impl).
+  decode_attention: the decode's attention, one of DECODE_ATTENTIONS: end-anchored leaves folded in a fixed tree, so
+    that a sequence's bits do not depend on the batch around it (jaxkv.decode_attention), computed by "xla" (plain
+    XLA, the reference) or "pallas" (a Pallas kernel: CUDA GPU), or "auto" (pallas where it can run and passes its
+    check, else xla); or "legacy" (the window and the open page reduced whole: the bits depend on the batch's window
+    length; kept for A/B)."""
 
   capacity: int = 256
   prefill_chunk: int = 256
   prefill_attention: str = "auto"
+  decode_attention: str = "auto"
 
   def __post_init__(self):
     if self.capacity <= 0 or self.prefill_chunk <= 0:
@@ -226,6 +233,10 @@ class EngineConfig:
     if self.prefill_attention not in PREFILL_ATTENTIONS:
       raise ValueError(
           f"engine.prefill_attention must be one of {', '.join(PREFILL_ATTENTIONS)}, got {self.prefill_attention!r}"
+      )
+    if self.decode_attention not in DECODE_ATTENTIONS:
+      raise ValueError(
+          f"engine.decode_attention must be one of {', '.join(DECODE_ATTENTIONS)}, got {self.decode_attention!r}"
       )
 
 

@@ -135,7 +135,14 @@ class Engine:
     self.config, self.mesh, self.params = config, mesh, params
     lay = self.layout
     self.stage_fns = tuple(
-        jitted.functions(config.model, m, config.sampling, config.kv.dtype, config.engine.prefill_attention)
+        jitted.functions(
+            config.model,
+            m,
+            config.sampling,
+            config.kv.dtype,
+            config.engine.prefill_attention,
+            config.engine.decode_attention,
+        )
         for m in lay.meshes
     )
     self.fns = self.stage_fns[lay.stage_of[-1]]  # The head's: the last stage.

@@ -1,4 +1,4 @@
-"""The jitted functions of prefill and decode: one set per mesh, KV dtype and prefill attention; a head per sampling.
+"""The jitted functions of prefill and decode: one set per mesh, KV dtype and attentions; a head per sampling.
 
 Each layer is ONE jitted function, shared by every delivery mode: only where its KV window comes from changes
 (jaxkv.transport). Decode runs consecutive layers as one call (a group, jaxkv.residency.decode_groups) in which each
@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import cache as cache_lib
+from jaxkv import decode_attention
 from jaxkv import host_wait
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
@@ -48,6 +49,7 @@ class Fns:
   merge_query_published: object
   pinned_heads: jax.sharding.Sharding  # q's copy for the host and the host's partial (jaxkv.host_attention.HandBack).
   prefill_attention: str  # The prefill attention that runs: "xla" or "cudnn" (model.prefill_attention_impl).
+  decode_attention: str  # The decode attention that runs: "xla", "pallas" or "legacy" (decode_attention.resolve).
 
 
 def functions(
@@ -56,11 +58,13 @@ def functions(
     sampling: SamplingConfig,
     kv_dtype: str = "model",
     prefill_attention: str = "auto",
+    decode_attention_choice: str = "auto",
 ) -> Fns:
   """The jitted functions of an engine: the layers' (_layer_functions), shared whatever the sampling, and the head,
   which samples by `sampling` (its eos_id is the host's business: one head serves every eos_id)."""
   head = _head(cfg, mesh, dataclasses.replace(sampling, eos_id=SamplingConfig.eos_id))
-  return dataclasses.replace(_layer_functions(cfg, mesh, kv_dtype, prefill_attention), head=head)
+  layers = _layer_functions(cfg, mesh, kv_dtype, prefill_attention, decode_attention_choice)
+  return dataclasses.replace(layers, head=head)
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,10 +81,12 @@ def _head(cfg: ModelConfig, mesh: jax.sharding.Mesh, sampling: SamplingConfig):
 
 
 @functools.lru_cache(maxsize=None)
-def _layer_functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, prefill_attention: str) -> Fns:
+def _layer_functions(
+    cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, prefill_attention: str, decode_attention_choice: str
+) -> Fns:
   """The jitted per-layer functions (no head), shared by every engine (delivery mode and sampling) on one mesh, KV
-  dtype and prefill attention (engine.prefill_attention, resolved for the mesh's devices:
-  model.prefill_attention_impl)."""
+  dtype and attentions (engine.prefill_attention and engine.decode_attention, resolved for the mesh's devices:
+  model.prefill_attention_impl, decode_attention.resolve)."""
   rep = mesh_lib.replicated(mesh)
   kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
   heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None))  # q and the partials' o.
@@ -88,12 +94,16 @@ def _layer_functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, p
   lse_heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None))  # The partials' lse.
   fmt = KVFormat.of(cfg, kv_dtype)
   attention_impl = model.prefill_attention_impl(prefill_attention, cfg, fmt, mesh.local_devices[0])
+  decode_impl = decode_attention.resolve(decode_attention_choice, cfg, fmt, mesh.local_devices[0])
+  attend = dict(attention_impl=decode_impl, mesh=mesh)
 
   def prefill(p, x, window, meta):
     return model.prefill_layer(p, x, window, Meta.start(meta), cfg=cfg, kv_format=fmt, attention_impl=attention_impl)
 
   def decode(p, x, window, open_page, meta):
-    return model.decode_layer(p, x, window, open_page, Meta.start(meta), Meta.end(meta), cfg=cfg, kv_format=fmt)
+    return model.decode_layer(
+        p, x, window, open_page, Meta.start(meta), Meta.end(meta), cfg=cfg, kv_format=fmt, **attend
+    )
 
   def decode_group(ps, x, windows, opens, meta, full=False):
     """Consecutive layers (weights ps, windows [2, B, K, W, E] or None, open pages [2, B, K, P, E]) in one call.
@@ -112,7 +122,7 @@ def _layer_functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, p
     return x, out
 
   def tail_partial(q, tail, open_page, meta):
-    return model.decode_tail_partial(q, tail, open_page, Meta.start(meta), Meta.end(meta), kv_format=fmt)
+    return model.decode_tail_partial(q, tail, open_page, Meta.start(meta), Meta.end(meta), kv_format=fmt, **attend)
 
   def query(p, x, open_page, meta, q_slot=None):
     q, open_page = model.decode_query(p, x, open_page, Meta.start(meta), Meta.end(meta), cfg=cfg, kv_format=fmt)
@@ -169,4 +179,5 @@ def _layer_functions(cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, p
       ),
       pinned_heads=pinned_heads,
       prefill_attention=attention_impl,
+      decode_attention=decode_impl,
   )

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from jaxkv import decode_attention
 from jaxkv import mesh as mesh_lib
 from jaxkv.config import PREFILL_ATTENTIONS, ModelConfig
 from jaxkv.kv_quant import KVFormat
@@ -418,32 +419,57 @@ def fused_prefill_attention(q, chunk_kv, prefix_kv, start, kernel):
   return jnp.where(valid[:, :, None, None], o.astype(q.dtype), own.astype(q.dtype))
 
 
-def decode_layer(p, x, window, open_page, start, end, *, cfg: ModelConfig, kv_format: KVFormat | None = None):
+def decode_layer(
+    p,
+    x,
+    window,
+    open_page,
+    start,
+    end,
+    *,
+    cfg: ModelConfig,
+    kv_format: KVFormat | None = None,
+    attention_impl: str = "xla",
+    mesh: jax.sharding.Mesh | None = None,
+):
   """One layer for one new token per sequence, written at row `end` of every sequence.
 
   x [B, D]; window stored [2, B, K, W, E] rows [0, W), or None while W = 0; open_page stored [2, B, K, P, E]
   rows [W, W + P), on device; start i32[B]; end i32[] with W <= end < W + P; kv_format: how rows are stored
-  (default: the model dtype).
+  (default: the model dtype); attention_impl: "xla" or "pallas" (jaxkv.decode_attention: end-anchored leaves over
+  the window and the open page, read where they are, folded in a fixed tree; a sequence's bits do not depend on W
+  or on the batch around it) or "legacy" (`legacy_decode_attention`); mesh: the devices the kv heads are sharded
+  over (the Pallas kernel runs per shard).
   Returns x [B, D] and the open page with the new row written (packed).
-
-  The window and the open page are attended apart and their softmax partials merged (merge_partials): no copy of
-  the window is made to append the page to it.
   """
   fmt = kv_format or KVFormat.of(cfg)
-  w_rows, page = (0 if window is None else window.shape[3]), open_page.shape[3]
+  w_rows = 0 if window is None else window.shape[3]
   q, open_page = query_and_write(p, x, open_page, start, end, end - w_rows, cfg, fmt)
   b, _, h, dh = q.shape
   k = open_page.shape[2]
-  qg = q[:, 0].reshape(b, k, h // k, dh)
-  page_rows = w_rows + jnp.arange(page, dtype=jnp.int32)
-  valid = lambda rows: (rows[None, :] >= start[:, None]) & (rows[None, :] <= end)  # [B, R]
   page_kv = fmt.unpack(open_page)
-  qg = qg.astype(page_kv.dtype)
-  o, lse = partial_attention(qg, page_kv, valid(page_rows))  # Row `end` is in the page: never empty.
-  if window is not None:
-    o_w, lse_w = partial_attention(qg, fmt.unpack(window), valid(jnp.arange(w_rows, dtype=jnp.int32)))
-    o, _ = merge_partials(o_w, lse_w, o, lse)
+  qg = q[:, 0].reshape(b, k, h // k, dh).astype(page_kv.dtype)
+  parts = (page_kv,) if window is None else (fmt.unpack(window), page_kv)
+  if attention_impl == "legacy":
+    o = legacy_decode_attention(qg, parts, start, end)
+  else:
+    o, _ = decode_attention.attend(qg, parts, jnp.int32(0), start, end, impl=attention_impl, mesh=mesh)
   return attn_out_and_mlp(p, x[:, None, :], o.reshape(b, 1, h, dh).astype(x.dtype), cfg)[:, 0, :], open_page
+
+
+def legacy_decode_attention(q, parts, start, end):
+  """The decode attention before jaxkv.decode_attention (engine.decode_attention "legacy", kept for A/B): the
+  window and the open page each reduced whole (partial_attention) and their partials merged, so that a row's bits
+  depend on the window's length W. q [B, K, G, Dh]; parts: ([window values [2, B, K, W, Dh],] open page values
+  [2, B, K, P, Dh]) -> o f32[B, K, G, Dh]."""
+  *window, page_kv = parts
+  w_rows = 0 if not window else window[0].shape[3]
+  valid = lambda rows: (rows[None, :] >= start[:, None]) & (rows[None, :] <= end)  # [B, R]
+  o, lse = partial_attention(q, page_kv, valid(w_rows + jnp.arange(page_kv.shape[3], dtype=jnp.int32)))
+  if window:
+    o_w, lse_w = partial_attention(q, window[0], valid(jnp.arange(w_rows, dtype=jnp.int32)))
+    o, _ = merge_partials(o_w, lse_w, o, lse)
+  return o
 
 
 def query_and_write(p, x, open_page, start, end, page_row, cfg: ModelConfig, fmt: KVFormat):
@@ -505,18 +531,34 @@ def merge_partials(o1, lse1, o2, lse2):
   return (w1[..., None] * o1 + w2[..., None] * o2) / total[..., None], m + jnp.log(total)
 
 
-def decode_tail_partial(q, tail, open_page, start, end, *, kv_format: KVFormat):
+def decode_tail_partial(
+    q,
+    tail,
+    open_page,
+    start,
+    end,
+    *,
+    kv_format: KVFormat,
+    attention_impl: str = "xla",
+    mesh: jax.sharding.Mesh | None = None,
+):
   """The device's partial of a split layer: attention over the delivered tail and the open page.
 
   q f32[B, K, G, Dh] from decode_query; tail stored [2, B, K, T, E] rows [W - T, W), or None while T = 0; open_page
-  stored [2, B, K, P, E] rows [W, W + P), the new row written; start i32[B]; end i32[], W = end - end % P.
+  stored [2, B, K, P, E] rows [W, W + P), the new row written; start i32[B]; end i32[], W = end - end % P;
+  attention_impl, mesh: as decode_layer's (the leaves end-anchored at `end`, rows before the tail masked).
   Returns o f32[B, K, G, Dh] and lse f32[B, K, G] (partial_attention).
   """
   t_rows, page = (0 if tail is None else tail.shape[3]), open_page.shape[3]
-  kv = kv_format.unpack(open_page if tail is None else jnp.concatenate([tail, open_page], axis=3))
-  key_rows = end - end % page - t_rows + jnp.arange(t_rows + page, dtype=jnp.int32)
+  page_kv = kv_format.unpack(open_page)
+  parts = (page_kv,) if tail is None else (kv_format.unpack(tail), page_kv)
+  q = q.astype(page_kv.dtype)
+  first_row = end - end % page - t_rows
+  if attention_impl != "legacy":
+    return decode_attention.attend(q, parts, first_row, start, end, impl=attention_impl, mesh=mesh)
+  key_rows = first_row + jnp.arange(t_rows + page, dtype=jnp.int32)
   mask = (key_rows[None, :] >= start[:, None]) & (key_rows[None, :] <= end)  # [B, T + P]; row `end` is valid.
-  return partial_attention(q.astype(kv.dtype), kv, mask)
+  return partial_attention(q, jnp.concatenate(parts, axis=3) if len(parts) > 1 else page_kv, mask)
 
 
 def decode_merge(p, x, o, lse, host_o, host_lse, *, cfg: ModelConfig):

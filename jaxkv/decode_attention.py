@@ -1,0 +1,374 @@
+"""Decode attention whose bits do not depend on the batch: end-anchored leaves folded by a fixed tree.
+
+A decode step attends each sequence's rows [start_b, end] (jaxkv.cache), `end` being the row the step writes, the
+same for the whole batch. The rows are cut into leaves of S = LEAF_ROWS rows counted back from `end`:
+
+  leaf j = rows (end - (j + 1) S, end - j S],  j = 0, 1, 2, ...
+
+A sequence's rows relative to its newest row are the same alone or in any batch (prompts are right-aligned), so its
+leaf j holds the same rows of it whatever the batch's window length W and wherever its rows sit in the arrays. Each
+leaf's partial is computed over exactly its S rows, by a computation whose shape depends on nothing else; rows before
+start_b or outside the given buffers are masked, and a leaf with no row is the identity I = (-inf, 0, 0). The leaves
+are folded by a pairwise tree in the order j = 0, 1, 2, ..., padded with identities to a power of two; x (+) I == x
+bit for bit, so the identities past a sequence's oldest leaf (a longer batch window, more leaves) leave its bits as
+they are. Only S and the kernel's tile (TILE_ROWS) enter the bits: one constant each, for every model and placement.
+
+Partials of n leaves (leaf axis first; B batch, K kv heads, G = H / K query heads per kv head, Dh head_dim):
+  m f32[n, B, K, G]      the max of the leaf's masked scaled scores (-inf: no row)
+  l f32[n, B, K, G]      sum over the leaf's rows of exp(s - m)
+  o f32[n, B, K, G, Dh]  sum over the leaf's rows of exp(s - m) v (unnormalized)
+Scores and softmax in f32; the weights meet V in its dtype, accumulated in f32 (as jaxkv.model.partial_attention).
+
+Two implementations of the leaf partials, the same leaves and fold: "xla" (plain XLA: the rows of the leaves
+gathered, [.., n, S, Dh], then one reduction per leaf: the reference, the CPU path) and "pallas" (a Pallas Triton
+kernel on a CUDA GPU, one program per (sequence, kv head, leaf) reading its tiles of TILE_ROWS rows from the buffers
+in place, in a fixed order, with fixed block sizes and no autotuning). `resolve` picks one per device.
+
+Chunked delivery reuses the pieces: a chunk of rows computes the leaves wholly inside it (`leaf_partials` with
+first_leaf and num_leaves, the chunk's buffers at their absolute first row), and the partials of every chunk are
+concatenated on the leaf axis, in leaf order, and folded once (`fold`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxkv import mesh as mesh_lib
+from jaxkv.config import DECODE_ATTENTIONS, ModelConfig
+from jaxkv.kv_quant import KVFormat
+
+LEAF_ROWS = 256  # S: rows per leaf. The bits of every decode attention depend on it; change it and they change.
+TILE_ROWS = 64  # The kernel's rows per tile (divides LEAF_ROWS); its bits depend on it.
+MIN_QUERY_ROWS = 16  # The kernel's query block: G rows padded up to a power of two of at least this (pl.dot).
+KERNEL_DTYPES = ("bfloat16", "float16", "float32")
+PALLAS_CHECK_TOLERANCE = 1e-2  # Relative error (Frobenius) of the kernel's attention against the XLA leaves.
+
+
+class Partials(NamedTuple):
+  """Softmax partials: m f32[n, ...], l f32[n, ...], o f32[n, ..., Dh] (module docstring); `fold` drops the
+  leaf axis."""
+
+  m: jax.Array
+  l: jax.Array
+  o: jax.Array
+
+
+def leaf_count(rows: int, leaf_rows: int = LEAF_ROWS) -> int:
+  """Leaves that cover `rows` buffer rows that end at row `end`: ceil(rows / S)."""
+  return max(1, -(-rows // leaf_rows))
+
+
+def leaf_rows_of(first_row, end, first_leaf: int, num_leaves: int, leaf_rows: int = LEAF_ROWS) -> jax.Array:
+  """i32[n, S]: the absolute rows of leaves first_leaf .. first_leaf + n - 1, oldest row of each first; minus
+  first_row (i32[]), so that 0 is the buffers' first row."""
+  j = first_leaf + jnp.arange(num_leaves, dtype=jnp.int32)
+  return end + 1 - (j[:, None] + 1) * leaf_rows + jnp.arange(leaf_rows, dtype=jnp.int32)[None, :] - first_row
+
+
+def merge(x: Partials, y: Partials) -> Partials:
+  """x (+) y, elementwise over any leading shape: the partials of the union of their rows. Exact on identities:
+  x (+) I == x and I (+) x == x bit for bit (the other side's weight is exp(-inf) = 0, its own exp(0) = 1), and
+  I (+) I == I with no NaN (an all -inf max is shifted to 0)."""
+  m = jnp.maximum(x.m, y.m)
+  shift = jnp.where(m == -jnp.inf, 0.0, m)
+  ax, ay = jnp.exp(x.m - shift), jnp.exp(y.m - shift)
+  return Partials(m, ax * x.l + ay * y.l, ax[..., None] * x.o + ay[..., None] * y.o)
+
+
+def fold(p: Partials) -> Partials:
+  """Partials of n leaves (leaf 0 first) -> the partials of all their rows (no leaf axis): a pairwise tree over the
+  leaves padded with identities to a power of two, level by level p[0::2] (+) p[1::2]. Leaves past the last
+  non-identity one do not change the bits (module docstring)."""
+  n = p.m.shape[0]
+  size = 1 << (n - 1).bit_length()
+  if size > n:
+    pad = lambda a, value: jnp.concatenate([a, jnp.full((size - n, *a.shape[1:]), value, a.dtype)])
+    p = Partials(pad(p.m, -jnp.inf), pad(p.l, 0.0), pad(p.o, 0.0))
+  while p.m.shape[0] > 1:
+    p = merge(Partials(*(a[0::2] for a in p)), Partials(*(a[1::2] for a in p)))
+  return Partials(*(a[0] for a in p))
+
+
+def normalized(p: Partials) -> tuple[jax.Array, jax.Array]:
+  """Folded partials -> o f32[..., Dh] = O / L and lse f32[...] = m + log L (L > 0: some row attended)."""
+  return p.o / p.l[..., None], p.m + jnp.log(p.l)
+
+
+def leaf_partials(
+    q,
+    parts: Sequence[jax.Array],
+    first_row,
+    start,
+    end,
+    num_leaves: int,
+    *,
+    first_leaf: int = 0,
+    impl: str = "xla",
+    mesh: jax.sharding.Mesh | None = None,
+    leaf_rows: int = LEAF_ROWS,
+    interpret: bool = False,
+) -> Partials:
+  """The partials of leaves first_leaf .. first_leaf + num_leaves - 1 (module docstring).
+
+  q [B, K, G, Dh] in the values' dtype; parts: value buffers [2, B, K, R_i, Dh] (unpacked) of consecutive rows, the
+  first starting at absolute row first_row (i32[]); start i32[B]; end i32[] (the newest row). Rows outside the
+  buffers or before start[b] are masked. impl "xla" or "pallas" (at most two parts: a window and a page); mesh: the
+  devices the arrays are sharded over by kv head (the kernel runs per shard under shard_map; None: unsharded);
+  interpret: run the kernel in Pallas's interpreter (CPU tests).
+  """
+  if impl == "xla":
+    return _xla_leaf_partials(q, parts, first_row, start, end, num_leaves, first_leaf, leaf_rows)
+  if impl != "pallas":
+    raise ValueError(f"leaf partials: impl must be xla or pallas, got {impl!r}")
+  call = functools.partial(
+      _pallas_leaf_partials,
+      num_leaves=num_leaves,
+      first_leaf=first_leaf,
+      leaf_rows=leaf_rows,
+      interpret=interpret,
+  )
+  bounds = jnp.stack([jnp.asarray(end, jnp.int32), jnp.asarray(first_row, jnp.int32)])
+  if mesh is None:
+    return call(q, tuple(parts), start, bounds)
+  heads = mesh_lib.spec(mesh_lib.BATCH, mesh_lib.KV_HEADS, None, mesh_lib.HEAD_DIM)
+  stats = mesh_lib.spec(None, mesh_lib.BATCH, mesh_lib.KV_HEADS, None)
+  out = Partials(stats, stats, mesh_lib.spec(None, mesh_lib.BATCH, mesh_lib.KV_HEADS, None, mesh_lib.HEAD_DIM))
+  rows = mesh_lib.spec(*mesh_lib.CACHE_AXES)
+  return jax.shard_map(
+      call,
+      mesh=mesh,
+      in_specs=(heads, (rows,) * len(parts), mesh_lib.P(), mesh_lib.P()),
+      out_specs=out,
+      check_vma=False,
+  )(q, tuple(parts), start, bounds)
+
+
+def attend(
+    q,
+    parts: Sequence[jax.Array],
+    first_row,
+    start,
+    end,
+    *,
+    impl: str = "xla",
+    mesh: jax.sharding.Mesh | None = None,
+    leaf_rows: int = LEAF_ROWS,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+  """Attention over every row of the buffers (leaf_partials' arguments; `end` in the last buffer) -> o f32[B, K, G,
+  Dh], normalized, and lse f32[B, K, G]: the leaves that cover the buffers, folded."""
+  n = leaf_count(sum(p.shape[3] for p in parts), leaf_rows)
+  kw = dict(impl=impl, mesh=mesh, leaf_rows=leaf_rows, interpret=interpret)
+  return normalized(fold(leaf_partials(q, parts, first_row, start, end, n, **kw)))
+
+
+def _xla_leaf_partials(q, parts, first_row, start, end, num_leaves, first_leaf, leaf_rows) -> Partials:
+  """leaf_partials in plain XLA: the leaves' rows gathered into [2, B, K, n, S, Dh] (rows outside the buffers read
+  as a clipped row and masked), then the scores, max, sum and V product of each leaf over its S rows."""
+  kv = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=3)  # [2, B, K, R, Dh]
+  _, b, k, r, dh = kv.shape
+  at = leaf_rows_of(first_row, end, first_leaf, num_leaves, leaf_rows)  # [n, S], buffer positions.
+  rows = jnp.take(kv, jnp.clip(at, 0, r - 1).reshape(-1), axis=3).reshape(2, b, k, num_leaves, leaf_rows, dh)
+  valid = (at >= 0) & (at < r) & (at + first_row >= start[:, None, None])  # [B, n, S]
+  s = jnp.einsum("bkgd,bknsd->nbkgs", q, rows[0], preferred_element_type=jnp.float32) * (1.0 / math.sqrt(dh))
+  s = jnp.where(valid.transpose(1, 0, 2)[:, :, None, None, :], s, -jnp.inf)
+  m = jnp.max(s, axis=-1)  # [n, B, K, G]
+  e = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m)[..., None])
+  o = jnp.einsum("nbkgs,bknsd->nbkgd", e.astype(kv.dtype), rows[1], preferred_element_type=jnp.float32)
+  return Partials(m, jnp.sum(e, axis=-1), jnp.where((m == -jnp.inf)[..., None], 0.0, o))
+
+
+def _pallas_leaf_partials(q, parts, start, bounds, *, num_leaves, first_leaf, leaf_rows, interpret) -> Partials:
+  """leaf_partials with the Pallas kernel (`_leaf_kernel`): grid (B, K, n), one leaf of one (sequence, kv head) per
+  program. bounds i32[2] = end, first_row. Pallas's interpreter reads a dynamic slice that starts below 0 from row 0
+  (clamped), so there each buffer gets TILE_ROWS zero rows in front (`lead`); on the GPU the loads are masked in
+  place."""
+  b, k, g, dh = q.shape
+  gp = max(MIN_QUERY_ROWS, pl.next_power_of_2(g))
+  lead = TILE_ROWS if interpret else 0
+  if lead:
+    parts = tuple(jnp.pad(p, ((0, 0),) * 3 + ((lead, 0), (0, 0))) for p in parts)
+  window, page = (None, parts[0]) if len(parts) == 1 else parts
+  w_rows = 0 if window is None else window.shape[3] - lead
+  kernel = functools.partial(
+      _leaf_kernel,
+      has_window=window is not None,
+      w_rows=w_rows,
+      p_rows=page.shape[3] - lead,
+      lead=lead,
+      first_leaf=first_leaf,
+      leaf_rows=leaf_rows,
+      scale=1.0 / math.sqrt(dh),
+      precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+  )
+  buffers = [] if window is None else [window, window]
+  buffers += [page, page]
+  rows_spec = lambda a, kv: pl.BlockSpec((None, None, None, a.shape[3], dh), lambda i, h, j, kv=kv: (kv, i, h, 0, 0))
+  stat_spec = pl.BlockSpec((None, None, None, gp), lambda i, h, j: (j, i, h, 0))
+  m, l, o = pl.pallas_call(
+      kernel,
+      grid=(b, k, num_leaves),
+      in_specs=[
+          pl.BlockSpec((None,), lambda i, h, j: (i,)),
+          pl.BlockSpec((2,), lambda i, h, j: (0,)),
+          pl.BlockSpec((None, None, gp, dh), lambda i, h, j: (i, h, 0, 0)),
+      ]
+      + [rows_spec(a, n % 2) for n, a in enumerate(buffers)],
+      out_specs=[stat_spec, stat_spec, pl.BlockSpec((None, None, None, gp, dh), lambda i, h, j: (j, i, h, 0, 0))],
+      out_shape=[
+          jax.ShapeDtypeStruct((num_leaves, b, k, gp), jnp.float32),
+          jax.ShapeDtypeStruct((num_leaves, b, k, gp), jnp.float32),
+          jax.ShapeDtypeStruct((num_leaves, b, k, gp, dh), jnp.float32),
+      ],
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret,
+      name="jaxkv_decode_leaves",
+  )(start, bounds, jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0))), *buffers)
+  return Partials(m[..., :g], l[..., :g], o[..., :g, :])
+
+
+def _leaf_kernel(
+    start_ref,
+    bounds_ref,
+    q_ref,
+    *refs,
+    has_window,
+    w_rows,
+    p_rows,
+    lead,
+    first_leaf,
+    leaf_rows,
+    scale,
+    precision,
+):
+  """One leaf of one (sequence, kv head): its S rows as S / T tiles of T rows, oldest first, each loaded by two masked
+  loads (the window's rows and the page's; a tile may straddle them), with an online softmax over the tiles. Tiles
+  with no valid row are skipped: processing one would change nothing (its weights are exp(-inf) = 0), so the bits
+  are those of the full loop. refs: [window K, window V,] page K, page V refs [R, Dh]; m_ref, l_ref [Gp]; o_ref
+  [Gp, Dh]."""
+  *ins, m_ref, l_ref, o_ref = refs
+  wk, wv, pk, pv = ins if has_window else (None, None, *ins)
+  t_rows = TILE_ROWS
+  end, first_row = bounds_ref[0], bounds_ref[1]
+  lo = end + 1 - (pl.program_id(2) + first_leaf + 1) * leaf_rows  # The leaf's oldest row.
+  lowest = jnp.maximum(start_ref[...], first_row)  # Rows below are masked (or do not exist).
+  first_tile = jnp.minimum(jnp.maximum(lowest - lo, 0) // t_rows, leaf_rows // t_rows)
+  q = q_ref[...]
+  gp, dh = q.shape
+  lanes = jnp.arange(t_rows, dtype=jnp.int32)
+
+  def tile(k_ref, v_ref, at, n_rows, valid):
+    """Rows at .. at + T - 1 of a buffer of n_rows rows, masked to `valid` and to the buffer (zeros elsewhere)."""
+    inside = valid & (at + lanes >= 0) & (at + lanes < n_rows)
+    offset = jnp.minimum(jnp.maximum(at, -t_rows), n_rows) + lead  # A tile outside the buffer reads nothing.
+    load = lambda ref: plgpu.load(ref.at[pl.ds(offset, t_rows), :], mask=inside[:, None], other=0.0)
+    return inside, load(k_ref), load(v_ref)
+
+  def body(t, carry):
+    m_i, l_i, o_i = carry
+    at = lo + t * t_rows - first_row  # Buffer position of the tile's first row.
+    valid = lo + t * t_rows + lanes >= lowest
+    in_page, k, v = tile(pk, pv, at - w_rows, p_rows, valid)
+    if has_window:
+      in_window, kw, vw = tile(wk, wv, at, w_rows, valid)
+      k = jnp.where(in_window[:, None], kw, k)
+      v = jnp.where(in_window[:, None], vw, v)
+      in_page = in_page | in_window
+    s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [Gp, T] f32.
+    s = jnp.where(in_page[None, :], s, -jnp.inf)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m_i - shift)
+    p = jnp.exp(s - shift[:, None])
+    o_new = alpha[:, None] * o_i + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+    return m_new, alpha * l_i + jnp.sum(p, axis=1), o_new
+
+  init = (
+      jnp.full((gp,), -jnp.inf, jnp.float32),
+      jnp.zeros((gp,), jnp.float32),
+      jnp.zeros((gp, dh), jnp.float32),
+  )
+  m, l, o = jax.lax.fori_loop(first_tile, leaf_rows // t_rows, body, init)
+  m_ref[...] = m
+  l_ref[...] = l
+  o_ref[...] = o
+
+
+def resolve(choice: str, cfg: ModelConfig, fmt: KVFormat, device) -> str:
+  """The decode attention that runs on `device` (a jax Device): "xla", "pallas" or "legacy".
+
+  choice (engine.decode_attention): "xla" (the leaves in plain XLA); "pallas" (the kernel; ValueError where it
+  cannot run); "auto", pallas where it can run and passes `pallas_check`, else xla; "legacy" (jaxkv.model's window
+  and open page reduced whole and merged: the bits depend on the batch's window length). The kernel needs a CUDA GPU,
+  KV values (unpacked) in bfloat16, float16 or float32, and head_dim a power of two of at least 16."""
+  if choice not in DECODE_ATTENTIONS:
+    raise ValueError(f"engine.decode_attention must be one of {', '.join(DECODE_ATTENTIONS)}, got {choice!r}")
+  if choice in ("xla", "legacy"):
+    return choice
+  missing = []
+  if device.platform != "gpu" or getattr(device, "compute_capability", None) is None:
+    missing.append(f"a CUDA GPU (the devices are {device.platform})")
+  values = fmt.values_dtype.name
+  if values not in KERNEL_DTYPES:
+    missing.append(f"KV values in {', '.join(KERNEL_DTYPES)} (kv.dtype {fmt.name} holds {values})")
+  if cfg.head_dim < MIN_QUERY_ROWS or cfg.head_dim & (cfg.head_dim - 1):
+    missing.append(f"head_dim a power of two of at least {MIN_QUERY_ROWS} (it is {cfg.head_dim})")
+  if not missing:
+    error = pallas_check(device, values, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    if error is None:
+      return "pallas"
+    missing.append(f"the Pallas decode kernel to run and match the XLA leaves on {device}: {error}")
+  if choice == "pallas":
+    raise ValueError(
+        f"engine.decode_attention pallas needs {'; '.join(missing)}; use engine.decode_attention auto or xla"
+    )
+  if not missing[0].startswith("a CUDA GPU"):
+    logging.warning("decode attention: the XLA leaves, not the Pallas kernel, which needs %s", "; ".join(missing))
+  return "xla"
+
+
+@functools.lru_cache(maxsize=None)
+def pallas_check(device, dtype: str, heads: int, kv_heads: int, head_dim: int, interpret: bool = False) -> str | None:
+  """Runs the kernel once on `device` in a small case of the model's heads: two sequences (one starting mid-window)
+  in a window of 2 leaves and a half and an open page of 64 rows. None when it runs, is within
+  PALLAS_CHECK_TOLERANCE of the XLA leaves, and gives the second sequence alone (its rows moved down by a leaf and 13
+  rows, in a window a leaf shorter) the bits it gets in the batch; else what went wrong. interpret: the kernel in
+  Pallas's interpreter (CPU tests)."""
+  rng = np.random.default_rng(0)
+  w_rows, page, d = 5 * LEAF_ROWS // 2, 64, LEAF_ROWS + 13
+  q = rng.standard_normal((2, kv_heads, heads // kv_heads, head_dim))
+  rows = rng.standard_normal((2, 2, kv_heads, w_rows + page, head_dim))
+  start, end = np.array([0, 300]), w_rows + 41
+  alone = np.zeros((2, 1, kv_heads, w_rows - LEAF_ROWS + page, head_dim))
+  alone[:, :, :, start[1] - d : end + 1 - d] = rows[:, 1:, :, start[1] : end + 1]
+
+  def run(impl, q, rows, w, start, end):
+    put = lambda a, dt=dtype: jax.device_put(jnp.asarray(a, dt), device)
+    parts = (put(rows[:, :, :, :w]), put(rows[:, :, :, w:]))
+    o, _ = jax.jit(functools.partial(attend, impl=impl, interpret=interpret))(
+        put(q), parts, 0, put(start, jnp.int32), end
+    )
+    return np.asarray(o, np.float32)
+
+  try:
+    got = run("pallas", q, rows, w_rows, start, end)
+    got_alone = run("pallas", q[1:], alone, w_rows - LEAF_ROWS, start[1:] - d, end - d)
+  except Exception as e:  # pylint: disable=broad-exception-caught  (any failure means: not here)
+    return f"{type(e).__name__}: {str(e)[:300]}"
+  ref = run("xla", q, rows, w_rows, start, end)
+  err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+  if not err <= PALLAS_CHECK_TOLERANCE:
+    return f"relative error {err:.3g} > {PALLAS_CHECK_TOLERANCE}"
+  if not np.array_equal(got[1:], got_alone):
+    return "a sequence alone gets other bits than in the batch"
+  return None
