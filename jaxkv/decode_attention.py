@@ -48,7 +48,8 @@ from jaxkv.config import DECODE_ATTENTIONS, ModelConfig
 from jaxkv.kv_quant import KVFormat
 
 LEAF_ROWS = 256  # S: rows per leaf. The bits of every decode attention depend on it; change it and they change.
-TILE_ROWS = 64  # The kernel's rows per tile (divides LEAF_ROWS); its bits depend on it.
+TILE_ROWS = 128  # The kernel's rows per tile (divides LEAF_ROWS); its bits depend on it.
+NUM_WARPS, NUM_STAGES = 4, 2  # The kernel's launch: fixed, never autotuned.
 MIN_QUERY_ROWS = 16  # The kernel's query block: G rows padded up to a power of two of at least this (pl.dot).
 KERNEL_DTYPES = ("bfloat16", "float16", "float32")
 PALLAS_CHECK_TOLERANCE = 1e-2  # Relative error (Frobenius) of the kernel's attention against the XLA leaves.
@@ -76,26 +77,27 @@ def leaf_rows_of(first_row, end, first_leaf: int, num_leaves: int, leaf_rows: in
 
 
 def merge(x: Partials, y: Partials) -> Partials:
-  """x (+) y, elementwise over any leading shape: the partials of the union of their rows. Exact on identities:
-  x (+) I == x and I (+) x == x bit for bit (the other side's weight is exp(-inf) = 0, its own exp(0) = 1), and
-  I (+) I == I with no NaN (an all -inf max is shifted to 0)."""
-  m = jnp.maximum(x.m, y.m)
-  shift = jnp.where(m == -jnp.inf, 0.0, m)
-  ax, ay = jnp.exp(x.m - shift), jnp.exp(y.m - shift)
-  return Partials(m, ax * x.l + ay * y.l, ax[..., None] * x.o + ay[..., None] * y.o)
+  """x (+) y, elementwise over any leading shape: the partials of the union of their rows. The side with the larger
+  max keeps its sums and the other's are added scaled by w = exp(m_small - m_big) <= 1: one product per sum, so a
+  compiler that fuses multiplies into adds (FMA) treats every merge alike. Exact on identities: x (+) I == x and
+  I (+) x == x bit for bit (w = exp(-inf) = 0), and I (+) I == I with no NaN (an all -inf max is shifted to 0)."""
+  x_big = x.m >= y.m
+  pick = lambda a, b, big: jnp.where(big.reshape(big.shape + (1,) * (a.ndim - big.ndim)), a, b)
+  big = Partials(*(pick(a, b, x_big) for a, b in zip(x, y)))
+  small = Partials(*(pick(b, a, x_big) for a, b in zip(x, y)))
+  w = jnp.exp(small.m - jnp.where(big.m == -jnp.inf, 0.0, big.m))
+  return Partials(big.m, big.l + w * small.l, big.o + w[..., None] * small.o)
 
 
 def fold(p: Partials) -> Partials:
   """Partials of n leaves (leaf 0 first) -> the partials of all their rows (no leaf axis): a pairwise tree over the
-  leaves padded with identities to a power of two, level by level p[0::2] (+) p[1::2]. Leaves past the last
-  non-identity one do not change the bits (module docstring)."""
-  n = p.m.shape[0]
-  size = 1 << (n - 1).bit_length()
-  if size > n:
-    pad = lambda a, value: jnp.concatenate([a, jnp.full((size - n, *a.shape[1:]), value, a.dtype)])
-    p = Partials(pad(p.m, -jnp.inf), pad(p.l, 0.0), pad(p.o, 0.0))
+  leaves padded with identities to a power of two, level by level p[0::2] (+) p[1::2]. A level's last leaf without
+  a partner meets an identity, which leaves it as it is (x (+) I == x), so it is passed on unmerged and no identity
+  is made. Leaves past the last non-identity one do not change the bits (module docstring)."""
   while p.m.shape[0] > 1:
-    p = merge(Partials(*(a[0::2] for a in p)), Partials(*(a[1::2] for a in p)))
+    pairs = p.m.shape[0] // 2
+    merged = merge(Partials(*(a[0 : 2 * pairs : 2] for a in p)), Partials(*(a[1 : 2 * pairs : 2] for a in p)))
+    p = merged if p.m.shape[0] % 2 == 0 else Partials(*(jnp.concatenate([x, a[-1:]]) for x, a in zip(merged, p)))
   return Partials(*(a[0] for a in p))
 
 
@@ -189,30 +191,44 @@ def _xla_leaf_partials(q, parts, first_row, start, end, num_leaves, first_leaf, 
 
 
 def _pallas_leaf_partials(q, parts, start, bounds, *, num_leaves, first_leaf, leaf_rows, interpret) -> Partials:
-  """leaf_partials with the Pallas kernel (`_leaf_kernel`): grid (B, K, n), one leaf of one (sequence, kv head) per
-  program. bounds i32[2] = end, first_row. Pallas's interpreter reads a dynamic slice that starts below 0 from row 0
-  (clamped), so there each buffer gets TILE_ROWS zero rows in front (`lead`); on the GPU the loads are masked in
-  place."""
+  """leaf_partials with the Pallas kernel (`_leaf_kernel`). bounds i32[2] = end, first_row. The last buffer (the open
+  page, P rows) holds rows of the first ceil(P / S) leaves only: those run with every buffer, each tile read from
+  the buffers that hold its rows; the older leaves read the other buffers only (one load per tile: half the shared
+  memory of a program, more programs per multiprocessor). Which leaf runs which way depends on j alone, so the bits
+  stay those of the leaf. Without a window the page stands in for it (a second copy, whose rows lie past `end`)."""
+  if len(parts) == 1:
+    parts = (parts[0], parts[0])
+  near = min(first_leaf + num_leaves, -(-parts[-1].shape[3] // leaf_rows))  # Leaves [first_leaf, near) reach P.
+  run = functools.partial(_pallas_call, q, start, bounds, leaf_rows=leaf_rows, interpret=interpret)
+  calls = []
+  if near > first_leaf:
+    calls.append(run(parts, first_leaf, near - first_leaf))
+  if first_leaf + num_leaves > near:
+    older = max(first_leaf, near)
+    calls.append(run(parts[:-1], older, first_leaf + num_leaves - older))
+  return calls[0] if len(calls) == 1 else Partials(*(jnp.concatenate(a) for a in zip(*calls)))
+
+
+def _pallas_call(q, start, bounds, parts, first_leaf, num_leaves, *, leaf_rows, interpret) -> Partials:
+  """The kernel over leaves first_leaf .. first_leaf + num_leaves - 1 of consecutive buffers `parts` (the first at
+  row first_row): grid (B, K, n), one leaf of one (sequence, kv head) per program. Pallas's interpreter reads a
+  dynamic slice that starts below 0 from row 0 (clamped), so there each buffer gets TILE_ROWS zero rows in front
+  (`lead`); on the GPU the loads are masked in place."""
   b, k, g, dh = q.shape
   gp = max(MIN_QUERY_ROWS, pl.next_power_of_2(g))
   lead = TILE_ROWS if interpret else 0
+  sizes = tuple(p.shape[3] for p in parts)
   if lead:
     parts = tuple(jnp.pad(p, ((0, 0),) * 3 + ((lead, 0), (0, 0))) for p in parts)
-  window, page = (None, parts[0]) if len(parts) == 1 else parts
-  w_rows = 0 if window is None else window.shape[3] - lead
   kernel = functools.partial(
       _leaf_kernel,
-      has_window=window is not None,
-      w_rows=w_rows,
-      p_rows=page.shape[3] - lead,
+      sizes=sizes,
       lead=lead,
       first_leaf=first_leaf,
       leaf_rows=leaf_rows,
       scale=1.0 / math.sqrt(dh),
       precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
   )
-  buffers = [] if window is None else [window, window]
-  buffers += [page, page]
   rows_spec = lambda a, kv: pl.BlockSpec((None, None, None, a.shape[3], dh), lambda i, h, j, kv=kv: (kv, i, h, 0, 0))
   stat_spec = pl.BlockSpec((None, None, None, gp), lambda i, h, j: (j, i, h, 0))
   m, l, o = pl.pallas_call(
@@ -223,41 +239,27 @@ def _pallas_leaf_partials(q, parts, start, bounds, *, num_leaves, first_leaf, le
           pl.BlockSpec((2,), lambda i, h, j: (0,)),
           pl.BlockSpec((None, None, gp, dh), lambda i, h, j: (i, h, 0, 0)),
       ]
-      + [rows_spec(a, n % 2) for n, a in enumerate(buffers)],
+      + [rows_spec(a, kv) for a in parts for kv in (0, 1)],
       out_specs=[stat_spec, stat_spec, pl.BlockSpec((None, None, None, gp, dh), lambda i, h, j: (j, i, h, 0, 0))],
       out_shape=[
           jax.ShapeDtypeStruct((num_leaves, b, k, gp), jnp.float32),
           jax.ShapeDtypeStruct((num_leaves, b, k, gp), jnp.float32),
           jax.ShapeDtypeStruct((num_leaves, b, k, gp, dh), jnp.float32),
       ],
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
       interpret=interpret,
       name="jaxkv_decode_leaves",
-  )(start, bounds, jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0))), *buffers)
+  )(start, bounds, jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0))), *(a for a in parts for _ in (0, 1)))
   return Partials(m[..., :g], l[..., :g], o[..., :g, :])
 
 
-def _leaf_kernel(
-    start_ref,
-    bounds_ref,
-    q_ref,
-    *refs,
-    has_window,
-    w_rows,
-    p_rows,
-    lead,
-    first_leaf,
-    leaf_rows,
-    scale,
-    precision,
-):
-  """One leaf of one (sequence, kv head): its S rows as S / T tiles of T rows, oldest first, each loaded by two masked
-  loads (the window's rows and the page's; a tile may straddle them), with an online softmax over the tiles. Tiles
-  with no valid row are skipped: processing one would change nothing (its weights are exp(-inf) = 0), so the bits
-  are those of the full loop. refs: [window K, window V,] page K, page V refs [R, Dh]; m_ref, l_ref [Gp]; o_ref
-  [Gp, Dh]."""
+def _leaf_kernel(start_ref, bounds_ref, q_ref, *refs, sizes, lead, first_leaf, leaf_rows, scale, precision):
+  """One leaf of one (sequence, kv head): its S rows as S / T tiles of T rows, oldest first, each tile read by a
+  masked load from each buffer (rows outside a buffer read as nothing; a tile may straddle two), with an online
+  softmax over the tiles. Tiles with no valid row are skipped: processing one would change nothing (its weights are
+  exp(-inf) = 0), so the bits are those of the full loop. refs: a K ref and a V ref [R_i, Dh] per buffer of
+  sizes[i] rows, then m_ref, l_ref [Gp] and o_ref [Gp, Dh]."""
   *ins, m_ref, l_ref, o_ref = refs
-  wk, wv, pk, pv = ins if has_window else (None, None, *ins)
   t_rows = TILE_ROWS
   end, first_row = bounds_ref[0], bounds_ref[1]
   lo = end + 1 - (pl.program_id(2) + first_leaf + 1) * leaf_rows  # The leaf's oldest row.
@@ -267,25 +269,23 @@ def _leaf_kernel(
   gp, dh = q.shape
   lanes = jnp.arange(t_rows, dtype=jnp.int32)
 
-  def tile(k_ref, v_ref, at, n_rows, valid):
-    """Rows at .. at + T - 1 of a buffer of n_rows rows, masked to `valid` and to the buffer (zeros elsewhere)."""
-    inside = valid & (at + lanes >= 0) & (at + lanes < n_rows)
-    offset = jnp.minimum(jnp.maximum(at, -t_rows), n_rows) + lead  # A tile outside the buffer reads nothing.
-    load = lambda ref: plgpu.load(ref.at[pl.ds(offset, t_rows), :], mask=inside[:, None], other=0.0)
-    return inside, load(k_ref), load(v_ref)
-
   def body(t, carry):
     m_i, l_i, o_i = carry
-    at = lo + t * t_rows - first_row  # Buffer position of the tile's first row.
+    at = lo + t * t_rows - first_row  # Position of the tile's first row in the buffers.
     valid = lo + t * t_rows + lanes >= lowest
-    in_page, k, v = tile(pk, pv, at - w_rows, p_rows, valid)
-    if has_window:
-      in_window, kw, vw = tile(wk, wv, at, w_rows, valid)
-      k = jnp.where(in_window[:, None], kw, k)
-      v = jnp.where(in_window[:, None], vw, v)
-      in_page = in_page | in_window
+    inside = k = v = None
+    for i, n_rows in enumerate(sizes):
+      pos = at - sum(sizes[:i])
+      here = valid & (pos + lanes >= 0) & (pos + lanes < n_rows)
+      offset = jnp.minimum(jnp.maximum(pos, -t_rows), n_rows) + lead  # A tile outside the buffer reads nothing.
+      load = lambda ref: plgpu.load(ref.at[pl.ds(offset, t_rows), :], mask=here[:, None], other=0.0)
+      ki, vi = load(ins[2 * i]), load(ins[2 * i + 1])
+      if inside is None:
+        inside, k, v = here, ki, vi
+      else:
+        inside, k, v = inside | here, jnp.where(here[:, None], ki, k), jnp.where(here[:, None], vi, v)
     s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [Gp, T] f32.
-    s = jnp.where(in_page[None, :], s, -jnp.inf)
+    s = jnp.where(inside[None, :], s, -jnp.inf)
     m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
     shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp(m_i - shift)

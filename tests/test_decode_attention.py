@@ -143,69 +143,81 @@ def test_the_kernel_sharded_by_kv_head_gives_the_unsharded_bits():
 
 
 # A sequence of L rows (its new row included) whose rows, relative to its newest, are the same everywhere: at rows
-# [d, d + L) of slot `slot` of a batch, in a window of W rows plus an 8-row page. (d, W, batch, slot): alone from
+# [d, d + L) of slot `slot` of a batch, in a window of W rows plus an 8-row page. (L, d, W, batch, slot): alone from
 # row 0; moved by a block and by 300 rows (the new row at another page row); in a window of 6 leaves (a fold of 8
-# where the others fold 4); among longer sequences, in a batch of 3 and of 2.
-L = 700
-PLACEMENTS = [(0, 696, 1, 0), (8, 704, 1, 0), (300, 992, 1, 0), (700, 1392, 1, 0), (300, 992, 3, 1), (5, 704, 2, 1)]
+# where the others fold 4); among longer sequences, in a batch of 3 and of 2. A short one: alone with no window, and
+# in a batch's window.
+PLACEMENTS = {
+    "long": [(700, 0, 696, 1, 0), (700, 8, 704, 1, 0), (700, 300, 992, 1, 0), (700, 700, 1392, 1, 0)]
+    + [(700, 300, 992, 3, 1), (700, 5, 704, 2, 1)],
+    "short": [(6, 0, 0, 1, 0), (6, 13, 16, 3, 2), (6, 300, 304, 2, 0)],
+}
 
 
-def _placed(d, w_rows, batch, slot, dh, seed=0):
-  """rows [2, batch, 8, W + 8, Dh] with the sequence's L rows (the same in every call) at [d, d + L) of `slot`, start
-  i32[batch], end = d + L - 1: rows of the other slots and below the sequence are random (masked for it)."""
+def _placed(length, d, w_rows, batch, slot, dh, seed=0):
+  """rows [2, batch, 8, W + 8, Dh] with the sequence's `length` rows (the same in every call) at [d, d + length) of
+  `slot`, start i32[batch], end = d + length - 1: rows of the other slots and below the sequence are random (masked
+  for it)."""
   rng = np.random.default_rng(seed)
-  own = np.random.default_rng(99).standard_normal((2, 1, 8, L, dh)).astype(np.float32)
+  own = np.random.default_rng(99).standard_normal((2, 1, 8, length, dh)).astype(np.float32)
   rows = rng.standard_normal((2, batch, 8, w_rows + 8, dh)).astype(np.float32)
-  rows[:, slot : slot + 1, :, d : d + L] = own
+  rows[:, slot : slot + 1, :, d : d + length] = own
   start = np.zeros(batch, np.int32)
   start[slot] = d
-  end = d + L - 1
+  end = d + length - 1
   assert w_rows <= end < w_rows + 8
   return rows, start, end
 
 
-def _decode_layer_outputs(impl: str) -> list[np.ndarray]:
+def _split(rows, w_rows):
+  """(window or None, open page) of placed rows."""
+  page = jnp.asarray(rows[:, :, :, w_rows:])
+  return None if not w_rows else jnp.asarray(rows[:, :, :, :w_rows]), page
+
+
+def _decode_layer_outputs(impl: str, placements) -> list[np.ndarray]:
   """decode_layer's output row of the sequence at every placement (tiny model, layer 0, f32)."""
   cfg = helpers.tiny_config().model
   params = helpers.params(1)["layers"][0]
   x_own = np.random.default_rng(98).standard_normal(cfg.d_model).astype(np.float32)
   layer = jax.jit(functools.partial(model.decode_layer, cfg=cfg, attention_impl=impl))
   outs = []
-  for d, w_rows, batch, slot in PLACEMENTS:
-    rows, start, end = _placed(d, w_rows, batch, slot, cfg.head_dim)
+  for length, d, w_rows, batch, slot in placements:
+    rows, start, end = _placed(length, d, w_rows, batch, slot, cfg.head_dim)
     x = np.random.default_rng(d).standard_normal((batch, cfg.d_model)).astype(np.float32)
     x[slot] = x_own
-    window, page = jnp.asarray(rows[:, :, :, :w_rows]), jnp.asarray(rows[:, :, :, w_rows:])
-    y, _ = layer(params, jnp.asarray(x), window, page, jnp.asarray(start), jnp.int32(end))
+    y, _ = layer(params, jnp.asarray(x), *_split(rows, w_rows), jnp.asarray(start), jnp.int32(end))
     outs.append(np.asarray(y)[slot])
   return outs
 
 
-def test_a_decode_layer_gives_a_sequence_its_bits_at_any_window_length_row_and_batch():
-  first, *others = _decode_layer_outputs("xla")
-  for placement, out in zip(PLACEMENTS[1:], others):
+@pytest.mark.parametrize("which", sorted(PLACEMENTS))
+def test_a_decode_layer_gives_a_sequence_its_bits_at_any_window_length_row_and_batch(which):
+  first, *others = _decode_layer_outputs("xla", PLACEMENTS[which])
+  for placement, out in zip(PLACEMENTS[which][1:], others):
     np.testing.assert_array_equal(out, first, err_msg=str(placement))
 
 
 def test_the_check_sees_the_legacy_attention_depend_on_the_window_length():
-  first, *others = _decode_layer_outputs("legacy")
+  first, *others = _decode_layer_outputs("legacy", PLACEMENTS["long"])
   assert not all(np.array_equal(out, first) for out in others)
   np.testing.assert_allclose(np.stack(others), np.stack([first] * len(others)), rtol=1e-5, atol=1e-6)
 
 
-def test_the_kernel_gives_a_sequence_its_bits_at_any_window_length_row_and_batch():
+@pytest.mark.parametrize("which", sorted(PLACEMENTS))
+def test_the_kernel_gives_a_sequence_its_bits_at_any_window_length_row_and_batch(which):
   rng = np.random.default_rng(97)
   q_own = rng.standard_normal((8, 2, 16)).astype(np.float32)
   attend = jax.jit(functools.partial(da.attend, impl="pallas", interpret=True))
   outs = []
-  for d, w_rows, batch, slot in PLACEMENTS:
-    rows, start, end = _placed(d, w_rows, batch, slot, 16)
+  for length, d, w_rows, batch, slot in PLACEMENTS[which]:
+    rows, start, end = _placed(length, d, w_rows, batch, slot, 16)
     q = rng.standard_normal((batch, 8, 2, 16)).astype(np.float32)
     q[slot] = q_own
-    parts = (jnp.asarray(rows[:, :, :, :w_rows]), jnp.asarray(rows[:, :, :, w_rows:]))
+    parts = tuple(p for p in _split(rows, w_rows) if p is not None)
     o, lse = attend(jnp.asarray(q), parts, 0, jnp.asarray(start), end)
     outs.append((np.asarray(o)[slot], np.asarray(lse)[slot]))
-  for placement, (o, lse) in zip(PLACEMENTS[1:], outs[1:]):
+  for placement, (o, lse) in zip(PLACEMENTS[which][1:], outs[1:]):
     np.testing.assert_array_equal(o, outs[0][0], err_msg=str(placement))
     np.testing.assert_array_equal(lse, outs[0][1], err_msg=str(placement))
 
