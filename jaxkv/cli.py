@@ -191,7 +191,8 @@ def setup_platform() -> None:
     import jax  # pylint: disable=g-import-not-at-top
 
     jax.config.update("jax_platforms", "cpu")
-  compile_cache.configure(compile_cache.resolve(COMPILATION_CACHE_DIR.value))
+  with preflight.input_errors():  # $JAXKV_GPU_KERNELS.
+    compile_cache.configure(compile_cache.resolve(COMPILATION_CACHE_DIR.value))
   if args is not None:
     distributed.initialize(args, cpu=bool(n), timeout_s=DISTRIBUTED_TIMEOUT.value)
   if not n:

@@ -9,6 +9,10 @@ into the same folder (`jax_persistent_cache_enable_xla_caches`), so programs com
 the folder is keyed here by the jax and jaxlib versions, so an upgrade starts afresh. docs/design.md ("Determinism
 across processes") says when bits can still differ.
 
+Without a shared cache the kernels themselves can be chosen without timing, by one setting read before the GPU
+backend starts: $JAXKV_GPU_KERNELS (`KERNEL_CHOICES`, `kernel_flags`), which adds XLA flags. Each option's effect on
+the bits of separate processes and its cost are measured by tools/check_invariance.py.
+
 `configure` must run before the first compilation (jaxkv.cli.setup_platform calls it); `CompileCounter` counts the
 programs compiled and the programs loaded from the cache, through jax.monitoring.
 """
@@ -19,16 +23,36 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 import jax
 import jaxlib
+from jax._src import xla_bridge
 
 ENV = "JAXKV_COMPILATION_CACHE_DIR"
 AUTOTUNE_FLAG = "--xla_gpu_per_fusion_autotune_cache_dir"
 _AUTOTUNE_CACHE = "xla_gpu_per_fusion_autotune_cache_dir"  # JAX's value of jax_persistent_cache_enable_xla_caches.
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # Every compile, from the cache or not.
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"  # A compile served from the persistent cache.
+KERNELS_ENV = "JAXKV_GPU_KERNELS"
+# $JAXKV_GPU_KERNELS -> the XLA flags it adds (GPU only; the CPU ignores them). What XLA documents for each:
+KERNEL_CHOICES = {
+    # XLA's default: GEMM fusions' tilings, cuBLAS algorithms and some emitters picked by timing candidates.
+    "timed": (),
+    # No autotuning: every kernel takes its default or heuristic configuration.
+    "untimed": ("--xla_gpu_autotune_level=0",),
+    # GEMMs on cuBLAS (its own heuristic) instead of Triton fusions, and no autotuning.
+    "cublas_untimed": ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_autotune_level=0"),
+    # "Run-to-run determinism": deterministic implementations of scatter and of the ops that use atomics; autotuning
+    # as by default.
+    "deterministic": ("--xla_gpu_deterministic_ops=true",),
+}
+# "record:FILE" writes every autotuning result of the process to FILE; "table:FILE" loads them and fails a compile
+# that would need another (XLA's persisted autotuning: a shipped, versioned choice table).
+KERNEL_TABLE_CHOICES = {
+    "record": ("--xla_gpu_dump_autotune_results_to={}",),
+    "table": ("--xla_gpu_load_autotune_results_from={}", "--xla_gpu_require_complete_aot_autotune_results=true"),
+}
 
 
 def default_root(env: Mapping[str, str] = os.environ) -> str:
@@ -52,10 +76,37 @@ def resolve(flag: str | None, env: Mapping[str, str] = os.environ) -> str | None
   return os.path.join(os.path.expanduser(root), f"jax-{jax.__version__}-jaxlib-{jaxlib.__version__}")
 
 
-def configure(path: str | None, env: Mapping[str, str] = os.environ) -> None:
-  """Turns the persistent compilation cache on in `path` (every program, however small or quick to compile), with
-  XLA's autotuning cache in its subfolder, or off (None). XLA_FLAGS is left as it is; when it names its own
-  --xla_gpu_per_fusion_autotune_cache_dir, that one is used instead of the subfolder."""
+def kernel_flags(choice: str) -> list[str]:
+  """The XLA flags of a $JAXKV_GPU_KERNELS value: a KERNEL_CHOICES name, or record:FILE / table:FILE; ValueError
+  for another."""
+  name, colon, path = choice.partition(":")
+  if colon and name in KERNEL_TABLE_CHOICES and path:
+    return [f.format(os.path.abspath(os.path.expanduser(path))) for f in KERNEL_TABLE_CHOICES[name]]
+  if choice in KERNEL_CHOICES:
+    return list(KERNEL_CHOICES[choice])
+  raise ValueError(
+      f"{KERNELS_ENV}={choice!r} is not a kernel choice; use one of {', '.join(KERNEL_CHOICES)}, record:FILE or "
+      "table:FILE"
+  )
+
+
+def choose_kernels(env: MutableMapping[str, str] = os.environ) -> list[str]:
+  """Appends the flags of $JAXKV_GPU_KERNELS (unset: "timed", none) to $XLA_FLAGS, which XLA reads when the backend
+  starts: ValueError when flags are due and it has started. Returns the flags added."""
+  flags = kernel_flags(env.get(KERNELS_ENV) or "timed")
+  if flags and xla_bridge.backends_are_initialized():
+    raise ValueError(f"{KERNELS_ENV} must be set before JAX starts its backend (it adds XLA flags)")
+  if flags:
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
+  return flags
+
+
+def configure(path: str | None, env: MutableMapping[str, str] = os.environ) -> None:
+  """Applies $JAXKV_GPU_KERNELS (`choose_kernels`), then turns the persistent compilation cache on in `path` (every
+  program, however small or quick to compile), with XLA's autotuning cache in its subfolder, or off (None). XLA_FLAGS
+  is otherwise left as it is; when it names its own --xla_gpu_per_fusion_autotune_cache_dir, that one is used instead
+  of the subfolder."""
+  choose_kernels(env)
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_enable_compilation_cache", path is not None)
   if path is None:

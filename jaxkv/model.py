@@ -453,7 +453,11 @@ def decode_layer(
   if attention_impl == "legacy":
     o = legacy_decode_attention(qg, parts, start, end)
   else:
+    # Fenced: no fusion joins the attention (whose fold has more levels at a longer W) to the projections around it,
+    # so that they compile to the same fusions, and the GPU autotuner's picks, at every W.
+    qg = jax.lax.optimization_barrier(qg)
     o, _ = decode_attention.attend(qg, parts, jnp.int32(0), start, end, impl=attention_impl, mesh=mesh)
+    o = jax.lax.optimization_barrier(o)
   return attn_out_and_mlp(p, x[:, None, :], o.reshape(b, 1, h, dh).astype(x.dtype), cfg)[:, 0, :], open_page
 
 

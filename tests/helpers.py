@@ -235,10 +235,10 @@ def write_tokenizer(path, bos: bool = True) -> None:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # The repository: holds the jaxkv package.
 
 
-def run_app(module: str, json_out, *flags: str, timeout: float = 300) -> tuple[str, dict]:
+def run_app(module: str, json_out, *flags: str, timeout: float = 300, env: dict | None = None) -> tuple[str, dict]:
   """`python -m module --cpu_devices=2 --json_out=json_out *flags` in a process of its own (its own simulated
-  devices); asserts exit 0 and returns its stdout and JSON output."""
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  devices), with `env` added to the environment; asserts exit 0 and returns its stdout and JSON output."""
+  env = dict({k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}, **(env or {}))
   proc = subprocess.run(
       [sys.executable, "-m", module, "--cpu_devices=2", f"--json_out={json_out}", *flags],
       cwd=ROOT,

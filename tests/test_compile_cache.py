@@ -1,6 +1,9 @@
 """The persistent compilation cache: where it lives, what it sets, its counters, and a second process served by it."""
 
 import os
+import subprocess
+import sys
+from unittest import mock
 
 import helpers
 import jax
@@ -65,6 +68,51 @@ def test_off_disables_the_cache(jax_options):
   compile_cache.configure(None)
   assert jax.config.values["jax_compilation_cache_dir"] is None
   assert not jax.config.values["jax_enable_compilation_cache"]
+
+
+def test_the_kernel_choice_adds_its_xla_flags_before_the_backend_starts():
+  assert compile_cache.kernel_flags("timed") == []
+  assert compile_cache.kernel_flags("untimed") == ["--xla_gpu_autotune_level=0"]
+  assert compile_cache.kernel_flags("table:/t/a.textproto") == [
+      "--xla_gpu_load_autotune_results_from=/t/a.textproto",
+      "--xla_gpu_require_complete_aot_autotune_results=true",
+  ]
+  assert compile_cache.kernel_flags("record:/t/a.textproto") == ["--xla_gpu_dump_autotune_results_to=/t/a.textproto"]
+  for bad in ("fast", "table:", "record", "untimed:/x"):
+    with pytest.raises(ValueError, match=f"JAXKV_GPU_KERNELS='{bad}' is not a kernel choice"):
+      compile_cache.kernel_flags(bad)
+  assert compile_cache.choose_kernels({}) == []  # Nothing to add: fine with the backend up.
+  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", compile_cache.KERNELS_ENV: "cublas_untimed"}
+  with mock.patch.object(compile_cache.xla_bridge, "backends_are_initialized", lambda: True):
+    with pytest.raises(ValueError, match="must be set before JAX starts its backend"):
+      compile_cache.choose_kernels(env)
+  with mock.patch.object(compile_cache.xla_bridge, "backends_are_initialized", lambda: False):
+    assert compile_cache.choose_kernels(env) == list(compile_cache.KERNEL_CHOICES["cublas_untimed"])
+  assert env["XLA_FLAGS"].split() == [
+      "--xla_force_host_platform_device_count=8",
+      *compile_cache.KERNEL_CHOICES["cublas_untimed"],
+  ]
+
+
+def test_an_app_applies_the_kernel_choice_and_rejects_a_bad_one_in_one_line(tmp_path):
+  _, out = helpers.run_app(
+      "jaxkv.generate",
+      tmp_path / "untimed.json",
+      "--prompt_len=5",
+      "--max_new_tokens=2",
+      env={"JAXKV_GPU_KERNELS": "untimed"},
+  )
+  assert len(out["tokens"][0]) == 2  # The GPU flags reach XLA, which the CPU ignores.
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  proc = subprocess.run(
+      [sys.executable, "-m", "jaxkv.generate", "--cpu_devices=1"],
+      cwd=helpers.ROOT,
+      env=dict(env, JAXKV_GPU_KERNELS="fast"),
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
+  assert proc.returncode == 2 and "error: JAXKV_GPU_KERNELS='fast' is not a kernel choice" in proc.stderr, proc.stderr
 
 
 def test_the_counter_counts_compiles_while_open_and_after_a_time():
