@@ -11,7 +11,8 @@ leaf's partial is computed over exactly its S rows, by a computation whose shape
 start_b or outside the given buffers are masked, and a leaf with no row is the identity I = (-inf, 0, 0). The leaves
 are folded by a pairwise tree in the order j = 0, 1, 2, ..., padded with identities to a power of two; x (+) I == x
 bit for bit, so the identities past a sequence's oldest leaf (a longer batch window, more leaves) leave its bits as
-they are. Only S and the kernel's tile (TILE_ROWS) enter the bits: one constant each, for every model and placement.
+they are. Only S (and for the kernel its tile and launch constants) enters the bits: the same for every model,
+placement, batch and KV dtype.
 
 Partials of n leaves (leaf axis first; B batch, K kv heads, G = H / K query heads per kv head, Dh head_dim):
   m f32[n, B, K, G]      the max of the leaf's masked scaled scores (-inf: no row)
@@ -124,9 +125,10 @@ def leaf_partials(
 
   q [B, K, G, Dh] in the values' dtype; parts: value buffers [2, B, K, R_i, Dh] (unpacked) of consecutive rows, the
   first starting at absolute row first_row (i32[]); start i32[B]; end i32[] (the newest row). Rows outside the
-  buffers or before start[b] are masked. impl "xla" or "pallas" (at most two parts: a window and a page); mesh: the
-  devices the arrays are sharded over by kv head (the kernel runs per shard under shard_map; None: unsharded);
-  interpret: run the kernel in Pallas's interpreter (CPU tests).
+  buffers or before start[b] are masked. impl "xla" or "pallas" (at most two parts: a window and the open page of P
+  rows, `end` in the page, which is read for the first ceil(P / S) leaves only); mesh: the devices the arrays are
+  sharded over by kv head (the kernel runs per shard under shard_map; None: unsharded); interpret: run the kernel
+  in Pallas's interpreter (CPU tests).
   """
   if impl == "xla":
     return _xla_leaf_partials(q, parts, first_row, start, end, num_leaves, first_leaf, leaf_rows)
