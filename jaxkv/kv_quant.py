@@ -25,13 +25,11 @@ int8 does; every element keeps 3 mantissa bits (relative error <= 2^-4) over e4m
 2^-6..448, i.e. values down to ~2^-15 of the row's largest. One scale per delivered row costs 2 bytes per 128
 values (1.6%); int8's per-32 blocks cost 8 bytes per 128.
 
-Why int4 is q4_0 and not q4_1 (a float16 minimum per block too, 80 B per 128 values): streamed decode moves the rows
-over the link, and 72 B is 3.56x fewer bytes than bf16 where 80 B is 3.2x, too little margin for 3x bf16's tokens/s
-once a step's fixed costs count; docs/performance.md has q4_0's quality beside int8's and fp8's.
+Why int4 is q4_0 (all 16 levels, 72 B) and not q4_1 (a float16 minimum per block too, 80 B): docs/design.md.
 
-Scales are the float32 max|x| / qmax rounded UP to float16 (never down; in magnitude for int4's signed scale), so
-max|x| / |scale| <= qmax and no value clips, but int4's: both quantizers divide by the float16 scale they store, so
-pack/unpack are exactly consistent:
+Scales are the float32 max|x| / qmax rounded UP to float16 (never down; int4's in magnitude), so max|x| / |scale| <=
+qmax: no int8 or fp8 value clips, int4's only as bounded below. The quantizers divide by the float16 scale they
+store, so pack/unpack are exactly consistent:
   int8: |x - unpack(pack(x))| <= scale / 2 for every value of the block.
   int4: |x - unpack(pack(x))| <= |scale| / 2, except values of the sign opposite to m with |x| > 7.5 |scale|, which
         clip from q = 8 to 7 and err by at most |scale| (= |m| / 8, rounded up).
@@ -42,7 +40,8 @@ Limits: |x| above 127 x 65504 (int8), 8 x 65504 (int4) or 448 x 65504 (fp8) satu
 smaller.
 
 Rows are quantized once, on the device, when they are written (jaxkv.model), and dequantized on the device
-inside the layer function that attends over them, so every placement and delivery depth sees the same values.
+inside the layer function that attends over them, so every placement and delivery depth sees the same values
+(jaxkv.host_attention's kernel reads the same bytes on the CPU).
 """
 
 from __future__ import annotations
