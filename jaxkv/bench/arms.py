@@ -43,8 +43,8 @@ def parse_arm(name: str) -> ArmSpec:
     raise ValueError(
         f"unknown arm {name!r}: use 'device', 'host_d<depth>' (host_d0 = ordered) or 'auto_d<depth>' (residency "
         f"planner), optionally followed by '_<kv dtype>' with a kv dtype of {', '.join(ARM_KV_DTYPES)} "
-        "(e.g. host_d2_int8, host_d2_int4), then for a host or auto arm '_ha' (host attention, share measured) or '_ha<NN>' "
-        "(share NN / 100, e.g. host_d2_ha40), and last optionally '_g<N>' (N layers per decode call at most, "
+        "(e.g. host_d2_int8, host_d2_int4), then for a host or auto arm '_ha' (host attention, share measured) or "
+        "'_ha<NN>' (share NN / 100, e.g. host_d2_ha40), and last optionally '_g<N>' (N layers per decode call at most, "
         "kv.group_layers; e.g. device_g1, one call per layer)"
     )
   ha = None if not m.group(5) else int(m.group(6) or 0) / 100
