@@ -49,7 +49,7 @@ def base_config() -> ml_collections.ConfigDict:
           budget_mib=0,
           headroom_mib=512,
           transport_debug=0,
-          dtype="model",  # "model" = model.dtype; or bfloat16, float32, int8, float8_e4m3fn (jaxkv.kv_quant).
+          dtype="model",  # "model" = model.dtype; or bfloat16, float32, int8, int4, float8_e4m3fn (jaxkv.kv_quant).
           # placement "auto": device GiB for the KV (None = free memory; jaxkv.residency); a float when overridden.
           device_budget_gib=ml_collections.FieldReference(None, field_type=float),
           host_attention=False,  # placement "host" or "auto": attend a share of each window on the host CPU.

@@ -14,8 +14,8 @@ Layout, per layer l (B = batch, K = kv heads, P = kv block rows, E = stored valu
   start:     i32[B]  first valid row of each sequence (prompts are right-aligned: left padding).
   end:       the next row to write, the same for every sequence.
 
-E and the dtype follow kv.dtype (jaxkv.kv_quant.KVFormat): E = head_dim values of a float dtype, or for int8 and
-float8_e4m3fn head_dim quantized bytes followed by their float16 scales, all in one uint8 array, so that a
+E and the dtype follow kv.dtype (jaxkv.kv_quant.KVFormat): E = head_dim values of a float dtype, or for int8, int4
+and float8_e4m3fn the quantized values' bytes followed by their float16 scales, all in one uint8 array, so that a
 layer's window is still ONE array (one transfer). Zero bytes decode to zeros in every format.
 
 With kv.host_attention (placement "host" or "auto"), a streamed layer's window of W rows is stored as two pinned_host
@@ -335,8 +335,8 @@ def check_host_memory(
     raise ValueError(
         f"{what}, but this host has {available / 2**30:.2f} GiB of RAM available for it (MemAvailable, plus what "
         "the pinned pool already holds). Lower the batch "
-        "or the capacity (--capacity, engine.capacity), store the KV in int8 (--kv_dtype=int8), or keep more layers "
-        "on the devices (--kv_placement=auto)."
+        "or the capacity (--capacity, engine.capacity), store the KV in int8 or int4 (--kv_dtype=int8, int4), or "
+        "keep more layers on the devices (--kv_placement=auto)."
     )
   limit = pinned_pool_limit_bytes()
   if limit is not None and needed > limit:

@@ -80,8 +80,9 @@ KV_DTYPE = flags.DEFINE_enum(
     "kv_dtype",
     None,
     list(config_lib.KV_DTYPES),
-    "KV cache storage (default: config kv.dtype, 'model' = the model dtype). int8: blocks of 32 values along "
-    "head_dim with a float16 scale each (head_dim % 32 == 0); float8_e4m3fn: a float16 scale per head row.",
+    "KV cache storage (default: config kv.dtype, 'model' = the model dtype). int8 / int4: blocks of 32 values "
+    "along head_dim with a float16 scale each (head_dim % 32 == 0; 136 / 72 B per 128 values, bf16 256); "
+    "float8_e4m3fn: a float16 scale per head row.",
 )
 KV_DEVICE_BUDGET = flags.DEFINE_float(
     "kv_device_budget_gib",

@@ -14,9 +14,11 @@ PLACEMENTS = ("device", "host", "auto")
 SPLIT_MODES = ("none", "layer", "tensor")
 HOST_ATTENTION_WAITS = ("auto", "thread", "device")
 PREFILL_ATTENTIONS = ("auto", "xla", "cudnn")  # engine.prefill_attention (jaxkv.model.prefill_attention_impl).
-# KV cache storage: "model" = the model dtype; two float dtypes; two quantized ones (see jaxkv.kv_quant).
-KV_DTYPES = ("model", "bfloat16", "float32", "int8", "float8_e4m3fn")
+# KV cache storage: "model" = the model dtype; two float dtypes; three quantized ones (see jaxkv.kv_quant).
+KV_DTYPES = ("model", "bfloat16", "float32", "int8", "int4", "float8_e4m3fn")
 INT8_BLOCK = 32  # int8 KV: values per scale along head_dim (llama.cpp q8_0).
+INT4_BLOCK = 32  # int4 KV: values per scale along head_dim (llama.cpp q4_0).
+KV_BLOCKS = {"int8": INT8_BLOCK, "int4": INT4_BLOCK}  # The KV dtypes with a scale per block of values along head_dim.
 
 
 ROPE_TYPES = ("llama3", "yarn")
@@ -125,8 +127,8 @@ class KVConfig:
   transport_debug: 0 = totals, 1 = plus per-step bytes and ring, 2 = plus per-layer issue/ready times (it waits
     for each delivery to time it), 3 = plus a log line per step.
   dtype: how cache rows are stored and delivered, one of KV_DTYPES: "model" (the model dtype), "bfloat16",
-    "float32", or quantized "int8" (blocks of INT8_BLOCK values along head_dim, one scale each) and
-    "float8_e4m3fn" (one scale per head row); jaxkv.kv_quant has the packed layout.
+    "float32", or quantized "int8" and "int4" (blocks of INT8_BLOCK / INT4_BLOCK values along head_dim, one scale
+    each) and "float8_e4m3fn" (one scale per head row); jaxkv.kv_quant has the packed layouts.
   device_budget_gib: with placement "auto", the device memory per device the KV may take (None = from the free
     device memory; jaxkv.residency).
   host_attention: with placement "host" or "auto", each streamed layer's window of W rows is split at
@@ -198,13 +200,15 @@ class KVConfig:
 
 
 def check_kv_dtype(kv_dtype: str, head_dim: int | None = None) -> None:
-  """Raises ValueError for an unknown KV dtype, or for int8 with a head_dim that is not a multiple of INT8_BLOCK."""
+  """Raises ValueError for an unknown KV dtype, or for int8 / int4 with a head_dim that is not a multiple of their
+  block (KV_BLOCKS)."""
   if kv_dtype not in KV_DTYPES:
     raise ValueError(f"kv.dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
-  if kv_dtype == "int8" and head_dim is not None and head_dim % INT8_BLOCK:
+  block = KV_BLOCKS.get(kv_dtype)
+  if block and head_dim is not None and head_dim % block:
     raise ValueError(
-        f"kv.dtype int8 quantizes blocks of {INT8_BLOCK} values along head_dim, so model.head_dim must be a "
-        f"multiple of {INT8_BLOCK}; got head_dim {head_dim}. Use another kv.dtype (e.g. float8_e4m3fn)."
+        f"kv.dtype {kv_dtype} quantizes blocks of {block} values along head_dim, so model.head_dim must be a "
+        f"multiple of {block}; got head_dim {head_dim}. Use another kv.dtype (e.g. float8_e4m3fn)."
     )
 
 

@@ -368,18 +368,20 @@ def test_smollm2_text_in_text_out_with_the_chat_template(smollm2, tmp_path):
 
 def test_kv_quality_tool_on_a_short_text(smollm2, smollm2_params):
   """tools/kv_quality.py's measure on 80 tokens in chunks of 32 (the window path): model-dtype KV against itself is
-  exact, and int8 and fp8 KV stay close to it."""
+  exact, int8 and fp8 KV stay close to it and int4 further off (the whole text: docs/performance.md)."""
   spec = importlib.util.spec_from_file_location("kv_quality", os.path.join(ROOT, "tools", "kv_quality.py"))
   kv_quality = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(kv_quality)
   _, tok, prompts, _, _, _ = smollm2
   cfg, params = smollm2_params(1)
   ids = tok.encode(prompts[2])[:80]
-  res = kv_quality.measure(cfg, params, ids, ["model", "int8", "float8_e4m3fn"], chunk=32)
+  res = kv_quality.measure(cfg, params, ids, ["model", "int8", "float8_e4m3fn", "int4"], chunk=32)
   assert res["model"]["mean_kl"] == 0.0 and res["model"]["top1_agreement"] == 1.0
   assert res["model"]["perplexity"] == res["model"]["perplexity"] and 1 < res["model"]["perplexity"] < 100
   for k in ("int8", "float8_e4m3fn"):
     assert 0 < res[k]["mean_kl"] < 0.1 and res[k]["top1_agreement"] >= 0.9, (k, res[k])
+  assert 0 < res["int4"]["mean_kl"] < 0.3 and res["int4"]["top1_agreement"] >= 0.7, res["int4"]
+  assert res["int4"]["mean_kl"] > res["float8_e4m3fn"]["mean_kl"] > res["int8"]["mean_kl"]
 
 
 @pytest.mark.parametrize("add_bos", [True, False])

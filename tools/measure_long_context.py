@@ -38,6 +38,7 @@ from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
 from jaxkv import kv_quant
 from jaxkv import residency
+from jaxkv.bench import arms as arms_lib
 
 _CONFIG = "experiments/llama3_8b.py:3.1"
 _ARMS = ("device", "device_int8", "auto_d2", "auto_d2_int8")
@@ -134,7 +135,9 @@ def main():
   free_gib = mem_fraction * a.device_gib - weights_gib - 2.0  # 2 GiB for the rest (estimate).
   ram_gib = (cache_lib.available_host_bytes() or 0) / _GIB
   arms = a.arms.split(",")
-  dtypes = sorted({"int8" if arm.endswith("_int8") else "bfloat16" for arm in arms if arm.startswith("auto")})
+  dtypes = sorted(
+      {parse.kv_dtype or "bfloat16" for parse in map(arms_lib.parse_arm, arms) if parse.placement == "auto"}
+  )
   summary = dict(
       config=_CONFIG,
       mem_fraction=mem_fraction,

@@ -46,7 +46,8 @@ ARMS = flags.DEFINE_list(
     "arms",
     None,
     "KV arms: 'device', 'host_d<depth>' (host_d0 = ordered) or 'auto_d<depth>' (residency planner), optionally "
-    "with a KV dtype suffix: '_bfloat16', '_float32', '_int8', '_float8_e4m3fn' (e.g. host_d2_int8; none = config "
+    "with a KV dtype suffix: '_bfloat16', '_float32', '_int8', '_int4', '_float8_e4m3fn' (e.g. host_d2_int4; none = "
+    "config "
     "kv.dtype), then for host and auto arms '_ha' (host attention, share measured) or '_ha<NN>' (share NN/100), "
     "then '_g<N>': at most N layers per decode call (kv.group_layers; device_g1 = one call per layer); default "
     "from --sweep.",
