@@ -51,7 +51,7 @@ for B in [1, 8]:
   W = 4096; key = jax.random.key(1)
   ws = [jax.device_put(jax.random.normal(jax.random.fold_in(key, l), (2, B, mc.num_kv_heads, W, mc.head_dim), jnp.bfloat16), kv) for l in range(L)]
   opens = [jax.device_put(jnp.zeros((2, B, mc.num_kv_heads, 256, mc.head_dim), jnp.bfloat16), kv) for l in range(L)]
-  meta = jax.device_put(np.array([0] * B + [W + 5, 1, 0], np.int32), rep)
+  meta = jax.device_put(Meta.pack(np.zeros(B, np.int32), W + 5), rep)
   x0 = jax.device_put(jax.random.normal(jax.random.key(7), (B, mc.d_model), jnp.bfloat16), rep)
   def steady(step, n=40):
     for _ in range(3): jax.block_until_ready(step())

@@ -18,12 +18,12 @@ cfg = C.from_config_dict(cd)
 mesh, params, eng = run.build(cfg, 0)
 L = cfg.model.num_layers; fns = eng.fns
 kv = dataclasses.replace(cfg.kv, placement="host")
-args = (cfg.model, kv, mesh, 1, cfg.engine.capacity)
+args = (cfg.model, kv, eng.layout, 1, cfg.engine.capacity)
 cache = cache_lib.KVCache(*args, placement=residency.place(*args))
 hw = [jax.device_put(jnp.ones((2, 1, 8, ctx, 128), jnp.bfloat16) * 0.01, cache.host_sharding) for _ in range(L)]
 opens = [jax.device_put(jnp.zeros((2, 1, 8, 256, 128), jnp.bfloat16), cache.device_sharding) for _ in range(L)]
 rep = mesh_lib.replicated(eng.layout.last)  # The engine's replicated sharding: the head's stage.
-meta = jax.device_put(Meta.pack(np.zeros(1, np.int32), ctx, 1, 0), rep)
+meta = jax.device_put(Meta.pack(np.zeros(1, np.int32), ctx), rep)
 x0 = jax.device_put(jnp.zeros((1, 4096), jnp.bfloat16), rep)
 layers = params["layers"]; DEV = cache.device_sharding
 acc = {"put": 0.0, "dec": 0.0}
