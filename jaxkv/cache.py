@@ -225,11 +225,16 @@ class KVCache:
     for l in sorted(range(self.model.num_layers), key=lambda l: self.streamed[l]):
       self.store(l, _zeros_fn(shape, self.dtype, self.device_shardings[l])())
 
-  def store_zero_opens(self) -> None:
-    """Zeros as every layer's open page (a cache whose slots are then filled one by one: jaxkv.serving)."""
+  def store_empty_slots(self, rows: int) -> None:
+    """A cache of `rows` rows (whole blocks) whose slots are then inserted one by one (insert_slot, jaxkv.serving):
+    zeros as every slot's rows [0, rows) and open page. With one slot the window is left for its insert to store
+    whole."""
+    if rows and self.batch > 1:
+      self.store_zeros(rows)
     shape = (2, self.batch, self.model.num_kv_heads, self.block, self.row_width)
     for l in range(self.model.num_layers):
       self.opens[l] = _zeros_fn(shape, self.dtype, self.device_shardings[l])()
+    self.rows = rows
 
   def store(self, layer: int, window_device: jax.Array | None) -> Issued:
     """Places layer `layer`'s window (a device array) in the cache's memory."""

@@ -5,13 +5,14 @@ token counts alone). A `Run` is one serve: its requests, their records and the t
 before or while it serves. Its epochs are iterators: before each scheduling decision an epoch yields what it did
 since (`Progress`: the requests placed, the tokens read), and whoever iterates may submit or end requests before it
 goes on (`Server.serve` gives a list up front; jaxkv.serving.loop feeds requests as they arrive), so control flows
-one way down. Each `Epoch` of a run makes a fresh cache, prefills its first
-requests (as one batch; with the prefix cache one by one like any later request), then runs the decode loop
-(jaxkv.decode.DecodeLoop, the one generate runs), and before each step lets the requests that fit enter the free
-slots (jaxkv.serving.slots): the deliveries already issued for the next step are dropped (they hold the slot's old
-rows), the request is prefilled alone and put into its slot, and the head samples its first token; the decode state
-takes its row (jaxkv.meta.DecodeState.with_row). Tokens are read jaxkv.decode.READ_LAG steps late, so a slot frees
-that many steps after its last token.
+one way down.
+
+Each `Epoch` makes a fresh cache, prefills its first requests (as one batch; with the prefix cache one by one like any
+later request), then runs the decode loop (jaxkv.decode.DecodeLoop, the one generate runs), and before each step lets
+the requests that fit enter the free slots (jaxkv.serving.slots): the deliveries already issued for the next step are
+dropped (they hold the slot's old rows), the request is prefilled alone and put into its slot, and the head samples
+its first token; the decode state takes its row (jaxkv.meta.DecodeState.with_row). Tokens are read
+jaxkv.decode.READ_LAG steps late, so a slot frees that many steps after its last token.
 
 Sampling: request r's token i draws with key fold_in(fold_in(key(seed_r), 0), i) (jaxkv.sampling), whatever its
 slot or step, so sampled output does not depend on the neighbours either. Each request has its own temperature,
@@ -252,12 +253,8 @@ class Epoch:
   def _first_alone(self, gen, loop, filler, owners, longest: int):
     """With the prefix cache: the epoch's first requests enter their slots one by one at end = the longest prompt,
     each prefilled alone like any later request (so that a prompt's rows never depend on its neighbours)."""
-    eng, cache, cfg = self.engine, gen.cache, self.engine.config
-    w_rows = longest // cfg.kv.block * cfg.kv.block
-    if w_rows and len(owners) > 1:  # The other slots' rows; one slot's window is stored whole (insert_slot).
-      cache.store_zeros(w_rows)
-    cache.store_zero_opens()
-    cache.rows = w_rows
+    eng, cfg = self.engine, self.engine.config
+    gen.cache.store_empty_slots(longest // cfg.kv.block * cfg.kv.block)
     gen.start, gen.end = np.full(len(owners), longest - 1, np.int32), longest  # An empty slot attends one zero row.
     x = eng.put(np.zeros((len(owners), cfg.model.d_model)), jnp.dtype(cfg.model.dtype))
     state = eng.state(x, gen.start, longest, self.run.server.sampling([None] * len(owners)))
