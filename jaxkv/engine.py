@@ -213,8 +213,8 @@ class Engine:
     return distributed.put_host(np.asarray(value, dtype), self._rep)
 
   def state(self, x: jax.Array, start: np.ndarray, end: int, sampling: SamplingParams) -> DecodeState:
-    """The decode state of B rows before the head samples their first tokens: x [B, D] (each prompt's last row, the
-    row `end`), start i32[B], sampling (host arrays, SamplingParams.rows)."""
+    """A decode state of B rows (jaxkv.meta.DecodeState) whose next token is their first: x [B, D] (after a prefill,
+    each prompt's last row, at row `end`), meta of start i32[B] and end, sampling (host arrays, SamplingParams.rows)."""
     put = lambda a: self.put(a, a.dtype)
     return DecodeState(x, self.meta(start, end), put(np.zeros(len(start), np.int32)), jax.tree.map(put, sampling))
 

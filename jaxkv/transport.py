@@ -119,7 +119,8 @@ class Transport:
     stages = len(self._stage_devices)
     self._queued_next = False  # The next pass's jobs are already queued.
     self._lock = threading.Lock()
-    # Per stage (the whole mesh, or one device per stage in split mode layer), bytes over all its devices.
+    # Per stage (the whole mesh, or one device per stage in split mode layer), bytes over all its devices. Delivered
+    # bytes count in the pass that takes them (or drops them), not in the one running when the feeder issued them.
     self._h2d = [0] * stages
     self._calls = 0  # Transfer calls issued (one per streamed group delivered).
     self._held = [0] * stages  # Deliveries holding a slot.
@@ -160,7 +161,6 @@ class Transport:
         self._error = e
       with self._lock:
         s = self._stage_of[layers[0]]
-        self._h2d[s] += nbytes
         self._held[s] += nbytes
         self._high_water[s] = max(self._high_water[s], self._held[s] + self._previous[s])
       self._ready.put((group, windows, nbytes, calls, time.perf_counter()))
@@ -186,6 +186,8 @@ class Transport:
           raise RuntimeError("KV delivery failed") from self._error
         assert group == g, (group, g)
         self._calls += calls
+        with self._lock:
+          self._h2d[self._stage_of[layers[0]]] += nbytes
         if self.debug >= 2 and nbytes:
           jax.block_until_ready(windows)
           self.layer_times.append((layers[0], t_issue, time.perf_counter()))
@@ -224,6 +226,7 @@ class Transport:
       jax.block_until_ready(windows)
       del windows
       with self._lock:
+        self._h2d[self._stage_of[self.groups[group][0]]] += nbytes  # Moved all the same.
         self._held[self._stage_of[self.groups[group][0]]] -= nbytes
       self._slots.release()
     self._queued_next = False
