@@ -35,7 +35,7 @@ PREFIX_CACHE_GIB = flags.DEFINE_float(
     "prefix_cache_gib",
     0.0,
     "Serving (--sequences, jaxkv.serve): host memory for the KV rows of prompt prefixes, reused by later prompts that "
-    "start with them (jaxkv.prefix_cache); 0 = off.",
+    "start with them (jaxkv.serving.prefix_cache); 0 = off.",
     lower_bound=0.0,
 )
 SEED = flags.DEFINE_integer("seed", 0, "Seeds the weights, the prompt ids and sampling.")

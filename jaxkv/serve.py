@@ -1,4 +1,4 @@
-"""Serve: `python3 -m jaxkv.serve`, an OpenAI-compatible HTTP server with continuous batching (jaxkv.serve_api).
+"""Serve: `python3 -m jaxkv.serve`, an OpenAI-compatible HTTP server with continuous batching (jaxkv.serving.api).
 
 Takes generate's model flags (--config, --kv_*, --split_mode, --cpu_devices, --checkpoint_dir, --checkpoint_dtype,
 --seed for random weights) and serves on --host:--port with --parallel slots; up to --max_queue requests wait for a
@@ -50,7 +50,7 @@ def main(argv):
   cli.setup_platform()
   import jax  # pylint: disable=g-import-not-at-top  (after the platform is set)
 
-  from jaxkv import serve_api  # pylint: disable=g-import-not-at-top
+  from jaxkv.serving import api as serve_api  # pylint: disable=g-import-not-at-top
 
   if jax.process_count() > 1:
     raise app.UsageError("serve runs in one process; drop --coordinator_address/--num_processes/--process_id")

@@ -13,16 +13,17 @@ import pytest
 from absl import flags
 
 from experiments import tiny
-from jaxkv import cache as cache_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv import run as run_lib
+from jaxkv import transport as transport_lib
 from jaxkv.bench import arms
 from jaxkv.bench import benchmark
 from jaxkv.bench import ceilings
 from jaxkv.bench import peer_hf
 from jaxkv.bench import report
 from jaxkv.config import SplitConfig, from_config_dict
+from jaxkv.host import memory
 
 # host_d4_g1: one decode call per layer (the tiny model's 6 layers are one group otherwise, which caps the depth at 0).
 ARMS = ("device", "host_d0", "host_d1", "host_d2", "host_d4_g1", "host_d2_int8", "host_d2_int4", "host_d1_ha")
@@ -289,7 +290,7 @@ def test_the_bench_app_with_an_auto_arm(tmp_path):
 
 
 def test_arm_that_does_not_fit_is_skipped(monkeypatch):
-  monkeypatch.setenv(cache_lib.POOL_ENV, "0.000001")  # A ~1 KiB pinned pool: no host cache fits.
+  monkeypatch.setenv(memory.POOL_ENV, "0.000001")  # A ~1 KiB pinned pool: no host cache fits.
   out = benchmark.run(_config(), _spec(contexts=(16,), arms=("device", "host_d1"), new_tokens=3, rounds=1, peer=False))
   cell = out["cells"][0]
   assert "pinned" in cell["ceilings"]["skipped"]
@@ -435,16 +436,16 @@ class _Window:
 
 
 class _FakeTransport:
-  """run_groups hands out windows 0..n-1, one layer a group, and records, after each compute, the layers waited for
-  so far."""
+  """deliveries hands out windows 0..n-1, one layer a group, and records, after each one's compute, the layers
+  waited for so far."""
 
   def __init__(self, depth, num_layers):
     self.depth, self.num_layers, self.waited, self.seen = depth, num_layers, [], []
 
-  def run_groups(self, compute, next_pass):
+  def deliveries(self, next_pass):
     del next_pass
     for l in range(self.num_layers):
-      compute((l,), [_Window(self.waited, l)])
+      yield transport_lib.Delivery((l,), [_Window(self.waited, l)])
       self.seen.append(list(self.waited))
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from jaxkv import cache as cache_lib
-from jaxkv import host_attention
+from jaxkv.host import attention as host_attention
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv.kv_quant import KVFormat
@@ -128,7 +128,7 @@ def test_numba_may_use_512_bit_vectors_where_the_cpu_has_them():
 
 def test_cpu_features_the_user_gave_numba_win():
   mine = numba.core.codegen.get_host_cpu_features()
-  code = "import numba; from jaxkv import host_attention; print(numba.config.CPU_FEATURES)"
+  code = "import numba; from jaxkv.host import attention; print(numba.config.CPU_FEATURES)"
   env = dict(os.environ, NUMBA_CPU_FEATURES=mine, JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
   assert out.stdout.strip() == mine

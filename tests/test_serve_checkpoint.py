@@ -21,8 +21,8 @@ from jaxkv import chat_template as chat_template_lib
 from jaxkv import checkpoint
 from jaxkv import config as config_lib
 from jaxkv import run as run_lib
-from jaxkv import serve_api
 from jaxkv import tokenizer as tokenizer_lib
+from jaxkv.serving import api as serve_api
 
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 

@@ -1,5 +1,5 @@
 """Measure (GPU): time to first token of a prompt that shares a long prefix with an earlier one, against a cold
-prefill (jaxkv.prefix_cache).
+prefill (jaxkv.serving.prefix_cache).
 
 Random weights of --config; each round draws a fresh random prefix of --prefix_len tokens and serves, one request at
 a time on one slot (jaxkv.serving, greedy, 1 new token), and times each request's first token on the host (its

@@ -40,7 +40,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from jaxkv import distributed
-from jaxkv import host_wait
+from jaxkv.host import wait as wait_lib
 from jaxkv.kv_quant import INT4_BLOCK, INT4_HALF, INT8_BLOCK, KVFormat
 
 
@@ -65,7 +65,7 @@ _wide_vectors()  # Before any function of this module compiles.
 ENGINE_THREADS = max(1, min(numba.config.NUMBA_NUM_THREADS - 2, 16))
 
 # The process's kernel thread: a split layer's kernel runs here while the dispatching thread dispatches the device's
-# side (jaxkv.host_decode), and so does the split's measurement (jaxkv.host_split); one per process, so the kernels run
+# side (jaxkv.host.decode), and so does the split's measurement (jaxkv.host.split); one per process, so the kernels run
 # one at a time. Run the kernel from no other thread in a process that decodes: with numba's OpenMP layer each thread
 # that starts parallel loops keeps a team of threads of its own, and one kernel call on the main thread of the H200
 # host (24 threads) slowed decode steps at 32k, batch 1 from 44-46 to 52-53 ms (two processes each; likely GNU
@@ -218,7 +218,7 @@ def kernel_views(window: jax.Array, fmt: KVFormat) -> list[tuple[slice, np.ndarr
   head shard (replicas once), zero-copy and checked once, so that `attend_views` over them costs no more JAX calls.
 
   window: stored [2, B, K, W, E] jax.Array of `fmt` rows, sharded on K (jaxkv.cache). The views hold the shards (as
-  `shard_views` does): the caller drops them before `window` is deleted or donated (jaxkv.cache.KVCache.set_head).
+  `shard_views` does): the caller drops them before `window` is deleted or donated (jaxkv.host.decode.HostDecode.forget_views).
   """
   views, done = [], set()
   for index, view in shard_views(window):
@@ -271,7 +271,7 @@ class HandBack:
   engine the reader is the merge of the previous split layer on the array's stage, and layer l's partial is written
   once layer l's q is on the host: the call that made q contains that merge or takes an x made from its output.
 
-  With device_wait, the devices and the host meet through jaxkv.host_wait instead: the reader waits on the devices
+  With device_wait, the devices and the host meet through jaxkv.host.wait instead: the reader waits on the devices
   (on `array_slot`) for the writer's `signal()` after `write`, and q comes the other way: the devices publish it into
   `query` (f32[B, K, G, Dh], pinned host, same sharding) through `query_slot`, and `read_query()` reads it.
   """
@@ -282,10 +282,10 @@ class HandBack:
     self.device_wait = device_wait
     self.array_slot = self.query = self.query_slot = None
     if device_wait:
-      self.array_slot = host_wait.Slot(self.array)
+      self.array_slot = wait_lib.Slot(self.array)
       self.query = distributed.put_host(np.zeros((*shape[:-1], shape[-1] - 1), np.float32), sharding)
       self._query_views = shard_views(self.query)
-      self.query_slot = host_wait.Slot(self.query)
+      self.query_slot = wait_lib.Slot(self.query)
 
   def write(self, o: np.ndarray, lse: np.ndarray) -> None:
     """o f32[B, K, G, Dh], lse f32[B, K, G] (all heads; each shard takes its own)."""
