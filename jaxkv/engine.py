@@ -197,7 +197,7 @@ class Engine:
     gen = self.start(len(prompts), seed=seed)
     # The record's clock starts here: prefill_s does not count the cache's start (the host's share measured).
     rec = telemetry_lib.Recorder(
-        len(prompts), cfg.sampling.eos_id, max_new_tokens, keep_logits, cfg.kv.transport_debug, on_chunk
+        len(prompts), cfg.sampling.stop_ids, max_new_tokens, keep_logits, cfg.kv.transport_debug, on_chunk
     )
     gen.counters = rec
     try:

@@ -60,10 +60,10 @@ class Counters:
 class Recorder:
   """A generate's record: collects tokens, hashes logits as they arrive, and keeps per-step transport counters."""
 
-  def __init__(self, batch, eos_id, max_new, keep_logits, debug, on_chunk=None):
+  def __init__(self, batch, eos_ids, max_new, keep_logits, debug, on_chunk=None):
     self.tokens = [[] for _ in range(batch)]
     self.done = np.zeros(batch, bool)
-    self.eos_id, self.max_new, self.debug, self.on_chunk = eos_id, max_new, debug, on_chunk
+    self.eos_ids, self.max_new, self.debug, self.on_chunk = frozenset(eos_ids), max_new, debug, on_chunk
     self.digests = digest.Digests()
     self.hash = self.digests.new()
     self.logits = [] if keep_logits else None
@@ -98,7 +98,7 @@ class Recorder:
     for b, t in enumerate(np.asarray(tok).tolist()):
       if not self.done[b]:
         self.tokens[b].append(t)
-        self.done[b] = t == self.eos_id or len(self.tokens[b]) >= self.max_new
+        self.done[b] = t in self.eos_ids or len(self.tokens[b]) >= self.max_new
     return bool(self.done.all())
 
   def totals(self) -> dict:
