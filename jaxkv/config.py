@@ -281,7 +281,7 @@ class SamplingConfig:
   eos_ids: tuple[int, ...] = field(
       (),
       "More ids that end a sequence. A checkpoint or GGUF file adds its own: its eos_token_id (generation_config.json "
-      "or config.json; tokenizer.ggml.eos_token_id) and its chat template's end-of-turn token (jaxkv.preflight.resolve).",
+      "or config.json; tokenizer.ggml.eos_token_id) and its chat template's end-of-turn token.",
   )
 
   def __post_init__(self):

@@ -333,7 +333,8 @@ def eos_ids(path: str) -> frozenset[int]:
   where llama.cpp's converter wrote them) and its chat template's end-of-turn token."""
   meta = metadata(open_reader(path))
   ids = {int(meta[k]) for k in _END_IDS if k in meta}
-  if "tokenizer.ggml.tokens" in open_reader(path).fields:
+  try:
     turn = tokenizer(path).end_of_turn_id()
-    ids |= set() if turn is None else {turn}
-  return frozenset(ids)
+  except ValueError:  # No vocabulary jaxkv builds, or a template that does not parse: the ids above only.
+    turn = None
+  return frozenset(ids | ({turn} if turn is not None else set()))

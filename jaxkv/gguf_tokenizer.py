@@ -1,4 +1,4 @@
-"""The tokenizer that a GGUF file's metadata describes, built with Hugging Face `tokenizers` (no transformers, no torch).
+"""The tokenizer that a GGUF file's metadata describes, built with Hugging Face `tokenizers` (no transformers).
 
 llama.cpp's converter stores the vocabulary (`tokenizer.ggml.tokens`), each token's type (`token_type`), the merges
 of a BPE vocabulary (`merges`) or the scores of a SentencePiece one (`scores`), the pre-tokenizer's name (`pre`) and

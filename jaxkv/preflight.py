@@ -93,10 +93,11 @@ def checkpoint_eos_ids(checkpoint_dir: str | None, gguf: str | None = None) -> f
     if gguf:
       return gguf_loader.eos_ids(gguf)
     ids = checkpoint.eos_ids(checkpoint_dir)
-    if os.path.isfile(os.path.join(checkpoint_dir, tokenizer_lib.TOKENIZER_FILE)):
-      turn = tokenizer_lib.Tokenizer.from_dir(checkpoint_dir).end_of_turn_id()
-      ids |= set() if turn is None else {turn}
-    return ids
+  try:
+    turn = tokenizer_lib.Tokenizer.from_dir(checkpoint_dir).end_of_turn_id()
+  except ValueError:  # No tokenizer.json (or none that loads), or a template that does not parse: the ids above.
+    turn = None
+  return frozenset(ids | ({turn} if turn is not None else set()))
 
 
 def resolve(

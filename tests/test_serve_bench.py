@@ -31,7 +31,8 @@ def test_serve_bench_times_each_turn_and_the_second_turn_hits_the_prefix_cache(t
 
 def test_the_defaults_fit_the_default_server():
   """serve_bench's default prompts, new tokens and turns fit the default server's cache (the tiny config's rows)."""
-  code = "from jaxkv.apps import serve_bench as s; print(*(f.default for f in (s.PROMPT_LEN, s.MAX_TOKENS, s.TURNS, s.TURN_LEN)))"
+  flags = "s.PROMPT_LEN, s.MAX_TOKENS, s.TURNS, s.TURN_LEN"
+  code = f"from jaxkv.apps import serve_bench as s; print(*(f.default for f in ({flags})))"
   # A process of its own: the app's flags would clash with other apps' in this one.
   defaults = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
   assert serve_load.longest_request(*map(int, defaults)) <= tiny.get_config().engine.capacity

@@ -164,18 +164,19 @@ def setup_platform(model: config_lib.ModelConfig | None = None) -> None:
 
 def resolved_config_dict(checkpoint: bool = False):
   """The experiment ConfigDict with --capacity and the other shorthand flags applied. `checkpoint`: the model comes
-  from a checkpoint or GGUF file; without --config, the base is then the library's defaults, not the tiny model's
-  sizes, with the --config.* overrides given."""
+  from a checkpoint or GGUF file; without --config, every section but the model (which the checkpoint replaces) then
+  takes the library's defaults, not the tiny model's sizes, with the --config.* overrides given."""
+  cd = CONFIG.value.unlock()
   if checkpoint and not _CONFIG_GIVEN[0]:
-    cd = common.base_config()
+    base = common.base_config()
+    base.model = cd.model
     for path, value in config_flags.get_override_values(flags.FLAGS["config"]).items():
       *parents, leaf = path.split(".")
-      node = cd
+      node = base
       for p in parents:
         node = node[p]
       node[leaf] = value
-  else:
-    cd = CONFIG.value.unlock()
+    cd = base
   for name, (section, field) in SHORTHANDS.items():
     if SHORTHAND_FLAGS[name].value is not None:
       cd[section][field] = SHORTHAND_FLAGS[name].value

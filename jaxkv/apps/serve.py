@@ -20,7 +20,9 @@ from absl import logging
 from jaxkv import distributed
 from jaxkv import preflight
 from jaxkv.apps import cli
-from jaxkv.apps import generate  # Its flags: --checkpoint_dir, --checkpoint_dtype, --parallel, --prefix_cache_gib, --seed.
+
+# generate's flags: --checkpoint_dir, --checkpoint_dtype, --parallel, --seed, --prefix_cache_gib.
+from jaxkv.apps import generate
 
 HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=1, upper_bound=65535)
