@@ -9,8 +9,8 @@ into the same folder (`jax_persistent_cache_enable_xla_caches`), so programs com
 the folder is keyed here by the jax and jaxlib versions, so an upgrade starts afresh. docs/design.md ("Determinism
 across processes") says when bits can still differ.
 
-`configure` must run before the first compilation (jaxkv.cli.setup_platform calls it); `CompileCounter` counts the
-programs compiled and the programs loaded from the cache, through jax.monitoring.
+`configure` must run before the first compilation (jaxkv.apps.cli.setup_platform calls it); `CompileCounter` counts
+the programs compiled and the programs loaded from the cache, through jax.monitoring.
 """
 
 from __future__ import annotations

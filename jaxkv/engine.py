@@ -241,7 +241,7 @@ class Engine:
     cfg = self.config
     gen = self.start(len(prompts), counters=telemetry.Counters(cfg.kv.transport_debug, on_chunk))
     # The record's clock starts here: prefill_s does not count the cache's start (the host's share measured).
-    rec = telemetry.Recorder(cfg.sampling.eos_id, step_hash=True, keep_logits=keep_logits)
+    rec = telemetry.Recorder(cfg.sampling.stop_ids, step_hash=True, keep_logits=keep_logits)
     try:
       return self._generate(gen, rec, prompts, max_new_tokens, seed, on_step, zero_rows)
     finally:

@@ -37,7 +37,7 @@ class SamplingParams:
 
   @classmethod
   def rows(cls, settings: Sequence[SamplingConfig], seeds: Sequence[int], streams: Sequence[int]) -> SamplingParams:
-    """Host arrays (numpy) of one row per entry; eos_id is the host's business (jaxkv.telemetry.Recorder)."""
+    """Host arrays (numpy) of one row per entry; the end ids are the host's business (jaxkv.telemetry.Recorder)."""
     return cls(
         temperature=np.array([s.temperature for s in settings], np.float32),
         top_k=np.array([s.top_k for s in settings], np.int32),

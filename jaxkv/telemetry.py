@@ -93,13 +93,14 @@ class Record:
 
 class Recorder:
   """What the read-back steps gave each owner: `record(owners, logits, tokens)` takes a step whose row b belongs to
-  owners[b] (None: nobody's) and appends each live owner's token, until its EOS (eos_id) or its max_new_tokens.
+  owners[b] (None: nobody's) and appends each live owner's token, until one of the end ids (stop_ids) or its
+  max_new_tokens.
 
   step_hash: also hash every step's logits whole, f32[B, V] in the order [step][row][vocab] (`hash`: generate's
   logits_sha256); keep_logits: keep them (`logits`). Close it when done (its digest thread)."""
 
-  def __init__(self, eos_id: int, step_hash: bool = False, keep_logits: bool = False):
-    self.eos_id = eos_id
+  def __init__(self, stop_ids: frozenset[int], step_hash: bool = False, keep_logits: bool = False):
+    self.stop_ids = frozenset(stop_ids)
     self.digests = digest.Digests()
     self.hash = self.digests.new() if step_hash else None
     self.logits: list[np.ndarray] | None = [] if keep_logits else None
@@ -136,7 +137,7 @@ class Recorder:
         rec.ttft_s = time.perf_counter() - self.t_start
       if rec.hash is not None:
         self.digests.update(rec.hash, logits[b])
-      end = "eos" if t == self.eos_id else "length" if len(rec.tokens) >= rec.max_new_tokens else None
+      end = "eos" if t in self.stop_ids else "length" if len(rec.tokens) >= rec.max_new_tokens else None
       rec.done = end is not None
       taken.append((r, t, end))
     return taken

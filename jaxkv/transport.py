@@ -49,6 +49,9 @@ class DepthChoice:
   fallback_reason: str | None
 
 
+_CAPS_LOGGED: set[str] = set()  # The depth caps logged so far.
+
+
 def choose_depth(
     requested: int, streamed_groups: int, slot_bytes: int, budget_mib: int, headroom_mib: int, free_bytes: int | None
 ) -> DepthChoice:
@@ -81,7 +84,12 @@ def choose_depth(
       depth = new
   reason = "; ".join(reasons) or None
   if reason and depth < requested:
-    logging.warning("kv pipeline: %s", reason)
+    # A cap by the groups is the model's shape: an INFO line, once per process; a ring that does not fit, a warning.
+    if len(reasons) > (requested > streamed_groups - 1):
+      logging.warning("kv pipeline: %s", reason)
+    elif reason not in _CAPS_LOGGED:
+      _CAPS_LOGGED.add(reason)
+      logging.info("kv pipeline: %s", reason)
   return DepthChoice(requested, depth, depth + residency.RING_SPARE, slot_bytes, reason)
 
 

@@ -160,7 +160,9 @@ def test_each_arm_has_numbers(bench):
       assert a["kv_dtype"] == next((d for d in PACKED_ROWS if name.endswith(f"_{d}")), "model")
       assert (a["ring_bytes_per_device_configured"] > 0) == (name != "device")
       assert a["transport"]["dispatches_per_step"] >= 4
-    assert cell["arms"]["device"]["transport"]["dispatches_per_step"] == 4  # All layers in one call.
+    # The tiny config's 3 decode groups, the head, and the copies of the tokens and the logits.
+    assert cell["arms"]["device"]["transport"]["dispatches_per_step"] == 6
+    assert cell["arms"]["host_d2"]["transport"]["depth"] == 2  # Its 3 groups: depth 2 uncapped.
     assert cell["arms"]["host_d4_g1"]["transport"]["depth"] == 4
     assert cell["arms"]["host_d0"]["gain_vs_ordered"] == 1.0
     split = cell["arms"]["host_d1_ha"]["transport"]["host_attention"]

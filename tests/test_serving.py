@@ -7,7 +7,7 @@ import helpers
 import numpy as np
 import pytest
 
-from jaxkv import generate as generate_app
+from jaxkv.apps import generate as generate_app
 from jaxkv import serving
 from jaxkv.config import SamplingConfig
 

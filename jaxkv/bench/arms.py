@@ -3,7 +3,7 @@
 An arm is a KV placement and delivery depth ("device"; "host_d0" = ordered; "host_dN" = pipelined at depth N;
 "auto_dN" = the residency planner), optionally with a KV dtype suffix ("host_d2_int8", "host_d2_int4", "device_int4",
 "device_float8_e4m3fn"; none = the config's kv.dtype) and then a host attention suffix ("host_d2_ha": the host's share
-chosen at start; "host_d2_ha40": f = 0.40; jaxkv.host_split) and last a decode group suffix ("device_g1":
+chosen at start; "host_d2_ha40": f = 0.40; jaxkv.host.split) and last a decode group suffix ("device_g1":
 kv.group_layers = 1, one call per layer; none = the config's), or the Hugging Face peer (PEER_ARM,
 jaxkv.bench.peer_hf).
 """
@@ -25,7 +25,7 @@ _ARM_RE = re.compile(rf"^(device|(host|auto)_d(\d+))(?:_({'|'.join(ARM_KV_DTYPES
 @dataclasses.dataclass(frozen=True)
 class ArmSpec:
   """placement: "device", "host" or "auto"; depth: None for "device"; kv_dtype: None = the config's kv.dtype;
-  host_attention: None = off, 0.0 = the share chosen at start (jaxkv.host_split), f in (0, 1) = that share;
+  host_attention: None = off, 0.0 = the share chosen at start (jaxkv.host.split), f in (0, 1) = that share;
   group_layers: kv.group_layers (None = the config's)."""
 
   placement: str

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import secrets
 import threading
@@ -30,6 +29,7 @@ import uvicorn
 from fastapi import responses
 
 from jaxkv import chat_template as chat_template_lib
+from jaxkv import checkpoint
 from jaxkv import tokenizer as tokenizer_lib
 from jaxkv.config import SamplingConfig
 from jaxkv.serving import loop as loop_lib
@@ -378,7 +378,7 @@ def build_model(
     if os.path.isfile(os.path.join(checkpoint_dir, tokenizer_lib.TOKENIZER_FILE)):
       tokenizer = tokenizer_lib.Tokenizer.from_dir(checkpoint_dir)
       template = tokenizer.chat_template
-    eos = eos_ids(checkpoint_dir)
+    eos = checkpoint.eos_ids(checkpoint_dir)
     _, _, _, engine = run.build_from_checkpoint(config, checkpoint_dir, dtype)
   else:
     _, _, engine = run.build(config, seed)
@@ -387,16 +387,3 @@ def build_model(
   loop.submit(Request((0,), 2), lambda t: None, lambda why, err: done.set())
   done.wait()
   return Model(name, loop, tokenizer, template, eos)
-
-
-def eos_ids(checkpoint_dir: str) -> frozenset[int]:
-  """A checkpoint's end of sequence ids: generation_config.json's eos_token_id (an id or a list, as Llama-3 Instruct
-  lists <|end_of_text|> and <|eot_id|>), else config.json's."""
-  for name in ("generation_config.json", "config.json"):
-    path = os.path.join(checkpoint_dir, name)
-    if os.path.isfile(path):
-      with open(path) as f:
-        ids = json.load(f).get("eos_token_id")
-      if ids is not None:
-        return frozenset([ids] if isinstance(ids, int) else ids)
-  return frozenset()

@@ -111,7 +111,7 @@ class Run:
   def __init__(self, server: Server, batch: int, hashed: bool = True):
     self.server, self.batch, self.hashed = server, batch, hashed
     self.scheduler = Scheduler(server.engine.config.engine.capacity)
-    self.recorder = telemetry.Recorder(server.engine.config.sampling.eos_id)
+    self.recorder = telemetry.Recorder(server.engine.config.sampling.stop_ids)
     self.requests: dict[int, Request] = {}
     self.where: dict[int, tuple[int, int, int]] = {}  # Request -> (slot, epoch, first row).
     self.counters, self.shapes = telemetry.Counters(), set()
