@@ -4,7 +4,7 @@ from experiments import common
 
 
 def get_config(arg=None):
-  del arg
+  common.check_variant("llama3_70b", arg)
   c = common.base_config()
   c.model.update(
       vocab_size=128_256,

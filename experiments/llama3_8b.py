@@ -7,6 +7,7 @@ from experiments import common
 
 
 def get_config(arg=None):
+  common.check_variant("llama3_8b", arg, ("3.1",))
   c = common.base_config()
   c.model.update(
       vocab_size=128_256,

@@ -8,8 +8,7 @@ from experiments import common
 
 
 def get_config(arg=None):
-  if arg not in (None, "", "yarn"):
-    raise ValueError(f"experiments/qwen3_32b.py takes no arg or 'yarn', got {arg!r}")
+  common.check_variant("qwen3_32b", arg, ("yarn",))
   c = common.base_config()
   c.model.update(
       vocab_size=151_936,

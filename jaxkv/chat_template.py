@@ -1,24 +1,33 @@
 """Chat templates rendered as transformers' `apply_chat_template` renders them: the checkpoint's Jinja2 template
 (tokenizer_config.json's `chat_template`, or chat_template.jinja) in an immutable sandbox, with trim_blocks,
 lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson` that does not escape HTML, and the
-tokenizer's special tokens (bos_token, eos_token...) as variables."""
+tokenizer's special tokens (bos_token, eos_token...) as variables. Jinja2 (the `gguf` and `serve` extras) is imported
+only where a template is parsed: without it, a checkpoint's text prompts work and only its chat template fails,
+naming the extra."""
 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
-
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
 
 
+def _jinja2():
+  try:
+    import jinja2  # pylint: disable=g-import-not-at-top
+    import jinja2.ext  # pylint: disable=g-import-not-at-top
+    import jinja2.sandbox  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ValueError("chat templates need jinja2: pip install 'jaxkv[gguf]' (or jinja2)") from e
+  return jinja2
+
+
 def _raise_exception(message):
-  raise jinja2.exceptions.TemplateError(message)
+  raise _jinja2().exceptions.TemplateError(message)
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -33,16 +42,27 @@ class ChatTemplate:
   """messages -> the prompt text. special_tokens: {"bos_token": "<s>", ...}, passed to the template."""
 
   def __init__(self, template: str, special_tokens: dict[str, str]):
+    self.source = template
+    self.special_tokens = dict(special_tokens)
+    self._template = None
+    if importlib.util.find_spec("jinja2") is not None:
+      self._compiled()  # A template that does not parse fails here, not at its first use.
+
+  def _compiled(self):
+    """The parsed template (ValueError when it does not parse, or without jinja2)."""
+    if self._template is not None:
+      return self._template
+    jinja2 = _jinja2()
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
     try:
-      self._template = env.from_string(template)
+      self._template = env.from_string(self.source)
     except jinja2.TemplateSyntaxError as e:
       raise ValueError(f"the chat template does not parse: {e}") from e
-    self.special_tokens = dict(special_tokens)
+    return self._template
 
   @classmethod
   def from_dir(cls, checkpoint_dir: str) -> ChatTemplate | None:
@@ -69,9 +89,8 @@ class ChatTemplate:
 
   def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
     """The prompt text of a conversation; ValueError when the template rejects it (raise_exception)."""
+    template = self._compiled()
     try:
-      return self._template.render(
-          messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
-      )
-    except jinja2.TemplateError as e:
+      return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+    except _jinja2().TemplateError as e:
       raise ValueError(f"the chat template rejects these messages: {e}") from e

@@ -46,6 +46,7 @@ ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPES = ("bfloat16", "float16", "float32")
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype -> numpy dtype of the values on disk (bfloat16 is ml_dtypes', through jax.numpy).
@@ -67,6 +68,19 @@ def read_config(checkpoint_dir: str) -> dict:
   if not isinstance(hf, dict):
     raise ValueError(f"{path} does not hold a JSON object")
   return hf
+
+
+def eos_ids(checkpoint_dir: str) -> frozenset[int]:
+  """A checkpoint's end of sequence ids: generation_config.json's eos_token_id (an id or a list, as Llama-3 Instruct
+  lists <|end_of_text|> and <|eot_id|>), else config.json's."""
+  for name in (GENERATION_CONFIG_FILE, CONFIG_FILE):
+    path = os.path.join(checkpoint_dir, name)
+    if os.path.isfile(path):
+      with open(path) as f:
+        ids = json.load(f).get("eos_token_id")
+      if ids is not None:
+        return frozenset([ids] if isinstance(ids, int) else ids)
+  return frozenset()
 
 
 def architecture(hf: dict) -> str:

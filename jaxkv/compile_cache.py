@@ -13,7 +13,7 @@ Without a shared cache the kernels themselves can be chosen without timing, by o
 backend starts: $JAXKV_GPU_KERNELS (`KERNEL_CHOICES`, `kernel_flags`), which adds XLA flags. Each option's effect on
 the bits of separate processes and its cost are measured by tools/check_invariance.py.
 
-`configure` must run before the first compilation (jaxkv.cli.setup_platform calls it); `CompileCounter` counts the
+`configure` must run before the first compilation (jaxkv.apps.cli.setup_platform calls it); `CompileCounter` counts the
 programs compiled and the programs loaded from the cache, through jax.monitoring.
 """
 

@@ -1,7 +1,10 @@
-"""Frozen configs at the library boundary.
+"""Frozen configs at the library boundary, and the one place where every setting's default and help live.
 
-Experiment files (experiments/*.py) return ml_collections ConfigDicts; `from_config_dict` turns one into
-these dataclasses so that library code never sees a ConfigDict.
+Each field carries its default and, in `metadata`, its help (and `choices` where it takes one of a few strings):
+experiments/common.py derives the experiments' ConfigDict from these fields, jaxkv.apps.cli the `--kv_*`, `--capacity`
+and `--split_mode` shorthand flags, and docs/reference.md's table of config fields is rendered from them
+(tests/test_docs.py compares). Experiment files (experiments/*.py) return ml_collections ConfigDicts;
+`from_config_dict` turns one into these dataclasses so that library code never sees a ConfigDict.
 """
 
 from __future__ import annotations
@@ -15,12 +18,29 @@ SPLIT_MODES = ("none", "layer", "tensor")
 HOST_ATTENTION_WAITS = ("auto", "thread", "device")
 PREFILL_ATTENTIONS = ("auto", "xla", "cudnn")  # engine.prefill_attention (jaxkv.model.prefill_attention_impl).
 DECODE_ATTENTIONS = ("auto", "xla", "pallas", "legacy")  # engine.decode_attention (jaxkv.decode_attention.resolve).
-# KV cache storage: "model" = the model dtype; two float dtypes; two quantized ones (see jaxkv.kv_quant).
-KV_DTYPES = ("model", "bfloat16", "float32", "int8", "float8_e4m3fn")
+# KV cache storage: "model" = the model dtype; two float dtypes; three quantized ones (see jaxkv.kv_quant).
+KV_DTYPES = ("model", "bfloat16", "float32", "int8", "int4", "float8_e4m3fn")
 INT8_BLOCK = 32  # int8 KV: values per scale along head_dim (llama.cpp q8_0).
+INT4_BLOCK = 32  # int4 KV: values per scale along head_dim (llama.cpp q4_0).
+KV_BLOCKS = {"int8": INT8_BLOCK, "int4": INT4_BLOCK}  # The KV dtypes with a scale per block of values along head_dim.
 
 
 ROPE_TYPES = ("llama3", "yarn")
+
+
+def field(default, text: str, choices: tuple[str, ...] | None = None):
+  """A config field: its default and its help `text` (and for a string that takes one of a few values, `choices`)."""
+  return dataclasses.field(default=default, metadata=dict(help=text, choices=choices))
+
+
+def required(text: str):
+  """A config field without a default (a model's geometry, which experiment files and checkpoints give)."""
+  return dataclasses.field(metadata=dict(help=text, choices=None))
+
+
+def help_of(cls, name: str) -> str:
+  """The help of field `name` of the config dataclass `cls`."""
+  return {f.name: f for f in dataclasses.fields(cls)}[name].metadata["help"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,17 +55,17 @@ class RopeScaling:
     attention_factor, or from factor, mscale and mscale_all_dim when it is None).
   """
 
-  factor: float = 8.0
-  low_freq_factor: float = 1.0  # llama3 only.
-  high_freq_factor: float = 4.0  # llama3 only.
-  original_max_position: int = 8192
-  rope_type: str = "llama3"
-  beta_fast: float = 32.0  # yarn only, and the rest.
-  beta_slow: float = 1.0
-  mscale: float | None = None
-  mscale_all_dim: float | None = None
-  attention_factor: float | None = None
-  truncate: bool = True
+  factor: float = field(8.0, "Context extension factor.")
+  low_freq_factor: float = field(1.0, "llama3: wavelengths above original_max_position / this are scaled.")
+  high_freq_factor: float = field(4.0, "llama3: wavelengths below original_max_position / this are kept.")
+  original_max_position: int = field(8192, "The pretrained context length.")
+  rope_type: str = field("llama3", "llama3 (Llama-3.1) or yarn (Qwen3's long-context setting).", ROPE_TYPES)
+  beta_fast: float = field(32.0, "yarn: frequencies turning more than this many times are kept.")
+  beta_slow: float = field(1.0, "yarn: frequencies turning fewer than this many times are scaled.")
+  mscale: float | None = field(None, "yarn: with mscale_all_dim, the attention scale's numerator (none = unused).")
+  mscale_all_dim: float | None = field(None, "yarn: the attention scale's denominator (none = unused).")
+  attention_factor: float | None = field(None, "yarn: the factor on cos and sin (none = from factor and mscale).")
+  truncate: bool = field(True, "yarn: round the ramp's bounds outwards.")
 
   def __post_init__(self):
     if self.rope_type not in ROPE_TYPES:
@@ -76,19 +96,19 @@ class RopeScaling:
 class ModelConfig:
   """Geometry of a Llama-3 / Qwen3 style decoder."""
 
-  vocab_size: int
-  d_model: int
-  num_layers: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  mlp_dim: int
-  rms_eps: float = 1e-5
-  rope_theta: float = 500_000.0
-  rope_scaling: RopeScaling | None = None
-  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE.
-  tie_embeddings: bool = False
-  dtype: str = "bfloat16"  # Weights, activations and the KV cache.
+  vocab_size: int = required("Token ids in the vocabulary.")
+  d_model: int = required("Hidden size.")
+  num_layers: int = required("Decoder layers.")
+  num_heads: int = required("Query heads.")
+  num_kv_heads: int = required("Key/value heads (grouped-query attention); the tensor axis splits them.")
+  head_dim: int = required("Values per head.")
+  mlp_dim: int = required("Width of the gated MLP.")
+  rms_eps: float = field(1e-5, "RMSNorm epsilon.")
+  rope_theta: float = field(500_000.0, "RoPE base frequency.")
+  rope_scaling: RopeScaling | None = field(None, "RoPE scaling for long contexts (none = off).")
+  qk_norm: bool = field(False, "Qwen3: RMSNorm over head_dim on q and k before RoPE.")
+  tie_embeddings: bool = field(False, "The LM head is the embedding table.")
+  dtype: str = field("bfloat16", "Weights, activations and the KV cache.", ("bfloat16", "float32", "float16"))
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
@@ -112,58 +132,73 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class KVConfig:
-  """Where the KV cache lives and how it reaches the devices.
+  """Where the KV cache lives and how it reaches the devices (each field's help says what it does).
 
-  placement: "device" keeps every row in device memory (the reference); "host" keeps the full pages in
-    pinned host memory and delivers each layer's window before its compute; "auto" keeps the layers that fit
-    in device memory there and streams the others (jaxkv.residency).
-  pipeline_depth: 0 = ordered (deliver layer l, then compute it); D >= 1 = issue the delivery of layer
-    l + D before dispatching layer l.
-  block: rows per page. The window a layer receives is a whole number of blocks; the partly filled block
-    (the open page) stays on the device. Also the granularity of compiled shapes.
-  budget_mib: cap on the ring of deliveries per device (0 = no cap).
-  headroom_mib: device memory kept free when sizing the ring.
-  transport_debug: 0 = totals, 1 = plus per-step bytes and ring, 2 = plus per-layer issue/ready times (it waits
-    for each delivery to time it), 3 = plus a log line per step.
-  dtype: how cache rows are stored and delivered, one of KV_DTYPES: "model" (the model dtype), "bfloat16",
-    "float32", or quantized "int8" (blocks of INT8_BLOCK values along head_dim, one scale each) and
-    "float8_e4m3fn" (one scale per head row); jaxkv.kv_quant has the packed layout.
-  device_budget_gib: with placement "auto", the device memory per device the KV may take (None = from the free
-    device memory; jaxkv.residency).
-  host_attention: with placement "host" or "auto", each streamed layer's window of W rows is split at
-    r1 = floor(f W / block) block: rows [0, r1) are attended on the host CPU during decode, in place, and only the
-    rest is delivered (jaxkv.host_attention, docs/design.md). Not bit-identical to the other modes.
-  host_attention_fraction: the host's share f: 0 = chosen for each window by a model of the CPU's and the link's
-    rates and a split layer's fixed cost, measured at start, and off where it predicts under 3% gain
-    (jaxkv.host_split); f in (0, 1) overrides it.
-  host_attention_threads: with host_attention, the CPU kernel's threads: 0 = chosen at start by the same model among
-    numba's pool (by default the cores) minus two, at most 16 (jaxkv.host_attention.ENGINE_THREADS), and two and four
-    fewer; ignored without it (in a bench it affects only the host attention arms).
-  host_attention_wait: with host_attention, what waits for the host's partial of a layer before the device merges
-    it: "thread" (the dispatching thread waits, then dispatches the merge) or "device" (the merge is dispatched at once
-    and the devices wait in pinned host memory for the host's signal, q reaches the host the same way, and a
-    generate's passes run ahead of their host kernels; jaxkv.host_wait, which builds a small C++ op at first use).
-    The same bits either way; on the H200 "device" took 10-28% less time a step at 32k batch 1
-    (docs/design.md). "auto" (the default): "device" where it was measured, one GPU in one
-    process, when its op builds; "thread" elsewhere (jaxkv.host_decode.devices_wait).
-  group_layers: layers per decode call (jaxkv.residency.decode_groups), the same groups in every placement: 0 =
-    automatic (groups of up to jaxkv.residency.GROUP_TARGET_BYTES per device and GROUP_MAX_LAYERS layers, one layer
-    each with host_attention); n >= 1 = n layers per call (1: one call per layer).
+  The window a layer receives is a whole number of kv.block rows; the partly filled block (the open page) stays on
+  the device. Decode runs consecutive layers as one call (a decode group, jaxkv.residency.decode_groups); the
+  pipeline delivers group g + pipeline_depth before computing group g, from a ring of pipeline_depth + 2 groups'
+  windows per device (jaxkv.transport). docs/design.md has the measurements behind the defaults.
   """
 
-  placement: str = "device"
-  pipeline_depth: int = 2
-  block: int = 256
-  budget_mib: int = 0
-  headroom_mib: int = 512
-  transport_debug: int = 0
-  dtype: str = "model"
-  device_budget_gib: float | None = None
-  host_attention: bool = False
-  host_attention_fraction: float = 0.0
-  host_attention_threads: int = 0
-  host_attention_wait: str = "auto"
-  group_layers: int = 0
+  placement: str = field(
+      "device",
+      "device (every row in device memory, the reference), host (pinned host memory, each decode group's windows "
+      "delivered before its compute) or auto (the layers that fit stay on the device, the rest are streamed).",
+      PLACEMENTS,
+  )
+  pipeline_depth: int = field(
+      2,
+      "0 = ordered; D >= 1 = deliver decode group g + D before computing group g (a ring of D + 2 groups' windows per "
+      "device), capped at the streamed groups - 1 and lowered where the ring does not fit (fallback_reason).",
+  )
+  block: int = field(
+      256, "Rows per KV page: the window a layer receives is whole blocks; also the granularity of compiled shapes."
+  )
+  budget_mib: int = field(0, "Cap on the delivery ring per device, MiB (0 = none).")
+  headroom_mib: int = field(512, "Device memory kept free when sizing the ring, MiB.")
+  transport_debug: int = field(
+      0,
+      "Transport telemetry: 0 totals; 1 also per-step counters; 2 also per-layer issue/ready times (waiting for each "
+      "delivery); 3 also a log line per step.",
+  )
+  dtype: str = field(
+      "model",
+      "How cache rows are stored and moved: model (the model dtype), bfloat16, float32, int8 (32-value blocks along "
+      "head_dim, a float16 scale each; head_dim % 32 == 0) or float8_e4m3fn (a float16 scale per head row).",
+      KV_DTYPES,
+  )
+  device_budget_gib: float | None = field(
+      None,
+      "With placement auto: device memory per device for the KV, GiB (none = the free device memory after weights, "
+      "ring, workspace and headroom).",
+  )
+  host_attention: bool = field(
+      False,
+      "With placement host or auto: attend a share of each streamed window on the host CPU during decode and deliver "
+      "only the rest (jaxkv.host.attention); deterministic, not bit-identical to the other modes.",
+  )
+  host_attention_fraction: float = field(
+      0.0,
+      "With host_attention: the host's share of each window, in (0, 1); 0 = chosen per window from the CPU's and the "
+      "link's rates measured at start (jaxkv.host.split), off where it predicts under 3% gain.",
+  )
+  host_attention_threads: int = field(
+      0,
+      "With host_attention: the CPU kernel's threads; 0 = chosen at start among numba's pool minus two (at most 16), "
+      "and two and four fewer.",
+  )
+  host_attention_wait: str = field(
+      "auto",
+      "With host_attention: what waits for the host's partial of a layer: thread (the dispatching thread) or device "
+      "(the devices, in pinned host memory; C++ ops built at first use, jaxkv.host.wait); the same bits; auto = device "
+      "on one GPU in one process where the ops build, else thread.",
+      HOST_ATTENTION_WAITS,
+  )
+  group_layers: int = field(
+      0,
+      "Layers per decode call (a decode group), the same in every placement: 0 = automatic (up to 1 GiB of KV per "
+      "device and 8 layers; one layer with host_attention); n = n layers per call.",
+  )
 
   def __post_init__(self):
     if self.placement not in PLACEMENTS:
@@ -199,33 +234,45 @@ class KVConfig:
 
 
 def check_kv_dtype(kv_dtype: str, head_dim: int | None = None) -> None:
-  """Raises ValueError for an unknown KV dtype, or for int8 with a head_dim that is not a multiple of INT8_BLOCK."""
+  """Raises ValueError for an unknown KV dtype, or for int8 / int4 with a head_dim that is not a multiple of their
+  block (KV_BLOCKS)."""
   if kv_dtype not in KV_DTYPES:
     raise ValueError(f"kv.dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
-  if kv_dtype == "int8" and head_dim is not None and head_dim % INT8_BLOCK:
+  block = KV_BLOCKS.get(kv_dtype)
+  if block and head_dim is not None and head_dim % block:
     raise ValueError(
-        f"kv.dtype int8 quantizes blocks of {INT8_BLOCK} values along head_dim, so model.head_dim must be a "
-        f"multiple of {INT8_BLOCK}; got head_dim {head_dim}. Use another kv.dtype (e.g. float8_e4m3fn)."
+        f"kv.dtype {kv_dtype} quantizes blocks of {block} values along head_dim, so model.head_dim must be a "
+        f"multiple of {block}; got head_dim {head_dim}. Use another kv.dtype (e.g. float8_e4m3fn)."
     )
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-  """capacity: cache rows per sequence (longest prompt + new tokens must fit).
-  prefill_chunk: prompt rows per prefill step, a multiple of kv.block.
-  prefill_attention: the prefill's attention, one of PREFILL_ATTENTIONS: "xla" (plain XLA, the reference),
-    "cudnn" (cuDNN's flash attention: GPU, bfloat16 or float16) or "auto" (cudnn where it can run, else xla;
-    jaxkv.model.prefill_attention_impl).
-  decode_attention: the decode's attention, one of DECODE_ATTENTIONS: end-anchored leaves folded in a fixed tree, so
-    that a sequence's bits do not depend on the batch around it (jaxkv.decode_attention), computed by "xla" (plain
-    XLA, the reference) or "pallas" (a Pallas kernel: CUDA GPU), or "auto" (pallas where it can run and passes its
-    check, else xla); or "legacy" (the window and the open page reduced whole: the bits depend on the batch's window
-    length; kept for A/B)."""
+  """The cache's size and how a prompt is prefilled.
 
-  capacity: int = 256
-  prefill_chunk: int = 256
-  prefill_attention: str = "auto"
-  decode_attention: str = "auto"
+  The defaults fit a real model's chat on any machine jaxkv runs on: 4096 rows per sequence take 512 MiB of bf16 KV
+  for Llama-3-8B (32 MiB for SmolLM2-135M), and 1024-row chunks keep a prefill's activations small. Experiment files
+  set their own sizes (experiments/tiny.py's small ones, 32k for the large geometries)."""
+
+  capacity: int = field(
+      4096,
+      "Cache rows per sequence: the longest prompt plus its new tokens - 1 must fit (e.g. 131328 for 128k tokens).",
+  )
+  prefill_chunk: int = field(1024, "Prompt rows per prefill step, a multiple of kv.block.")
+  prefill_attention: str = field(
+      "auto",
+      "The prefill's attention: xla (plain XLA, the reference), cudnn (cuDNN's flash attention: a CUDA GPU, bf16 or "
+      "f16) or auto (cudnn where it runs and passes a check against xla, else xla). Every placement runs the same.",
+      PREFILL_ATTENTIONS,
+  )
+  decode_attention: str = field(
+      "auto",
+      "The decode's attention: end-anchored leaves of 256 rows folded in a fixed tree, so that a sequence's bits do not "
+      "depend on the batch around it, computed by xla (plain XLA, the reference) or pallas (a Pallas kernel: a CUDA "
+      "GPU); auto = pallas where it runs and passes its check, else xla; legacy = the window reduced whole (the bits "
+      "depend on the batch's window length; for A/B).",
+      DECODE_ATTENTIONS,
+  )
 
   def __post_init__(self):
     if self.capacity <= 0 or self.prefill_chunk <= 0:
@@ -242,12 +289,17 @@ class EngineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-  """temperature 0 = greedy. top_k 0 = off. top_p 1.0 = off. eos_id < 0 = none."""
+  """How each next token is drawn, and the ids that end a sequence."""
 
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-  eos_id: int = -1
+  temperature: float = field(0.0, "Sampling temperature; 0 = greedy.")
+  top_k: int = field(0, "Sample among the k most likely tokens; 0 = off.")
+  top_p: float = field(1.0, "Sample among the most likely tokens that hold this much probability; 1 = off.")
+  eos_id: int = field(-1, "A token id that ends a sequence (it is kept as its last token); < 0 = none.")
+  eos_ids: tuple[int, ...] = field(
+      (),
+      "More ids that end a sequence. A checkpoint or GGUF file adds its own: its eos_token_id (generation_config.json "
+      "or config.json; tokenizer.ggml.eos_token_id) and its chat template's end-of-turn token.",
+  )
 
   def __post_init__(self):
     if self.temperature < 0:
@@ -256,29 +308,45 @@ class SamplingConfig:
       raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+    if any(not isinstance(i, int) or i < 0 for i in self.eos_ids):
+      raise ValueError(f"sampling.eos_ids must be token ids >= 0, got {self.eos_ids!r}")
+
+  @property
+  def stop_ids(self) -> frozenset[int]:
+    """Every id that ends a sequence: eos_id (when set) and eos_ids."""
+    return frozenset(self.eos_ids) | ({self.eos_id} if self.eos_id >= 0 else set())
 
 
 @dataclasses.dataclass(frozen=True)
 class SplitConfig:
-  """How layers map to the devices of the mesh (jaxkv.layout): mode "tensor" (heads split over the tensor axis),
-  "layer" (contiguous layer ranges per device) or "none" (one device). layer_split: proportions per device for
-  mode "layer", e.g. "55,45"; "" = even."""
+  """How layers map to the devices of the mesh (jaxkv.layout)."""
 
-  mode: str = "tensor"
-  layer_split: str = ""
+  mode: str = field(
+      "tensor",
+      "How layers map to the devices: tensor (heads split over the tensor axis), layer (contiguous layer ranges per "
+      "device, llama.cpp's -sm layer) or none (one device).",
+      SPLIT_MODES,
+  )
+  layer_split: str = field("", "With mode layer: proportions per device, e.g. 55,45; empty = even.")
 
   def __post_init__(self):
     if self.mode not in SPLIT_MODES:
       raise ValueError(f"split.mode must be one of {', '.join(SPLIT_MODES)}; got {self.mode!r}")
 
 
+DEFAULT_MESH = (("tensor", -1),)  # One tensor axis over every device.
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
+  """A run's settings: the model and each section above. mesh: ((axis_name, size), ...); size -1 = the remaining
+  devices."""
+
   model: ModelConfig
-  kv: KVConfig
-  engine: EngineConfig
-  sampling: SamplingConfig
-  mesh: tuple[tuple[str, int], ...]  # ((axis_name, size), ...); size -1 = the remaining devices.
+  kv: KVConfig = KVConfig()
+  engine: EngineConfig = EngineConfig()
+  sampling: SamplingConfig = SamplingConfig()
+  mesh: tuple[tuple[str, int], ...] = DEFAULT_MESH
   split: SplitConfig = SplitConfig()
 
   def __post_init__(self):
@@ -291,12 +359,16 @@ class Config:
       raise ValueError("kv.placement auto plans one mesh for every layer; use split mode tensor or none with it")
 
 
+# The sections of a config that hold settings, by their name in the ConfigDict (the model and the mesh are apart).
+SECTIONS = {"kv": KVConfig, "engine": EngineConfig, "sampling": SamplingConfig, "split": SplitConfig}
+
+
 def _build(cls, d: dict[str, Any], where: str):
   names = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(d) - names)
   if unknown:
     raise ValueError(f"unknown {where} field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-  return cls(**d)
+  return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})  # A ConfigDict's tuples as lists.
 
 
 def from_config_dict(cd, model: ModelConfig | None = None) -> Config:
@@ -315,6 +387,6 @@ def from_config_dict(cd, model: ModelConfig | None = None) -> Config:
       kv=_build(KVConfig, dict(d.get("kv", {})), "kv"),
       engine=_build(EngineConfig, dict(d.get("engine", {})), "engine"),
       sampling=_build(SamplingConfig, dict(d.get("sampling", {})), "sampling"),
-      mesh=tuple((str(k), int(v)) for k, v in dict(d.get("mesh", {"tensor": -1})).items()),
+      mesh=tuple((str(k), int(v)) for k, v in dict(d.get("mesh", DEFAULT_MESH)).items()),
       split=_build(SplitConfig, dict(d.get("split", {})), "split"),
   )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 import threading
 from collections.abc import Sequence
@@ -36,7 +37,14 @@ def settings(coordinator_address: str | None, num_processes: int | None, process
       values[i] = environ[name] if i == 0 else _int(name, environ[name])
   if all(v is None for v in values):
     return None
-  return dict(coordinator_address=values[0], num_processes=values[1], process_id=values[2])
+  address, n, me = values
+  if address is not None and not re.fullmatch(r"\[?[\w.:-]+\]?:\d{1,5}", address):
+    raise ValueError(f"the coordinator address {address!r} is not host:port")
+  if n is not None and n < 1:
+    raise ValueError(f"the number of processes must be >= 1, got {n}")
+  if me is not None and not 0 <= me < (n if n is not None else me + 1):
+    raise ValueError(f"the process id must be in [0, {n}), got {me}")
+  return dict(coordinator_address=address, num_processes=n, process_id=me)
 
 
 def _int(name: str, value: str) -> int:

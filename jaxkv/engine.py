@@ -2,41 +2,42 @@
 
 Prompts are right-aligned in the cache (left padding), so every sequence writes its next row at the same
 row `end` and one `dynamic_update_slice` serves the whole batch. Prefill runs in chunks of
-`engine.prefill_chunk` rows; decode produces one token per sequence per step, each layer or group of layers one
-jitted call (jaxkv.jitted); a split layer's head is attended on the host (jaxkv.host_decode).
+`engine.prefill_chunk` rows (`Engine.prefill`, a generator of the last chunk's layers for their consumer to store);
+decode produces one token per sequence per step in the one decode loop (jaxkv.decode), each group of layers one
+jitted call (jaxkv.jitted), a split layer's head attended on the host (jaxkv.host.decode).
 
-The decode state is one array, meta i32[B + 3] = start[B], end, step, seed (jaxkv.meta): one explicit host->device
-transfer per prefill chunk; during decode the head computes the next step's meta on the device.
+The layers read meta i32[B + 1] = start[B], end (jaxkv.meta.Meta): one explicit host->device transfer per prefill
+chunk; during decode the head carries the decode state (jaxkv.meta.DecodeState) to the next step on the device.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
 from absl import logging
 
 from jaxkv import cache as cache_lib
+from jaxkv import decode
 from jaxkv import distributed
-from jaxkv import host_decode
-from jaxkv import host_split
 from jaxkv import jitted
 from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
-from jaxkv import telemetry as telemetry_lib
+from jaxkv import telemetry
+from jaxkv.cache import Issued
 from jaxkv.config import Config
-from jaxkv.meta import Meta
+from jaxkv.host import decode as host_decode
+from jaxkv.host import split as split_lib
+from jaxkv.meta import DecodeState, Meta
+from jaxkv.sampling import SamplingParams
 from jaxkv.transport import Transport
-
-READ_LAG = 2  # Decode steps between dispatching a step and reading its tokens back.
 
 
 @dataclasses.dataclass
@@ -92,28 +93,41 @@ def check_input(config: Config, prompts: Sequence[Sequence[int]], max_new_tokens
 
 @dataclasses.dataclass
 class Generation:
-  """One generation's state beside the decode state (Engine.start): the cache, its transport and its host-attention
-  path (None without one), where the transport's counters go (telemetry.Counters or telemetry.Recorder: add(kind,
-  transport, d2h, rows) after each pass), the shapes compiled so far, the sampling seed, and start i32[B] on the
-  host, each sequence's first row (meta's starts: the host kernel's mask; read from meta, it would wait for the last
-  pass; set by Engine.prefill_prompts). Close it when done."""
+  """One generation's state beside the decode state (Engine.start): the cache, its transport, the runners of its
+  decode passes (jaxkv.decode: the device groups', and the host-attention path's, None without one), where the
+  transport's counters go, the shapes compiled so far, the split (with kv.host_attention, also where it turned the
+  path off), and on the host: start i32[B], each sequence's first row (meta's starts: the host kernel's mask; read
+  from meta, it would wait for the last pass), end, the row the next pass writes (set by a prefill), and the last
+  prefill's attention and plan (prefill_plan). Close it when done."""
 
   cache: cache_lib.KVCache
   transport: Transport
+  groups: decode.GroupRunner
   host: host_decode.HostDecode | None
-  counters: telemetry_lib.Counters | telemetry_lib.Recorder
+  counters: telemetry.Counters
   shapes: set[tuple]
-  seed: int = 0
+  split: split_lib.Split | None = None
   start: np.ndarray | None = None
-  split: host_split.Split | None = None  # With kv.host_attention: the split, also where it turned the path off.
+  end: int = 0
+  prefill_summary: dict = dataclasses.field(default_factory=dict)
 
-  def add_counters(self, kind: str, d2h: int, rows: int) -> None:
-    """After a pass ("prefill" chunk or "decode") that stored `d2h` bytes, the window rows now `rows`."""
-    self.counters.add(kind, self.transport, d2h, rows)
+  def add_counters(self, kind: str, issued: Issued, rows: int | None = None) -> None:
+    """After a pass ("prefill" chunk or "decode") that issued `issued` (its stores, its calls), the window rows now
+    `rows` (default the cache's)."""
+    self.counters.add(kind, self.transport, issued, self.cache.rows if rows is None else rows)
 
   def kernels_collected(self, wait: bool = True):
     """A context in which the host kernels submitted are collected at its end (HostDecode.kernels_collected)."""
     return contextlib.nullcontext() if self.host is None else self.host.kernels_collected(wait)
+
+  def drop_pending(self, *arrays) -> None:
+    """Before slots are replaced in place (KVCache.insert_slot): forgets the deliveries issued for a pass that will
+    not run, drops the host kernel's views of the heads, and waits until no copy of the last step reads the cache's
+    windows and no store writes them (and for `arrays`, what depends on every delivery the last step consumed)."""
+    self.transport.drop()
+    if self.host is not None:
+      self.host.forget_views()
+    jax.block_until_ready((arrays, self.cache.windows, self.cache.heads))
 
   def summary(self) -> dict:
     """The transport's summary and the host-attention path's report."""
@@ -123,25 +137,42 @@ class Generation:
     self.transport.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefilledLayer:
+  """A layer after the last prefill chunk, to be stored: its rows [0, W) window [2, B, K, W, E] on the devices (None
+  while W = 0) and its open page [2, B, K, P, E] (rows [W, W + P))."""
+
+  layer: int
+  window: jax.Array | None
+  open_page: jax.Array
+
+
+class Prefill:
+  """A prefill under way (Engine.prefill): iterating over it runs it and yields each layer of its last chunk
+  (PrefilledLayer), which the consumer stores before it asks for the next; then `x` holds the hidden state of each
+  prompt's last row [B, D]. rows: the window rows of its last chunk (for its counters, Generation.add_counters)."""
+
+  def __init__(self, steps: Iterator[PrefilledLayer], rows: int):
+    self._steps, self.rows, self.x = steps, rows, None
+
+  def __iter__(self) -> Iterator[PrefilledLayer]:
+    self.x = yield from self._steps
+
+
 class Engine:
   """Generates from a batch of prompts with a KV cache placed and delivered as `config.kv` says."""
 
   def __init__(self, config: Config, mesh: jax.sharding.Mesh, params: dict, layout: layout_lib.Layout | None = None):
     """layout: where each layer runs (jaxkv.layout; default: every layer on `mesh`, split mode tensor). The
     weights must be placed as it says (jaxkv.model.init_params with the same layout)."""
-    self.layout = layout or layout_lib.Layout((mesh,), (0,) * config.model.num_layers, "tensor")
+    self.layout = layout or layout_lib.make_layout("tensor", mesh, config.model.num_layers)
     for m in self.layout.meshes:
       mesh_lib.check_divisible(config.model, m)
     self.config, self.mesh, self.params = config, mesh, params
     lay = self.layout
     self.stage_fns = tuple(
         jitted.functions(
-            config.model,
-            m,
-            config.sampling,
-            config.kv.dtype,
-            config.engine.prefill_attention,
-            config.engine.decode_attention,
+            config.model, m, config.kv.dtype, config.engine.prefill_attention, config.engine.decode_attention
         )
         for m in lay.meshes
     )
@@ -176,13 +207,23 @@ class Engine:
     """Raises ValueError for input that cannot run, before any work (check_input)."""
     check_input(self.config, prompts, max_new_tokens, zero_rows)
 
-  def meta(self, start: np.ndarray, end: int, step: int, seed: int) -> jax.Array:
-    """The decode state the step functions read (jaxkv.meta), on the last stage's devices."""
-    return self.put(Meta.pack(start, end, step, seed), np.int32)
+  def meta(self, start: np.ndarray, end: int) -> jax.Array:
+    """The layers' decode state (jaxkv.meta.Meta), on the last stage's devices."""
+    return self.put(Meta.pack(start, end), np.int32)
 
   def put(self, value, dtype) -> jax.Array:
     """A host value as an array of `dtype`, replicated on the last stage's devices (where the head runs)."""
     return distributed.put_host(np.asarray(value, dtype), self._rep)
+
+  def state(self, x: jax.Array, start: np.ndarray, end: int, sampling: SamplingParams) -> DecodeState:
+    """A decode state of B rows (jaxkv.meta.DecodeState) whose next token is their first: x [B, D] (after a prefill,
+    each prompt's last row, at row `end`), meta of start i32[B] and end, sampling (host arrays, SamplingParams.rows)."""
+    put = lambda a: self.put(a, a.dtype)
+    return DecodeState(x, self.meta(start, end), put(np.zeros(len(start), np.int32)), jax.tree.map(put, sampling))
+
+  def sampling(self, batch: int, seed: int) -> SamplingParams:
+    """The config's sampling for `batch` rows of one seed, row b its stream b (jaxkv.sampling)."""
+    return SamplingParams.rows([self.config.sampling] * batch, [seed] * batch, range(batch))
 
   def generate(
       self,
@@ -201,158 +242,112 @@ class Engine:
     context for benchmarks (decode reads and attends them like any rows; the tokens differ from a full prefill's)."""
     self.validate(prompts, max_new_tokens, zero_rows)
     cfg = self.config
-    gen = self.start(len(prompts), seed=seed)
+    gen = self.start(len(prompts), counters=telemetry.Counters(cfg.kv.transport_debug, on_chunk))
     # The record's clock starts here: prefill_s does not count the cache's start (the host's share measured).
-    rec = telemetry_lib.Recorder(
-        len(prompts), cfg.sampling.eos_id, max_new_tokens, keep_logits, cfg.kv.transport_debug, on_chunk
-    )
-    gen.counters = rec
+    rec = telemetry.Recorder(cfg.sampling.stop_ids, step_hash=True, keep_logits=keep_logits)
     try:
-      return self._generate(gen, rec, prompts, max_new_tokens, on_step, zero_rows)
+      return self._generate(gen, rec, prompts, max_new_tokens, seed, on_step, zero_rows)
     finally:
       gen.close()
-      rec.digests.close()
+      rec.close()
 
-  def start(self, batch: int, counters=None, shapes=None, *, seed: int = 0, kv=None, fill=None) -> Generation:
+  def start(self, batch: int, *, kv=None, counters=None, shapes=None) -> Generation:
     """A generation of `batch` sequences: a fresh cache placed as `kv` says (default config.kv; residency.place
     plans it), its host-attention path (host_decode.plan measures its split, or turns it off) and its transport.
     counters: where the transport's counters go (default fresh telemetry.Counters); shapes: the set of compiled shapes
-    to add to (default a new one); seed: the sampling seed. fill(cache), if given, stores rows into the cache before
-    the transport starts (it sizes its ring from the free device memory)."""
+    to add to (default a new one)."""
     m, capacity, kv = self.config.model, self.config.engine.capacity, kv or self.config.kv
     chunk = self.config.engine.prefill_chunk
-    place = lambda kv: residency.place(m, kv, self.mesh, batch, capacity, self.layout, prefill_chunk=chunk)
+    place = lambda kv: residency.place(m, kv, self.layout, batch, capacity, prefill_chunk=chunk)
     placement, split = place(kv), None
     if kv.host_attention and any(placement.streamed):
       kv, split = host_decode.plan(m, kv, self.layout.mesh(0), batch, capacity)
       if not kv.host_attention:  # Turned off: the placement of streaming (its decode groups).
         placement = place(kv)
-    cache = cache_lib.KVCache(m, kv, self.mesh, batch, capacity, self.layout, placement=placement)
-    host = host_decode.HostDecode.of(cache, split)
-    if fill is not None:
-      fill(cache)
+    share = split.share if kv.host_attention and split is not None and any(placement.streamed) else None
+    cache = cache_lib.KVCache(m, kv, self.layout, batch, capacity, placement=placement, head_share=share)
+    host = None if share is None else host_decode.HostDecode(self, cache, split)
     transport = Transport(cache, kv.pipeline_depth, kv.transport_debug)
-    counters = telemetry_lib.Counters() if counters is None else counters
-    return Generation(cache, transport, host, counters, set() if shapes is None else shapes, seed, split=split)
+    counters = telemetry.Counters() if counters is None else counters
+    groups = decode.GroupRunner(self, cache)
+    return Generation(cache, transport, groups, host, counters, set() if shapes is None else shapes, split)
 
-  def prefill(self, gen: Generation, tokens, start, longest, finish, *, next_pass, first=0, below=None):
-    """Prefills right-aligned prompts in chunks of engine.prefill_chunk rows, the last one only as many kv.block
-    rows as the prompts reach (a prompt's chunks and their bits depend on its length only); returns the last prompt
-    row's hidden state x [B, D].
+  def prefill(self, gen: Generation, tokens, start, longest, *, first=0, prefix=None, next_pass=False) -> Prefill:
+    """Prefills right-aligned prompts into the generation's cache in chunks of engine.prefill_chunk rows, the last
+    one only as many kv.block rows as the prompts reach (a prompt's chunks and their bits depend on its length only);
+    returns the prefill to iterate over: the last chunk's layers (rows [0, longest // block * block) and the open
+    page), which the consumer stores, then the last prompt row's hidden state (Prefill.x).
 
     tokens i32[B, n * chunk] (prompt b at rows [start[b], longest)); chunks before `first` are skipped: their
-    rows must already be in the cache (zeros are fine when they are left padding), or come from below(l): layer l's
-    rows [0, first * chunk) on the devices, called just before the layer's first computed chunk (rows held
-    elsewhere, e.g. the prefix cache's: their transfers run behind the earlier layers). The last chunk calls
-    finish(l, window_rows_device, open_page) -> D2H bytes instead of storing its grown window: rows
-    [0, longest // block * block) and the open page. next_pass: a decode pass follows the last chunk.
+    rows must already be in the cache (zeros are fine when they are left padding), or come in `prefix`: per layer,
+    blocks of its rows [0, first * chunk) on the devices, joined just before the layer's first computed chunk (rows
+    held elsewhere, e.g. the prefix cache's: their transfers run behind the earlier layers). next_pass: a decode
+    pass follows the last chunk.
 
     Where the prompt's rows fit in device memory (`prefill_plan`), each layer's grown window stays on the devices
     from one chunk to the next: the first chunk gets its window (the rows below `first`, if any) through the
-    transport, the later chunks get it from the devices, and the rows reach the cache's memory once, in the last
-    chunk (finish). Otherwise every chunk gets its window through the transport and stores it grown. Either way
-    each layer's prefill function sees the same values: the same bits.
+    transport, the later chunks get it from the devices, and the rows reach the cache's memory once, stored by the
+    consumer of the last chunk. Otherwise every chunk gets its window through the transport and stores it grown.
+    Either way each layer's prefill function sees the same values: the same bits.
     """
     block, chunk = self.config.kv.block, self.config.engine.prefill_chunk
+    n_chunks = -(-longest // chunk)
+    rows = (n_chunks - 1) * chunk + -(-(longest - (n_chunks - 1) * chunk) // block) * block
+    return Prefill(self._prefill(gen, tokens, start, longest, first, prefix, next_pass), rows)
+
+  def _prefill(self, gen, tokens, start, longest, first, prefix, next_pass) -> Iterator[PrefilledLayer]:
+    block, chunk = self.config.kv.block, self.config.engine.prefill_chunk
     layers, stage_of = self.params["layers"], self.layout.stage_of
-    cache, shapes = gen.cache, gen.shapes
+    cache = gen.cache
     n_chunks = -(-longest // chunk)
     w_final = longest // block * block
     plan = prefill_plan(cache, n_chunks - first, chunk, self.config.kv.headroom_mib)
-    cache.prefill_summary = dict(plan, attention=self.stage_fns[0].prefill_attention)
+    gen.prefill_summary = dict(plan, attention=self.stage_fns[0].prefill_attention)
     kept: list = [None] * len(layers)  # With plan["keep"]: each layer's window so far, on the devices.
     x = None
     for c in range(first, n_chunks):
       last = c == n_chunks - 1
       width = -(-(longest - c * chunk) // block) * block if last else chunk  # The last: the blocks the prompts reach.
       x = self._first.embed(self.top, distributed.put_host(tokens[:, c * chunk : c * chunk + width], self._rep_first))
-      metas = self.to_stages(self.meta(start, c * chunk, 0, gen.seed))
-      d2h = 0
-
-      def compute(l, window):  # window: layer l's rows [0, c * chunk) on the devices, or None.
-        nonlocal x, d2h
-        if below is not None and c == first:
-          window = below(l)
-        shapes.add(("prefill", 0 if window is None else window.shape[3], width))
-        fns = self.layer_fns(l)
-        x, rows = fns.prefill(layers[l], self.to_layer(x, l), window, metas[stage_of[l]])
-        if last:
-          d2h += finish(l, *fns.split(window, rows, w_rows=w_final, block=block))
-        elif plan["keep"]:
-          kept[l] = fns.grow(window, rows)
-        else:
-          d2h += cache.store(l, fns.grow(window, rows))
-
-      if plan["keep"] and c > first:  # The windows are on the devices: nothing to deliver.
-        for l in range(len(layers)):
-          compute(l, kept[l])
-      else:  # With host attention the tail is delivered: the head is moved back and prepended.
-        gen.transport.run_pass(
-            lambda l, tail: compute(l, cache.full_window(l, tail)),
-            next_pass=next_pass if last else not plan["keep"],
-        )
-      gen.add_counters("prefill", d2h, c * chunk + width)
+      metas = self.to_stages(self.meta(start, c * chunk))
+      issued = Issued()
+      # With plan["keep"] the later chunks' windows are on the devices: nothing to deliver. Else with host attention
+      # the tail is delivered: the head is moved back and prepended.
+      windows = self._kept(kept) if plan["keep"] and c > first else self._delivered(gen, last, next_pass, plan)
+      with contextlib.closing(windows):
+        for l, window in windows:
+          fns = self.layer_fns(l)
+          if prefix is not None and c == first:
+            window = fns.join(prefix[l])
+          gen.shapes.add(("prefill", 0 if window is None else window.shape[3], width))
+          x, rows = fns.prefill(layers[l], self.to_layer(x, l), window, metas[stage_of[l]])
+          if last:
+            yield PrefilledLayer(l, *fns.split(window, rows, w_rows=w_final, block=block))
+          elif plan["keep"]:
+            kept[l] = fns.grow(window, rows)
+          else:
+            issued += cache.store(l, fns.grow(window, rows))
+      if not last:
+        gen.add_counters("prefill", issued, c * chunk + width)
     return self.fns.last_row(x, distributed.put_host(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
 
-  def decode_pass(
-      self, gen: Generation, x: jax.Array, meta: jax.Array, end: int, next_pass: bool, run_ahead: bool = False
-  ) -> tuple[jax.Array, int]:
-    """One decode pass over every layer writing row `end` (== meta's end); returns x [B, D] before the head and
-    the D2H bytes. When the open page fills, each layer's window grows by it and cache.rows by a block.
+  @staticmethod
+  def _kept(kept: list) -> Iterator[tuple[int, jax.Array | None]]:
+    yield from enumerate(kept)
 
-    next_pass: another pass follows. run_ahead: the pass returns without waiting for its host kernels (with device
-    waits; the thread's wait has waited for each already), so this thread dispatches the next pass while they run;
-    the caller collects them (`gen.kernels_collected`) before it changes the heads in place or ends."""
-    block, layers, stage_of = self.config.kv.block, self.params["layers"], self.layout.stage_of
-    cache, host, start, shapes = gen.cache, gen.host, gen.start, gen.shapes
-    full = end - cache.rows == block - 1
-    metas = self.to_stages(meta)
-    cache.dispatches += len(metas) - 1
-    if host is not None:
-      host.times["steps"] += 1
-    merge_held = (lambda held, x: x) if host is None else host.merge_held
-    d2h = 0
-    held = None  # The last split layer's merge, not dispatched yet.
-
-    def compute(group, windows):
-      nonlocal x, d2h, held
-      shapes.add(("decode", 0 if windows[0] is None else windows[0].shape[3]))
-      fns, first, meta_s = self.layer_fns(group[0]), group[0], metas[stage_of[group[0]]]
-      if host is not None and cache.head_rows(first):  # A streamed layer (alone with host attention) with head rows.
-        if held is not None and held.fns is not fns:  # Held on another stage: merged there first.
-          x, held = merge_held(held, x), None
-        moved = self.to_layer(x, first)
-        cache.dispatches += moved is not x
-        x, held = host.decode_layer(first, fns, layers[first], moved, held, windows[0], meta_s, start)
-        if full:
-          grown, cache.opens[first] = fns.flush(windows[0], cache.opens[first])
-          cache.dispatches += 1
-          d2h += cache.store_tail(first, grown)
-        return
-      x, held = merge_held(held, x), None
-      moved = self.to_layer(x, first)
-      cache.dispatches += (moved is not x) + 1
-      args = ([layers[l] for l in group], moved, windows, [cache.opens[l] for l in group], meta_s)
-      if full:
-        x, grown, opens = fns.decode_group_full(*args)
-      else:
-        x, opens = fns.decode_group(*args)
-      for l, open_page in zip(group, opens):
-        cache.opens[l] = open_page
-      if full:
-        d2h += cache.store_group(group, grown)
-
-    with gen.kernels_collected(wait=not run_ahead):
-      gen.transport.run_groups(compute, next_pass=next_pass)
-      x = merge_held(held, x)
-    if full:
-      cache.rows += block
-    return x, d2h
+  @staticmethod
+  def _delivered(gen: Generation, last: bool, next_pass: bool, plan: dict) -> Iterator[tuple[int, jax.Array | None]]:
+    """Each layer's window [0, W) on the devices, through the transport (its ring slot held until the layers of its
+    group are computed)."""
+    with contextlib.closing(gen.transport.deliveries(next_pass if last else not plan["keep"])) as deliveries:
+      for d in deliveries:
+        for l, tail in zip(d.layers, d.windows):
+          yield l, gen.cache.full_window(l, tail)
 
   def prefill_prompts(self, gen: Generation, prompts, *, next_pass: bool, zero_rows: int = 0):
     """Prefills a batch of prompts right-aligned into the generation's fresh cache (window, open page and
-    cache.rows), rows [0, zero_rows) as zeros (Engine.generate), and sets gen.start; returns (x [B, D] of each
-    prompt's last row, start i32[B], longest). next_pass: a decode pass follows."""
+    cache.rows), rows [0, zero_rows) as zeros (Engine.generate), and sets gen.start and gen.end; returns (x [B, D] of
+    each prompt's last row, start i32[B], longest). next_pass: a decode pass follows."""
     cache = gen.cache
     chunk, block = self.config.engine.prefill_chunk, self.config.kv.block
     lens = np.array([len(p) for p in prompts], np.int32)
@@ -361,70 +356,62 @@ class Engine:
     tokens = np.zeros((len(prompts), -(-longest // chunk) * chunk), np.int32)
     for b, p in enumerate(prompts):
       tokens[b, start[b] : longest] = p
-
-    def finish(l, head, open_page):
-      cache.opens[l] = open_page
-      return cache.store(l, head)
-
     if zero_rows:
       cache.store_zeros(zero_rows)
-    x_last = self.prefill(gen, tokens, start, longest, finish, next_pass=next_pass, first=zero_rows // chunk)
+    run, issued = self.prefill(gen, tokens, start, longest, first=zero_rows // chunk, next_pass=next_pass), Issued()
+    for layer in run:
+      cache.opens[layer.layer] = layer.open_page
+      issued += cache.store(layer.layer, layer.window)
+    gen.add_counters("prefill", issued, run.rows)
     cache.rows = longest // block * block
-    gen.start = start
-    return x_last, start, longest
+    gen.start, gen.end = start, longest
+    return run.x, start, longest
 
-  def _generate(self, gen: Generation, rec, prompts, max_new_tokens, on_step, zero_rows) -> GenerateResult:
+  def _generate(self, gen: Generation, rec, prompts, max_new_tokens, seed, on_step, zero_rows) -> GenerateResult:
     """Prefill, then decode; the caller closes the generation."""
-    cfg, fns, cache, seed = self.config, self.fns, gen.cache, gen.seed
+    cfg, batch = self.config, len(prompts)
     x_last, start, longest = self.prefill_prompts(gen, prompts, next_pass=max_new_tokens > 1, zero_rows=zero_rows)
-    lg, tok, x, _ = fns.head(self.top_last, x_last, self.meta(start, longest, 0, seed))
-    t_start = rec.t_start
-    finished = rec.take(lg, tok)  # Waits for the prefill: decode timing starts here.
+    owners = list(range(batch))
+    for b in owners:
+      rec.add(b, max_new_tokens, hashed=False)
+    loop = decode.DecodeLoop(self, gen, rec)
+    state = loop.first(self.state(x_last, start, longest - 1, self.sampling(batch, seed)), owners)
+    finished = self._read(loop, None)  # Waits for the prefill: decode timing starts here.
     t_prefilled = time.perf_counter()
-
-    # Decode: step t writes the token of step t - 1 at row `end` and samples the token of step t. Each step's
-    # logits and tokens start copying to the host when dispatched and are read `READ_LAG` steps later, when they
-    # have arrived, so this thread never waits for the device. Steps dispatched after every sequence ended
-    # are discarded.
-    meta = self.meta(start, longest, 1, seed)
-    pending: collections.deque = collections.deque()
+    # Decode: step t writes the token of step t - 1 at row `end` and samples the token of step t; the loop reads each
+    # step READ_LAG steps late. Steps dispatched after every sequence ended are discarded.
     with gen.kernels_collected():  # The passes run ahead of their host kernels; all end here.
       for t in range(1, 1 if finished else max_new_tokens):
-        x, d2h = self.decode_pass(gen, x, meta, longest + t - 1, t < max_new_tokens - 1, run_ahead=True)
-        lg, tok, x, meta = fns.head(self.top_last, x, meta)
-        lg.copy_to_host_async()
-        tok.copy_to_host_async()
-        cache.dispatches += 3
-        gen.add_counters("decode", d2h, cache.rows)
-        pending.append((t, lg, tok))
-        if len(pending) > READ_LAG and self._take(rec, pending.popleft(), on_step, cache):
+        state = loop.step(state, owners, next_pass=t < max_new_tokens - 1, run_ahead=True)
+        if loop.lagging() and self._read(loop, on_step):
           finished = True
           break
-      while pending and not finished:  # Steps still in flight; none after every sequence ended.
-        finished = self._take(rec, pending.popleft(), on_step, cache)
+      while loop.pending and not finished:  # Steps still in flight; none after every sequence ended.
+        finished = self._read(loop, on_step)
     t_end = time.perf_counter()
-    telemetry = dict(gen.summary(), compiled_shapes=len(gen.shapes), prefill=cache.prefill_summary, **rec.totals())
+    c = gen.counters
+    telemetry_out = dict(gen.summary(), compiled_shapes=len(gen.shapes), prefill=gen.prefill_summary, **c.totals())
+    telemetry_out["steps_read"] = rec.steps_read
     if cfg.kv.transport_debug >= 1:
-      telemetry["steps"] = rec.steps
+      telemetry_out["steps"] = c.steps
     if cfg.kv.transport_debug >= 2:
-      telemetry["layer_times_ms"] = gen.transport.layer_times_ms()
-    timing = dict(prefill_s=t_prefilled - t_start, decode_s=t_end - t_prefilled, decode_steps=rec.steps_read - 1)
+      telemetry_out["layer_times_ms"] = gen.transport.layer_times_ms()
+    tokens = [rec.records[b].tokens for b in owners]
     return GenerateResult(
-        tokens=rec.tokens,
-        tokens_sha256=hashlib.sha256(json.dumps(rec.tokens).encode()).hexdigest(),
-        logits_sha256=rec.digests.hexdigest(rec.hash),
+        tokens=tokens,
+        tokens_sha256=hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),
+        logits_sha256=rec.hexdigest(rec.hash),
         logits=None if rec.logits is None else np.stack(rec.logits),
-        transport=telemetry,
-        timing=timing,
+        transport=telemetry_out,
+        timing=dict(prefill_s=t_prefilled - rec.t_start, decode_s=t_end - t_prefilled, decode_steps=rec.steps_read - 1),
     )
 
-  @staticmethod
-  def _take(rec, pending, on_step, cache) -> bool:
-    step, lg, tok = pending
-    done = rec.take(lg, tok)
+  def _read(self, loop: decode.DecodeLoop, on_step) -> bool:
+    """Reads the oldest step in flight; on_step(step, cache) after a decode step. True when every sequence ended."""
+    step, _ = loop.read()
     if on_step is not None:
-      on_step(step, cache)
-    return done
+      on_step(step.index, loop.gen.cache)
+    return loop.recorder.all_done()
 
 
 def prefill_plan(cache: cache_lib.KVCache, chunks: int, chunk: int, headroom_mib: int) -> dict:

@@ -27,6 +27,7 @@ as transformers' GGUF loader does); qwen3 files keep the HF order.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -39,6 +40,7 @@ from absl import logging
 
 from jaxkv import chat_template as chat_template_lib
 from jaxkv import checkpoint
+from jaxkv import gguf_tokenizer
 from jaxkv import mesh as mesh_lib
 from jaxkv import tokenizer as tokenizer_lib
 from jaxkv.config import ModelConfig
@@ -76,9 +78,17 @@ def _gguf():
 
 
 def open_reader(path: str):
-  """A gguf.GGUFReader over the memory-mapped file, or ValueError naming the problem."""
+  """A gguf.GGUFReader over the memory-mapped file, or ValueError naming the problem. One reader per file and
+  version (opening parses every metadata field: seconds for a large vocabulary)."""
   if not os.path.isfile(path):
     raise ValueError(f"GGUF file {path!r} does not exist")
+  stat = os.stat(path)
+  return _reader(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _reader(path: str, mtime_ns: int, size: int):
+  del mtime_ns, size  # The cache's key: a rewritten file is read again.
   gguf = _gguf()
   try:
     return gguf.GGUFReader(path, "r")
@@ -86,9 +96,18 @@ def open_reader(path: str):
     raise ValueError(f"cannot read {path!r} as a GGUF file: {e}") from e
 
 
-def metadata(reader) -> dict:
-  """The file's key/value metadata, values as Python objects (the large tokenizer arrays left out)."""
-  skip = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+_TOKENIZER_ARRAYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",
+)
+_END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def metadata(reader, tokenizer: bool = False) -> dict:  # pylint: disable=redefined-outer-name
+  """The file's key/value metadata, values as Python objects (the large tokenizer arrays only with `tokenizer`)."""
+  skip = () if tokenizer else _TOKENIZER_ARRAYS
   return {k: f.contents() for k, f in reader.fields.items() if k not in skip and not k.startswith("GGUF.")}
 
 
@@ -166,6 +185,8 @@ def hf_config(reader) -> dict:
       partial_rotary_factor=rope_dim / head_dim,
       tie_word_embeddings="output.weight" not in tensors,
   )
+  if get("context_length"):  # The positions the model was trained for, checked as a checkpoint's.
+    hf["max_position_embeddings"] = int(get("context_length"))
   kind = get("rope.scaling.type", "none")
   if kind not in ("none", "linear") or (kind == "linear" and get("rope.scaling.factor", 1.0) != 1.0):
     raise ValueError(
@@ -299,21 +320,21 @@ def load(path: str, mesh: jax.sharding.Mesh, dtype: str | None = None, layout=No
 
 
 def tokenizer(path: str) -> tokenizer_lib.Tokenizer:
-  """The tokenizer that a GGUF file's metadata describes, with its chat template.
+  """The tokenizer that a GGUF file's metadata describes (jaxkv.gguf_tokenizer), with its chat template."""
+  meta = metadata(open_reader(path), tokenizer=True)
+  special = {f"{k}_token": gguf_tokenizer.special_token(meta, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos")}
+  template = meta.get("tokenizer.chat_template")
+  template = chat_template_lib.ChatTemplate(template, {k: v for k, v in special.items() if v}) if template else None
+  return tokenizer_lib.Tokenizer(path, backend=gguf_tokenizer.build(meta), chat_template=template)
 
-  transformers builds it (a `tokenizers.Tokenizer`, from the vocabulary, merges and pre-tokenizer type); jaxkv
-  needs transformers only for this: pip install 'jaxkv[gguf]'.
-  """
-  if not os.path.isfile(path):
-    raise ValueError(f"GGUF file {path!r} does not exist")
+
+def eos_ids(path: str) -> frozenset[int]:
+  """The ids that end a sequence of the GGUF file's model: tokenizer.ggml.eos_token_id (and eot_token_id, eom_token_id
+  where llama.cpp's converter wrote them) and its chat template's end-of-turn token."""
+  meta = metadata(open_reader(path))
+  ids = {int(meta[k]) for k in _END_IDS if k in meta}
   try:
-    import transformers  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise ValueError(
-        "text prompts with a GGUF file need transformers (its tokenizer): pip install 'jaxkv[gguf]'"
-    ) from e
-  folder, file = os.path.split(os.path.abspath(path))
-  hf_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
-  special = dict(bos_token=hf_tok.bos_token, eos_token=hf_tok.eos_token)
-  template = chat_template_lib.ChatTemplate(hf_tok.chat_template, special) if hf_tok.chat_template else None
-  return tokenizer_lib.Tokenizer(path, backend=hf_tok.backend_tokenizer, chat_template=template)
+    turn = tokenizer(path).end_of_turn_id()
+  except ValueError:  # No vocabulary jaxkv builds, or a template that does not parse: the ids above only.
+    turn = None
+  return frozenset(ids | ({turn} if turn is not None else set()))

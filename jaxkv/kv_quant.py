@@ -8,6 +8,13 @@ on the KV dtype (Dh = head_dim):
                     (little-endian on every platform jax runs on). llama.cpp q8_0 style: one scale per block of
                     32 values along head_dim, scale = max|x| / 127, q = round(x / scale). Dh = 128: 136 B per
                     row instead of 256 (bf16), 0.53x.
+  "int4":           u8[..., Dh / 2 + Dh / 16]: Dh 4-bit values, two per byte, then Dh / 32 float16 scales.
+                    llama.cpp q4_0 style: one scale per block of 32 values along head_dim; the block's value of
+                    largest magnitude, m, maps to q = -8: scale = -m / 8 (signed), q = clip(round(x / scale), -8, 7).
+                    Nibble order (llama.cpp's): byte 16 j + i of the values holds value 32 j + i of the row in its
+                    low nibble and value 32 j + 16 + i in its high nibble, so a block unpacks into two contiguous
+                    runs of 16 (no interleave); a nibble is q in 4-bit two's complement (q4_0's nibble xor 8), so
+                    the byte 0x00 is two zeros whatever the scale. Dh = 128: 72 B per row, 0.28x bf16.
   "float8_e4m3fn":  u8[..., Dh + 2]: Dh float8_e4m3fn values, then one float16 scale for the row,
                     scale = max|x| / 448 (448 = e4m3fn's largest finite value). Dh = 128: 130 B per row, 0.51x.
 
@@ -18,16 +25,23 @@ int8 does; every element keeps 3 mantissa bits (relative error <= 2^-4) over e4m
 2^-6..448, i.e. values down to ~2^-15 of the row's largest. One scale per delivered row costs 2 bytes per 128
 values (1.6%); int8's per-32 blocks cost 8 bytes per 128.
 
-Scales are the float32 max|x| / qmax rounded UP to float16 (never down), so max|x| / scale <= qmax and no value
-clips; both quantizers divide by the float16 scale they store, so pack/unpack are exactly consistent:
+Why int4 is q4_0 (all 16 levels, 72 B) and not q4_1 (a float16 minimum per block too, 80 B): docs/design.md.
+
+Scales are the float32 max|x| / qmax rounded UP to float16 (never down; int4's in magnitude), so max|x| / |scale| <=
+qmax: no int8 or fp8 value clips, int4's only as bounded below. The quantizers divide by the float16 scale they
+store, so pack/unpack are exactly consistent:
   int8: |x - unpack(pack(x))| <= scale / 2 for every value of the block.
+  int4: |x - unpack(pack(x))| <= |scale| / 2, except values of the sign opposite to m with |x| > 7.5 |scale|, which
+        clip from q = 8 to 7 and err by at most |scale| (= |m| / 8, rounded up).
   fp8:  |x - unpack(pack(x))| <= 2^-4 |x| for |x| >= 2^-6 scale (e4m3's normal range), and <= 2^-10 scale below
         (its subnormal step 2^-9, halved).
-A zero block or row gets scale 0 and decodes to zeros; all-zero bytes decode to zeros (open pages start so).
-Limits: |x| above 127 x 65504 (int8) or 448 x 65504 (fp8) saturates; KV activations are far smaller.
+A zero block or row gets scale 0 and packs to zero bytes; all-zero bytes decode to zeros (open pages start so).
+Limits: |x| above 127 x 65504 (int8), 8 x 65504 (int4) or 448 x 65504 (fp8) saturates; KV activations are far
+smaller.
 
 Rows are quantized once, on the device, when they are written (jaxkv.model), and dequantized on the device
-inside the layer function that attends over them, so every placement and delivery depth sees the same values.
+inside the layer function that attends over them, so every placement and delivery depth sees the same values
+(jaxkv.host_attention's kernel reads the same bytes on the CPU).
 """
 
 from __future__ import annotations
@@ -40,9 +54,12 @@ import jax.numpy as jnp
 from jaxkv import config as config_lib
 from jaxkv.config import ModelConfig
 
-QUANTIZED = ("int8", "float8_e4m3fn")
+QUANTIZED = ("int8", "int4", "float8_e4m3fn")
 INT8_BLOCK = config_lib.INT8_BLOCK
 INT8_MAX = 127.0
+INT4_BLOCK = config_lib.INT4_BLOCK
+INT4_HALF = INT4_BLOCK // 2  # Bytes of a block's values; value i and i + INT4_HALF share byte i.
+INT4_MIN = -8.0  # q of the value of largest magnitude.
 FP8_MAX = 448.0  # Largest finite float8_e4m3fn.
 SCALE_BYTES = 2  # A float16 scale.
 _F16_MAX = 65504.0
@@ -50,7 +67,8 @@ _F16_MAX = 65504.0
 
 @dataclasses.dataclass(frozen=True)
 class KVFormat:
-  """The storage of one head row of Dh values. name: "bfloat16", "float32", "float16", "int8" or "float8_e4m3fn"
+  """The storage of one head row of Dh values. name: "bfloat16", "float32", "float16", "int8", "int4" or
+  "float8_e4m3fn"
   ("model" resolved); compute_dtype: the model dtype, which quantized rows are dequantized to."""
 
   name: str
@@ -77,6 +95,8 @@ class KVFormat:
     """E, the last axis of the stored array."""
     if self.name == "int8":
       return self.head_dim + self.head_dim // INT8_BLOCK * SCALE_BYTES
+    if self.name == "int4":
+      return self.head_dim // 2 + self.head_dim // INT4_BLOCK * SCALE_BYTES
     if self.name == "float8_e4m3fn":
       return self.head_dim + SCALE_BYTES
     return self.head_dim
@@ -95,6 +115,8 @@ class KVFormat:
     """x [..., Dh] (any float dtype) -> stored [..., E] of storage_dtype."""
     if self.name == "int8":
       return pack_int8(x)
+    if self.name == "int4":
+      return pack_int4(x)
     if self.name == "float8_e4m3fn":
       return pack_fp8(x)
     return x.astype(self.name)
@@ -103,6 +125,8 @@ class KVFormat:
     """stored [..., E] -> values [..., Dh] of values_dtype."""
     if self.name == "int8":
       return unpack_int8(stored, self.values_dtype)
+    if self.name == "int4":
+      return unpack_int4(stored, self.values_dtype)
     if self.name == "float8_e4m3fn":
       return unpack_fp8(stored, self.values_dtype)
     return stored
@@ -132,7 +156,7 @@ def _scales(stored_tail: jax.Array) -> jax.Array:
 def _divide(x: jax.Array, scale: jax.Array) -> jax.Array:
   """x / scale in f32, 0 where the scale is 0 (an all-zero block)."""
   s = scale.astype(jnp.float32)
-  return jnp.where(s > 0, x / jnp.where(s > 0, s, 1.0), 0.0)
+  return jnp.where(s != 0, x / jnp.where(s != 0, s, 1.0), 0.0)
 
 
 def pack_int8(x: jax.Array) -> jax.Array:
@@ -152,6 +176,30 @@ def unpack_int8(stored: jax.Array, dtype) -> jax.Array:
   q = jax.lax.bitcast_convert_type(stored[..., :dh], jnp.int8).astype(jnp.float32)
   q = q.reshape(*lead, dh // INT8_BLOCK, INT8_BLOCK)
   return (q * _scales(stored[..., dh:])[..., None]).reshape(*lead, dh).astype(dtype)
+
+
+def pack_int4(x: jax.Array) -> jax.Array:
+  """x [..., Dh] float, Dh % 32 == 0 -> u8[..., Dh / 2 + Dh / 16]: Dh / 2 bytes of 4-bit values (two per byte, in
+  the module docstring's order), then Dh // 32 f16 scales."""
+  *lead, dh = x.shape
+  blocks = x.astype(jnp.float32).reshape(*lead, dh // INT4_BLOCK, INT4_BLOCK)
+  m = jnp.take_along_axis(blocks, jnp.argmax(jnp.abs(blocks), axis=-1, keepdims=True), axis=-1)[..., 0]
+  size = _scale_up_f16(jnp.abs(m), -INT4_MIN)  # f16 [..., Dh / 32], >= |m| / 8.
+  scale = jnp.where(m > 0, -size, size)  # m -> q = -8; a zero block keeps +0 (zero bytes).
+  q = jnp.clip(jnp.round(_divide(blocks, scale[..., None])), INT4_MIN, -INT4_MIN - 1).astype(jnp.int32)
+  nibbles = (q & 0xF).astype(jnp.uint8)  # 4-bit two's complement.
+  packed = nibbles[..., :INT4_HALF] | nibbles[..., INT4_HALF:] << 4  # [..., Dh / 32, 16]
+  return jnp.concatenate([packed.reshape(*lead, dh // 2), _scale_bytes(scale)], axis=-1)
+
+
+def unpack_int4(stored: jax.Array, dtype) -> jax.Array:
+  """u8[..., Dh / 2 + Dh / 16] -> [..., Dh] of dtype (computed in f32, then cast)."""
+  *lead, e = stored.shape
+  dh = e * INT4_BLOCK // (INT4_HALF + SCALE_BYTES)
+  b = stored[..., : dh // 2].astype(jnp.int32).reshape(*lead, dh // INT4_BLOCK, INT4_HALF)
+  signed = lambda nibble: (nibble ^ 8) - 8  # 4-bit two's complement -> int.
+  q = jnp.concatenate([signed(b & 0xF), signed(b >> 4)], axis=-1).astype(jnp.float32)  # [..., Dh / 32, 32]
+  return (q * _scales(stored[..., dh // 2 :])[..., None]).reshape(*lead, dh).astype(dtype)
 
 
 def pack_fp8(x: jax.Array) -> jax.Array:

@@ -1,48 +1,88 @@
-"""The decode state the jitted functions read, with names: ONE array meta i32[B + 3] = start[B], end, step, seed.
+"""The decode state, with names: what the layers read (`Meta`), what the head carries from one step to the next
+(`DecodeState`) and what it returns (`HeadOut`).
 
-start[b]: the first valid row of sequence b (jaxkv.cache); end: the row the pass writes; step: the token index the
-head samples (0 for the prompt's last row); seed: the sampling seed. One array, so that a prefill chunk's state is one
-explicit host->device transfer; during decode the head computes the next step's on the device (`advance`).
+Meta is ONE array, meta i32[B + 1] = start[B], end: start[b] is the first valid row of sequence b (jaxkv.cache), end
+the row the pass writes (the same for every sequence). One array, so that a prefill chunk's state is one explicit
+host->device transfer; during decode the head computes the next step's on the device (`advance`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxkv.sampling import SamplingParams
 
 
 class Meta:
   """Named views of a meta array (host or device), and the operations the engine and the server apply to it."""
 
   @staticmethod
-  def pack(start: np.ndarray, end: int, step: int, seed: int) -> np.ndarray:
-    """i32[B + 3] on the host, from start i32[B]."""
-    return np.asarray(np.concatenate([start, [end, step, seed]]), np.int32)
+  def pack(start: np.ndarray, end: int) -> np.ndarray:
+    """i32[B + 1] on the host, from start i32[B]."""
+    return np.asarray(np.concatenate([start, [end]]), np.int32)
 
   @staticmethod
   def start(meta: jax.Array) -> jax.Array:
     """i32[B]."""
-    return meta[:-3]
+    return meta[:-1]
 
   @staticmethod
   def end(meta: jax.Array) -> jax.Array:
-    return meta[-3]
-
-  @staticmethod
-  def step(meta: jax.Array) -> jax.Array:
-    return meta[-2]
-
-  @staticmethod
-  def seed(meta: jax.Array) -> jax.Array:
     return meta[-1]
 
   @staticmethod
   def advance(meta: jax.Array) -> jax.Array:
-    """The next decode step's meta: end + 1, step + 1."""
-    return meta + jnp.zeros_like(meta).at[-3:-1].set(1)
+    """The next pass's meta: end + 1."""
+    return meta + jnp.zeros_like(meta).at[-1].set(1)
 
   @staticmethod
   def with_start(meta: jax.Array, b: jax.Array, start_b: jax.Array) -> jax.Array:
     """meta with start[b] = start_b (i32[]): a slot taking a new request."""
     return jax.lax.dynamic_update_slice(meta, start_b[None], (b,))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+  """What one decode step reads and the head writes, on the head's devices (B = batch, D = d_model).
+
+  x: [B, D], the head's input (the last pass's output, or the prompts' last rows after a prefill); in the head's
+    output, the embeddings of the tokens it sampled: the next pass's input.
+  meta: i32[B + 1] (Meta); end is the row the last pass wrote (the prompts' last row after a prefill), and in the
+    head's output the row the next pass writes.
+  index: i32[B], the token index that row b samples next (0: its first generated token).
+  sampling: row b's sampling settings (jaxkv.sampling.SamplingParams).
+  """
+
+  x: jax.Array
+  meta: jax.Array
+  index: jax.Array
+  sampling: SamplingParams
+
+  def with_row(self, b: jax.Array, row: DecodeState) -> DecodeState:
+    """Inside jit: this state with row b replaced by `row`'s only row (a slot taking a request; end stays)."""
+    put = lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), b, axis=0)
+    return DecodeState(
+        x=put(self.x, row.x),
+        meta=Meta.with_start(self.meta, b, Meta.start(row.meta)[0]),
+        index=put(self.index, row.index),
+        sampling=jax.tree.map(put, self.sampling, row.sampling),
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HeadOut:
+  """What the head returns of a step, copied to the host: logits f32[B, V] (the model's, before sampling: what the
+  logits hashes cover and what log-probabilities derive from) and the sampled tokens i32[B]."""
+
+  logits: jax.Array
+  tokens: jax.Array
+
+  def copy_to_host_async(self) -> None:
+    self.logits.copy_to_host_async()
+    self.tokens.copy_to_host_async()

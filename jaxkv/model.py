@@ -484,7 +484,7 @@ def query_and_write(p, x, open_page, start, end, page_row, cfg: ModelConfig, fmt
   return q, jax.lax.dynamic_update_slice(open_page, new, (0, 0, 0, page_row, 0))
 
 
-# Split attention: rows [0, r1) of a layer's window are attended on the host (jaxkv.host_attention), rows [r1, W)
+# Split attention: rows [0, r1) of a layer's window are attended on the host (jaxkv.host.attention), rows [r1, W)
 # (the tail, delivered) and the open page on the device, and the two softmax partials are merged. A layer is then three
 # functions: decode_query (the query, handed to the host, and the new row), decode_tail_partial (the device's partial
 # over the delivered tail) and decode_merge (the merge and the rest of the layer). Not bit-identical to decode_layer:

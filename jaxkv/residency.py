@@ -1,7 +1,7 @@
 """The residency planner: `place` plans a new KVCache's placement before anything is allocated, and the cache is
 given it: which layers' windows live in pinned host memory, the decode groups, and with `kv.placement = "auto"` the
 plan that keeps in device memory the layers whose KV fits and streams the rest. Where a layer is streamed it also
-checks the host RAM and the pinned pool (jaxkv.cache.reserve_host_memory).
+checks the host RAM and the pinned pool (jaxkv.host.memory.RESERVED.reserve).
 
 Granularity: whole decode groups (`decode_groups`, the same in every placement). A layer's window stays ONE array
 in one memory, so a streamed group is one delivery and a resident group none, and every group runs the same
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from absl import logging
 
@@ -38,6 +37,7 @@ from jaxkv import cache as cache_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv.config import KVConfig, ModelConfig
+from jaxkv.host import memory
 from jaxkv.kv_quant import KVFormat
 
 WORKSPACE_SCORE_BLOCKS = 3  # f32 scores, their softmax weights and one spare, of the prefill's query blocks.
@@ -116,29 +116,23 @@ class Placement:
 
 
 def place(
-    model_config: ModelConfig,
-    kv: KVConfig,
-    mesh: jax.sharding.Mesh,
-    batch: int,
-    capacity: int,
-    layout=None,
-    prefill_chunk: int = 0,
+    model_config: ModelConfig, kv: KVConfig, layout, batch: int, capacity: int, prefill_chunk: int = 0
 ) -> Placement:
-  """The placement of a new KVCache of the same arguments (layout: jaxkv.layout.Layout or None), planned before
-  anything is allocated: the decode groups; with kv.placement "auto" the plan, its budget from the free memory of
-  `mesh`'s devices (this process's) less the workspace of decode and of a prefill in chunks of `prefill_chunk` rows
-  (0: no prefill); where a layer is streamed, the host memory check (jaxkv.cache.reserve_host_memory)."""
+  """The placement of a new KVCache of the same arguments (layout: jaxkv.layout.Layout), planned before anything is
+  allocated: the decode groups; with kv.placement "auto" the plan, its budget from the free memory of the layers'
+  devices (this process's) less the workspace of decode and of a prefill in chunks of `prefill_chunk` rows (0: no
+  prefill); where a layer is streamed, the host memory check (jaxkv.host.memory.RESERVED.reserve)."""
   num_layers = model_config.num_layers
-  meshes = [mesh if layout is None else layout.mesh(l) for l in range(num_layers)]
+  meshes = [layout.mesh(l) for l in range(num_layers)]
   rows, tensor = cache_lib.rows_bound(capacity, kv.block), mesh_lib.tensor_size(meshes[0])
   layer_bytes = cache_lib.row_bytes(model_config, kv.dtype, batch, tensor) * rows
   group = group_layers(kv.group_layers, kv.host_attention, layer_bytes)
-  groups = decode_groups(layout.stage_of if layout else (0,) * num_layers, group)
+  groups = decode_groups(layout.stage_of, group)
   auto = None
   if kv.placement == "auto" and len({id(m) for m in meshes}) > 1:
     raise ValueError("kv.placement auto plans one mesh for every layer; use split mode tensor or none with it")
   if kv.placement == "auto":
-    free = free_device_bytes(mesh.local_devices)
+    free = free_device_bytes(meshes[0].local_devices)
     ring = ring_bytes(kv.pipeline_depth, min(group, num_layers) * layer_bytes)
     workspace = workspace_bytes(model_config, kv.dtype, batch, rows, prefill_chunk, group, tensor)
     budget, source = device_budget(free, kv.device_budget_gib, ring, workspace, kv.headroom_mib)
@@ -149,7 +143,7 @@ def place(
   if any(streamed):
     needed = cache_lib.host_bytes_per_process(meshes[0], layer_bytes, sum(streamed))
     fmt = KVFormat.of(model_config, kv.dtype)
-    cache_lib.reserve_host_memory(needed, sum(streamed), model_config, fmt, batch, rows)
+    memory.RESERVED.reserve(needed, sum(streamed), model_config, fmt, batch, rows)
   return Placement(streamed, groups, auto)
 
 

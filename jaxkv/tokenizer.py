@@ -67,6 +67,22 @@ class Tokenizer:
       raise ValueError(f"the tokenizer of {self.path!r} has no chat template")
     return self.chat_template.render(list(messages), add_generation_prompt)
 
+  def end_of_turn_id(self) -> int | None:
+    """The special token that the chat template writes right after an assistant's message (Llama-3's <|eot_id|>,
+    ChatML's <|im_end|>), or None: no template, jinja2 missing, or text there that is not a special token."""
+    if self.chat_template is None:
+      return None
+    mark = "jaxkv-end-of-turn-probe"
+    try:
+      text = self.apply_chat_template(
+          [{"role": "user", "content": "hi"}, {"role": "assistant", "content": mark}], add_generation_prompt=False
+      )
+    except ValueError:
+      return None
+    after = self._tok.encode(text.partition(mark)[2], add_special_tokens=False).ids
+    special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+    return after[0] if after and after[0] in special else None
+
   def encode_chat(self, messages: Sequence[dict]) -> list[int]:
     """Token ids of `messages` in the chat template, with the prompt for the assistant's turn. The template writes
     the special tokens itself: the post-processor adds none."""

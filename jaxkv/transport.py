@@ -1,10 +1,11 @@
 """Delivery of the layers' KV windows to the devices: ordered (depth 0) or pipelined (depth D >= 1), in groups.
 
 A pass is one run over all layers (a prefill chunk or a decode step), in groups of consecutive layers
-(jaxkv.residency.decode_groups, KVCache.groups): decode runs each group as ONE jitted call (jaxkv.engine), and the
+(jaxkv.residency.decode_groups, KVCache.groups): decode runs each group as ONE jitted call (jaxkv.decode), and the
 transport delivers each group of streamed layers as one transfer (a `jax.device_put` of the group's list of
 windows). With placement "host", a feeder thread issues the deliveries, in layer order, each device receiving only
-its own heads. The main thread takes them in the same order and dispatches each group's compute. The feeder keeps at
+its own heads. The main thread iterates over them in the same order (`deliveries`) and dispatches each group's
+compute in the loop's body; the group's ring slot is released when the body is done (or raised). The feeder keeps at
 most D + 1 deliveries whose compute has not been dispatched yet: the delivery of group g + D is issued as soon as
 group g - 1 has been dispatched, normally before group g is. Issued before the compute it must overlap, the copy runs
 beside it (docs/design.md says why the order of issue matters and why a thread: a dispatch that consumes a delivery
@@ -29,7 +30,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 
 import jax
 from absl import logging
@@ -46,6 +47,9 @@ class DepthChoice:
   ring_slots: int
   slot_bytes_per_device: int
   fallback_reason: str | None
+
+
+_CAPS_LOGGED: set[str] = set()  # The depth caps logged so far.
 
 
 def choose_depth(
@@ -80,8 +84,21 @@ def choose_depth(
       depth = new
   reason = "; ".join(reasons) or None
   if reason and depth < requested:
-    logging.warning("kv pipeline: %s", reason)
+    # A cap by the groups is the model's shape: an INFO line, once per process; a ring that does not fit, a warning.
+    if len(reasons) > (requested > streamed_groups - 1):
+      logging.warning("kv pipeline: %s", reason)
+    elif reason not in _CAPS_LOGGED:
+      _CAPS_LOGGED.add(reason)
+      logging.info("kv pipeline: %s", reason)
   return DepthChoice(requested, depth, depth + residency.RING_SPARE, slot_bytes, reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class Delivery:
+  """A group's windows on the devices: windows[i] is layers[i]'s (None while empty)."""
+
+  layers: tuple[int, ...]
+  windows: list[jax.Array | None]
 
 
 _BARRIER = -1  # Feeder job: acknowledge that every earlier job has been issued.
@@ -96,23 +113,24 @@ class Transport:
     self.cache, self.debug = cache, debug
     self.num_layers = cache.model.num_layers
     lay = cache.layout
-    self._stage_of = lay.stage_of if lay else (0,) * self.num_layers
+    self._stage_of = lay.stage_of
     self.groups = cache.groups  # Each streamed or resident whole (jaxkv.residency.plan).
     self.order = [g for g, layers in enumerate(self.groups) if cache.streamed[layers[0]]]  # Delivered, in order.
     self.streamed = bool(self.order)
     slot = max((len(self.groups[g]) for g in self.order), default=0) * cache.layer_bytes  # Resident: no ring.
-    devices = lay.devices() if lay else list(cache.mesh.devices.flat)
-    local = [d for d in devices if d.process_index == jax.process_index()]
+    local = [d for d in lay.devices() if d.process_index == jax.process_index()]
     free = residency.free_device_bytes(local) if self.streamed else None
     streamed_groups = len(self.order) if self.streamed else self.num_layers  # Nothing streamed: nothing to cap.
     self.choice = choose_depth(depth, streamed_groups, slot, cache.kv.budget_mib, cache.kv.headroom_mib, free)
     self.depth = self.choice.depth
-    self._stage_devices = [list(m.devices.flat) for m in lay.meshes] if lay else [list(cache.mesh.devices.flat)]
+    self._stage_devices = [list(m.devices.flat) for m in lay.meshes]
     stages = len(self._stage_devices)
     self._queued_next = False  # The next pass's jobs are already queued.
     self._lock = threading.Lock()
-    # Per stage (the whole mesh, or one device per stage in split mode layer), bytes over all its devices.
+    # Per stage (the whole mesh, or one device per stage in split mode layer), bytes over all its devices. Delivered
+    # bytes count in the pass that takes them (or drops them), not in the one running when the feeder issued them.
     self._h2d = [0] * stages
+    self._calls = 0  # Transfer calls issued (one per streamed group delivered).
     self._held = [0] * stages  # Deliveries holding a slot.
     self._previous = [0] * stages  # The delivery consumed last (its compute may still run).
     self._high_water = [0] * stages
@@ -151,28 +169,16 @@ class Transport:
         self._error = e
       with self._lock:
         s = self._stage_of[layers[0]]
-        self._h2d[s] += nbytes
         self._held[s] += nbytes
         self._high_water[s] = max(self._high_water[s], self._held[s] + self._previous[s])
       self._ready.put((group, windows, nbytes, calls, time.perf_counter()))
 
-  def run_pass(self, compute: Callable[[int, jax.Array | None], None], next_pass: bool) -> None:
-    """Calls compute(l, window_l) for every layer in order (run_groups, one layer at a time)."""
-
-    def compute_group(layers, windows):
-      for l, w in zip(layers, windows):
-        compute(l, w)
-
-    self.run_groups(compute_group, next_pass)
-
-  def run_groups(self, compute: Callable[[tuple[int, ...], list[jax.Array | None]], None], next_pass: bool) -> None:
-    """Calls compute(layers, windows) for every group in order, windows[i] = layers[i]'s window on the devices
-    (None while empty).
-
-    compute(layers, ...) must store any change to its layers' windows in the cache before it returns. The delivery's
-    transfer calls are added to cache.dispatches.
-    next_pass: a pass follows, so deliveries may run into its first groups.
-    """
+  def deliveries(self, next_pass: bool) -> Iterator[Delivery]:
+    """Every group of a pass, in order, its windows on the devices: a streamed group's as the feeder delivered them,
+    a resident group's as they are. The consumer computes each group in the loop's body and stores any change to its
+    layers' windows in the cache before it asks for the next (the deliveries of the next pass read them); the group's
+    ring slot is released when it does, or when the iteration ends early (close it: `contextlib.closing`).
+    next_pass: a pass follows, so deliveries may run into its first groups."""
     if not self._queued_next:
       self._queue_pass()
     if next_pass:  # Issued as slots free: the next pass's group j after this pass's group j - D - 1.
@@ -180,18 +186,20 @@ class Transport:
     self._queued_next = next_pass
     for g, layers in enumerate(self.groups):
       if not self.cache.streamed[layers[0]]:  # Resident: its windows are already on the devices.
-        compute(layers, [self.cache.windows[l] for l in layers])
+        yield Delivery(layers, [self.cache.windows[l] for l in layers])
         continue
       group, windows, nbytes, calls, t_issue = self._ready.get()
-      if self._error is not None:
-        raise RuntimeError("KV delivery failed") from self._error
-      assert group == g, (group, g)
-      self.cache.dispatches += calls
-      if self.debug >= 2 and nbytes:
-        jax.block_until_ready(windows)
-        self.layer_times.append((layers[0], t_issue, time.perf_counter()))
       try:
-        compute(layers, windows)
+        if self._error is not None:
+          raise RuntimeError("KV delivery failed") from self._error
+        assert group == g, (group, g)
+        self._calls += calls
+        with self._lock:
+          self._h2d[self._stage_of[layers[0]]] += nbytes
+        if self.debug >= 2 and nbytes:
+          jax.block_until_ready(windows)
+          self.layer_times.append((layers[0], t_issue, time.perf_counter()))
+        yield Delivery(layers, windows)
       finally:  # Also on an error: close() waits for the feeder, which may wait for this slot.
         del windows
         with self._lock:
@@ -226,6 +234,7 @@ class Transport:
       jax.block_until_ready(windows)
       del windows
       with self._lock:
+        self._h2d[self._stage_of[self.groups[group][0]]] += nbytes  # Moved all the same.
         self._held[self._stage_of[self.groups[group][0]]] -= nbytes
       self._slots.release()
     self._queued_next = False
@@ -239,8 +248,8 @@ class Transport:
       self._feeder.join()
 
   def take_counters(self) -> dict:
-    """Bytes delivered, the ring's high-water mark (per device) and the host's dispatches (cache.dispatches: jitted
-    calls and transfers) since the last call, then resets."""
+    """Bytes delivered, the ring's high-water mark (per device) and the transfer calls issued (`dispatches`) since
+    the last call, then resets."""
     with self._lock:
       by_device = lambda per_stage: {
           str(d): b // len(devs) for b, devs in zip(per_stage, self._stage_devices) for d in devs
@@ -251,9 +260,9 @@ class Transport:
           ring_high_water_bytes_per_device=max(hw.values()),
           h2d_bytes_by_device=by_device(self._h2d),
           ring_high_water_bytes_by_device=hw,
-          dispatches=self.cache.dispatches,
+          dispatches=self._calls,
       )
-      self.cache.dispatches = 0
+      self._calls = 0
       self._h2d = [0] * len(self._h2d)
       self._high_water = [h + p for h, p in zip(self._held, self._previous)]
     return out

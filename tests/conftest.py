@@ -13,7 +13,7 @@ os.environ["XLA_FLAGS"] = " ".join(
     + ["--xla_force_host_platform_device_count=8"]
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Two XLA:CPU threads per device at least, as jaxkv.cli.setup_platform sets for the apps: with one per device a
+# Two XLA:CPU threads per device at least, as jaxkv.apps.cli.setup_platform sets for the apps: with one per device a
 # program's collective and the next program's launch can deadlock (seen as an all-reduce rendezvous timeout).
 os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 16)))
 # Every test process shares one persistent compilation cache: the pytest workers of a run and of later runs, and the

@@ -22,11 +22,12 @@ from jaxkv import cache as cache_lib
 from jaxkv import checkpoint
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
-from jaxkv import host_wait
+from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv import residency
 from jaxkv import tokenizer as tokenizer_lib
+from jaxkv.host import wait as host_wait
 
 MESH_SIZES = (1, 2, 4, 8)
 # CI (.ci/run exports CI=true) installs everything that tests may need: the C++ compiler and every extra. There a test
@@ -46,9 +47,9 @@ def import_extra(module: str, extra: str):
   return pytest.importorskip(module, reason=f"needs the {extra} extra: pip install -e '.[{extra}]'")
 
 
-# jaxkv.host_wait's ops are C++ built at first use: their tests need the compiler that kv.host_attention_wait "device"
+# jaxkv.host.wait's ops are C++ built at first use: their tests need the compiler that kv.host_attention_wait "device"
 # needs (g++ or $CXX).
-NEEDS_CXX = unless_installed(host_wait.compiler() is None, "no C++ compiler (g++ or $CXX) for jaxkv.host_wait")
+NEEDS_CXX = unless_installed(host_wait.compiler() is None, "no C++ compiler (g++ or $CXX) for jaxkv.host.wait")
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,10 +136,12 @@ def layer_bytes(eng, batch: int) -> int:
   return cache_lib.row_bytes(cfg.model, cfg.kv.dtype, batch, mesh_lib.tensor_size(eng.mesh)) * rows
 
 
-def kv_cache(model_config, kv, mesh, batch: int, capacity: int) -> cache_lib.KVCache:
-  """A KVCache placed as the engine places one (jaxkv.residency.place) for decode alone (no prefill's workspace)."""
-  placement = residency.place(model_config, kv, mesh, batch, capacity)
-  return cache_lib.KVCache(model_config, kv, mesh, batch, capacity, placement=placement)
+def kv_cache(model_config, kv, mesh, batch: int, capacity: int, head_share=None) -> cache_lib.KVCache:
+  """A KVCache on `mesh` (split mode tensor) placed as the engine places one (jaxkv.residency.place) for decode alone
+  (no prefill's workspace)."""
+  layout = layout_lib.make_layout("tensor", mesh, model_config.num_layers)
+  placement = residency.place(model_config, kv, layout, batch, capacity)
+  return cache_lib.KVCache(model_config, kv, layout, batch, capacity, placement=placement, head_share=head_share)
 
 
 # Hugging Face checkpoint folders, written with safetensors.numpy (no torch).

@@ -1,4 +1,4 @@
-"""An HTTP server (jaxkv.serve_api) on a free localhost port in the test process, for the server's tests."""
+"""An HTTP server (jaxkv.serving.api) on a free localhost port in the test process, for the server's tests."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import contextlib
 import threading
 import time
 
-from jaxkv import serve_api
 from jaxkv import serving
-from jaxkv import serving_loop
+from jaxkv.serving import api as serve_api
 
 START_S = 60.0  # Bound on the server's start.
 
@@ -27,7 +26,7 @@ def running(
     prefix_cache_bytes: int = 0,
 ):
   """Serves `engine` on 127.0.0.1 (a port the OS picks); yields (base url, Model); stops the server and the loop."""
-  loop = serving_loop.ServingLoop(serving.Server(engine, parallel, prefix_cache_bytes), max_queue)
+  loop = serving.ServingLoop(serving.Server(engine, parallel, prefix_cache_bytes), max_queue)
   if start_loop:
     loop.start()
   model = serve_api.Model(name, loop, tokenizer, template, eos_ids)

@@ -13,20 +13,22 @@ import pytest
 from absl import flags
 
 from experiments import tiny
-from jaxkv import cache as cache_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv import run as run_lib
+from jaxkv import transport as transport_lib
 from jaxkv.bench import arms
 from jaxkv.bench import benchmark
 from jaxkv.bench import ceilings
 from jaxkv.bench import peer_hf
 from jaxkv.bench import report
 from jaxkv.config import SplitConfig, from_config_dict
+from jaxkv.host import memory
 
 # host_d4_g1: one decode call per layer (the tiny model's 6 layers are one group otherwise, which caps the depth at 0).
-ARMS = ("device", "host_d0", "host_d1", "host_d2", "host_d4_g1", "host_d2_int8", "host_d1_ha")
-INT8_ROW, F32_ROW = 32 + 32 // 32 * 2, 32 * 4  # Bytes per head row at head_dim 32: int8 + f16 scales; f32.
+ARMS = ("device", "host_d0", "host_d1", "host_d2", "host_d4_g1", "host_d2_int8", "host_d2_int4", "host_d1_ha")
+# Bytes per head row at head_dim 32: int8 or int4 values + an f16 scale; f32.
+PACKED_ROWS, F32_ROW = {"int8": 32 + 32 // 32 * 2, "int4": 32 // 2 + 32 // 32 * 2}, 32 * 4
 ROUNDS = 2
 TOP_FIELDS = {
     "command",
@@ -93,7 +95,7 @@ def _config():
     pytest.skip("needs 2 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py)")
   cd = tiny.get_config()
   cd.mesh.tensor = 2
-  cd.model.head_dim = 32  # int8 KV needs a multiple of 32.
+  cd.model.head_dim = 32  # int8 and int4 KV need a multiple of 32.
   return from_config_dict(cd)
 
 
@@ -155,10 +157,12 @@ def test_each_arm_has_numbers(bench):
       assert (a["x_link_bound"] is None) == (name == "device")
       assert (a["overlap_ratio"] is None) == name.endswith("_ha")  # Host attention: no plain overlap bound.
       assert (a["link_efficiency"] is None) == (name == "device")
-      assert a["kv_dtype"] == ("int8" if name.endswith("_int8") else "model")
+      assert a["kv_dtype"] == next((d for d in PACKED_ROWS if name.endswith(f"_{d}")), "model")
       assert (a["ring_bytes_per_device_configured"] > 0) == (name != "device")
       assert a["transport"]["dispatches_per_step"] >= 4
-    assert cell["arms"]["device"]["transport"]["dispatches_per_step"] == 4  # All layers in one call.
+    # The tiny config's 3 decode groups, the head, and the copies of the tokens and the logits.
+    assert cell["arms"]["device"]["transport"]["dispatches_per_step"] == 6
+    assert cell["arms"]["host_d2"]["transport"]["depth"] == 2  # Its 3 groups: depth 2 uncapped.
     assert cell["arms"]["host_d4_g1"]["transport"]["depth"] == 4
     assert cell["arms"]["host_d0"]["gain_vs_ordered"] == 1.0
     split = cell["arms"]["host_d1_ha"]["transport"]["host_attention"]
@@ -167,25 +171,26 @@ def test_each_arm_has_numbers(bench):
     assert peer["status"] == "skipped" and "cpu" in peer["reason"] and not peer["samples"]
 
 
-def test_int8_arm_moves_and_reports_the_packed_bytes(bench):
-  """host_d2_int8 streams 34 B per head row (32 int8 + one f16 scale) where host_d2 streams 128 (f32): its
-  telemetry, its bytes per step and its link efficiency all use the packed bytes."""
+@pytest.mark.parametrize("kv_dtype", sorted(PACKED_ROWS))
+def test_quantized_arms_move_and_report_the_packed_bytes(bench, kv_dtype):
+  """host_d2_int8 streams 34 B per head row (32 int8 + one f16 scale), host_d2_int4 18 B (16 bytes of 4-bit values
+  + one f16 scale), where host_d2 streams 128 (f32): their telemetry, bytes per step and link efficiency all use the
+  packed bytes."""
   out, _ = bench
+  row = PACKED_ROWS[kv_dtype]
   for cell in out["cells"]:
-    f32, int8 = cell["arms"]["host_d2"], cell["arms"]["host_d2_int8"]
-    assert int8["transport"]["h2d_bytes"] * F32_ROW == f32["transport"]["h2d_bytes"] * INT8_ROW
-    assert int8["transport"]["d2h_bytes"] * F32_ROW == f32["transport"]["d2h_bytes"] * INT8_ROW
-    assert int8["kv_bytes_per_step_per_device"] * F32_ROW == cell["kv_bytes_per_step_per_device"] * INT8_ROW
+    f32, packed = cell["arms"]["host_d2"], cell["arms"][f"host_d2_{kv_dtype}"]
+    assert packed["transport"]["h2d_bytes"] * F32_ROW == f32["transport"]["h2d_bytes"] * row
+    assert packed["transport"]["d2h_bytes"] * F32_ROW == f32["transport"]["d2h_bytes"] * row
+    assert packed["kv_bytes_per_step_per_device"] * F32_ROW == cell["kv_bytes_per_step_per_device"] * row
     assert f32["kv_bytes_per_step_per_device"] == cell["kv_bytes_per_step_per_device"]
-    ceil = cell["ceilings_kv_dtype"]["int8"]
-    assert ceil["kv_bytes_per_step_per_device"] == int8["kv_bytes_per_step_per_device"]
+    ceil = cell["ceilings_kv_dtype"][kv_dtype]
+    assert ceil["kv_bytes_per_step_per_device"] == packed["kv_bytes_per_step_per_device"]
     assert ceil["transfer_only"]["ms_median"] > 0
-    assert (
-        ceil["h2d_layer"]["bytes_per_device"] * F32_ROW == cell["ceilings"]["h2d_layer"]["bytes_per_device"] * INT8_ROW
-    )
-    ms = int8["ms_per_step"]["median"]
-    want = int8["kv_bytes_per_step_per_device"] / (ms * 1e-3) / (cell["link_peak_gbps"] * 1e9)
-    assert int8["link_efficiency"] == pytest.approx(want)
+    assert ceil["h2d_layer"]["bytes_per_device"] * F32_ROW == cell["ceilings"]["h2d_layer"]["bytes_per_device"] * row
+    ms = packed["ms_per_step"]["median"]
+    want = packed["kv_bytes_per_step_per_device"] / (ms * 1e-3) / (cell["link_peak_gbps"] * 1e9)
+    assert packed["link_efficiency"] == pytest.approx(want)
 
 
 def check_derived(cell: dict, name: str) -> None:
@@ -232,7 +237,7 @@ def test_markdown_and_plot(bench):
   row = next(l for l in md.splitlines() if l.startswith("| 40 | 2 | host_d2 |")).split(" | ")
   assert float(row[7]) == round(out["cells"][1]["arms"]["host_d2"]["prefill_s"]["median"], 3)  # The prefill s column.
   assert f"| 16 | 2 | {arms.PEER_ARM} | 0.2 | skipped" in md  # KV MiB/step/device, then the reason.
-  assert "| 40 | 2 | int8 | 40 |" in md  # The int8 arm's transfer ceilings.
+  assert "| 40 | 2 | int8 | 40 |" in md and "| 40 | 2 | int4 | 40 |" in md  # The packed arms' transfer ceilings.
   assert "| 40 | 2 | host_d1_ha | " in md.split("## Host attention")[1]
   helpers.import_extra("matplotlib", "plot")
   assert out["plot"] == dict(status="ok", path=paths["png"])
@@ -287,7 +292,7 @@ def test_the_bench_app_with_an_auto_arm(tmp_path):
 
 
 def test_arm_that_does_not_fit_is_skipped(monkeypatch):
-  monkeypatch.setenv(cache_lib.POOL_ENV, "0.000001")  # A ~1 KiB pinned pool: no host cache fits.
+  monkeypatch.setenv(memory.POOL_ENV, "0.000001")  # A ~1 KiB pinned pool: no host cache fits.
   out = benchmark.run(_config(), _spec(contexts=(16,), arms=("device", "host_d1"), new_tokens=3, rounds=1, peer=False))
   cell = out["cells"][0]
   assert "pinned" in cell["ceilings"]["skipped"]
@@ -385,13 +390,17 @@ def test_arm_names():
   assert arms.parse_arm("auto_d1_int8_ha35") == arm("auto", 1, "int8", 0.35)
   assert arms.parse_arm("device_g1") == arm("device", group_layers=1)
   assert arms.parse_arm("host_d2_int8_g4") == arm("host", 2, "int8", None, 4)
-  bad_names = ("host", "host_d", "device_d1", "hf_offloaded", "host_d2_int4", "host_d2_model", "host_d2int8")
+  assert arms.parse_arm("host_d2_int4") == arm("host", 2, "int4")
+  assert arms.parse_arm("device_int4") == arm("device", None, "int4")
+  assert arms.parse_arm("auto_d2_int4_ha") == arm("auto", 2, "int4", 0.0)
+  bad_names = ("host", "host_d", "device_d1", "hf_offloaded", "host_d2_int2", "host_d2_model", "host_d2int8")
   for bad in bad_names + ("device_ha", "host_d2_ha00", "host_d2_ha5", "host_d2_ha_int8", "host_d2_g", "device_g1_int8"):
     with pytest.raises(ValueError):
       arms.parse_arm(bad)
-  cfg = from_config_dict(tiny.get_config())  # head_dim 16: int8 does not fit, before any work.
-  with pytest.raises(ValueError, match="head_dim"):
-    benchmark.run(cfg, _spec(arms=("host_d2_int8",)))
+  cfg = from_config_dict(tiny.get_config())  # head_dim 16: int8 and int4 do not fit, before any work.
+  for arm_name in ("host_d2_int8", "device_int4"):
+    with pytest.raises(ValueError, match="head_dim"):
+      benchmark.run(cfg, _spec(arms=(arm_name,)))
 
 
 def test_peer_decodes_on_the_cpu_and_says_why_it_cannot_on_cuda():
@@ -429,16 +438,16 @@ class _Window:
 
 
 class _FakeTransport:
-  """run_groups hands out windows 0..n-1, one layer a group, and records, after each compute, the layers waited for
-  so far."""
+  """deliveries hands out windows 0..n-1, one layer a group, and records, after each one's compute, the layers
+  waited for so far."""
 
   def __init__(self, depth, num_layers):
     self.depth, self.num_layers, self.waited, self.seen = depth, num_layers, [], []
 
-  def run_groups(self, compute, next_pass):
+  def deliveries(self, next_pass):
     del next_pass
     for l in range(self.num_layers):
-      compute((l,), [_Window(self.waited, l)])
+      yield transport_lib.Delivery((l,), [_Window(self.waited, l)])
       self.seen.append(list(self.waited))
 
 

@@ -27,18 +27,25 @@ def _experiments(root: pathlib.Path) -> set[str]:
   }
 
 
-# Deps that no import statement shows, from the repository root: experiments/tiny.py is jaxkv/cli.py's default --config
-# file, loaded by path; tests/test_experiments.py imports every experiment by name; tests run the bench and gates apps
-# and serve_bench (which starts serve) as `python -m` without importing them (an app's flags would clash with another's
-# in one process).
+# Deps that no import statement shows, from the repository root: experiments/tiny.py is jaxkv/apps/cli.py's default
+# --config file, loaded by path; tests/test_experiments.py imports every experiment by name; tests run the apps
+# (serve_bench starts serve) as `python -m` without importing them (an app's flags would clash with another's in one
+# process).
 NON_IMPORT_DEPS = {
-    "jaxkv/cli.py": lambda root: {"experiments/tiny.py"},
+    "jaxkv/apps/cli.py": lambda root: {"experiments/tiny.py"},
     "tests/test_experiments.py": _experiments,
     "tests/test_bench.py": lambda root: {"jaxkv/bench/__main__.py"},
     "tests/test_gates.py": lambda root: {"jaxkv/gates.py"},
     "tests/test_serve_bench.py": lambda root: {"jaxkv/serve_bench.py", "jaxkv/serve.py"},
     "tests/test_compile_cache.py": lambda root: {"jaxkv/generate.py"},
     "tests/test_gguf.py": lambda root: {"jaxkv/generate.py"},
+    "tests/test_errors.py": lambda root: {
+        "jaxkv/generate.py",
+        "jaxkv/gates.py",
+        "jaxkv/serve.py",
+        "jaxkv/serve_bench.py",
+        "jaxkv/bench/__main__.py",
+    },
 }
 # Tests that load a script of tools/ by path (a data file): the script's imports are the test's deps too.
 RUN_BY_PATH = {
@@ -291,3 +298,19 @@ def test_a_dep_listed_twice_fails(tree_copy):
   assert twice != build
   (tree_copy / "BUILD").write_text(twice)
   assert [p for p in wrong_deps(tree_copy) if "deps listed twice ['jaxkv_config']" in p]
+
+
+# The entry points that start an app (python3 -m jaxkv.generate ...) and the bench's package, an app of its own.
+APP_ENTRIES = ("jaxkv/generate.py", "jaxkv/gates.py", "jaxkv/serve.py", "jaxkv/serve_bench.py")
+
+
+def test_the_library_imports_no_app_code():
+  library = [
+      m
+      for m in modules(ROOT)
+      if m.startswith("jaxkv/") and not m.startswith(("jaxkv/apps/", "jaxkv/bench/")) and m not in APP_ENTRIES
+  ]
+  assert "jaxkv/engine.py" in library and "jaxkv/run.py" in library
+  for m in library:
+    apps = sorted(p for p in first_party_imports(ROOT, m) if p.startswith("jaxkv/apps/") or p in APP_ENTRIES)
+    assert not apps, (m, apps)

@@ -28,6 +28,7 @@ from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv import preflight
 from jaxkv import run
+from jaxkv.apps import runs
 from jaxkv import tokenizer as tokenizer_lib
 
 # Llama-3 scaling with a short original context, so that the tiny head_dim has frequencies in all three bands
@@ -386,7 +387,7 @@ def test_split_mode_layer_loads_each_layer_on_its_device(tmp_path):
   hf = hf_config()
   path = write_checkpoint(tmp_path, hf, hf_tensors(hf))
   outs = {
-      mode: run.generate_checkpoint(_config_dict(3, split__mode=mode), path, lengths=[3, 5], max_new_tokens=3, seed=0)
+      mode: runs.generate_checkpoint(_config_dict(3, split__mode=mode), path, lengths=[3, 5], max_new_tokens=3, seed=0)
       for mode in ("none", "layer")
   }
   assert outs["none"]["tokens_sha256"] == outs["layer"]["tokens_sha256"]
@@ -416,9 +417,9 @@ def test_generate_with_text_prompts(tmp_path):
   cd.mesh.tensor = 4
   prompts = ["w5 w6 w7", "w9 w10 w11 w12 w13 w14 w15 w16 w17 w18"]
   with pytest.raises(ValueError, match="has no tokenizer.json"):
-    run.generate_checkpoint(cd, path, prompts=prompts, max_new_tokens=4, seed=0)
+    runs.generate_checkpoint(cd, path, prompts=prompts, max_new_tokens=4, seed=0)
   write_tokenizer(tmp_path)
-  out = run.generate_checkpoint(cd, path, prompts=prompts, max_new_tokens=6, seed=0)
+  out = runs.generate_checkpoint(cd, path, prompts=prompts, max_new_tokens=6, seed=0)
   assert out["prompt_tokens"] == [[1, 5, 6, 7], [1, *range(9, 19)]]
   assert out["prompt_lengths"] == [4, 11] and out["model"]["num_layers"] == 3
   inverse = {i: w for w, i in WORDS.items()}
@@ -430,7 +431,7 @@ def test_generate_with_text_prompts(tmp_path):
   cfg, params = checkpoint.load(path, helpers.mesh(4))
   engine = engine_lib.Engine(dataclasses.replace(config, model=cfg), helpers.mesh(4), params)
   assert engine.generate(out["prompt_tokens"], 6).tokens == out["tokens"]
-  ids = run.generate_checkpoint(cd, path, lengths=[3, 5], max_new_tokens=2, seed=0)
+  ids = runs.generate_checkpoint(cd, path, lengths=[3, 5], max_new_tokens=2, seed=0)
   assert "text" not in ids and [len(t) for t in ids["tokens"]] == [2, 2] and ids["prompt_lengths"] == [3, 5]
 
 

@@ -4,16 +4,17 @@ import concurrent.futures
 import dataclasses
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import helpers
 import jax
 import pytest
 
-from jaxkv import cli
-
+import jaxkv
 from experiments import tiny
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
@@ -106,18 +107,22 @@ def test_engine_rejects_a_mesh_that_does_not_split_the_model(field, value):
 
 
 # The apps, run as subprocesses whose weight building and checkpoint loading fail loudly: each case must stop at its
-# check, before any weights exist.
+# check, before any weights exist. The host has 8 GiB of RAM available there, so that the memory check's cases do not
+# depend on the machine.
 _SHIM = """
 import runpy, sys
-import jaxkv.checkpoint, jaxkv.model
+import jaxkv.checkpoint, jaxkv.gguf_loader, jaxkv.host.memory, jaxkv.model
 def built(*args, **kwargs):
   raise SystemExit("weights were built")
-jaxkv.model.init_params = jaxkv.checkpoint.load = built
+jaxkv.model.init_params = jaxkv.checkpoint.load = jaxkv.gguf_loader.load = built
+jaxkv.host.memory.available_host_bytes = lambda: 8 * 2**30
 sys.argv = sys.argv[1:]
 runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 """
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(cli.__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jaxkv.__file__)))
 GEN, BENCH, GATES = "jaxkv.generate", "jaxkv.bench", "jaxkv.gates"  # Each defines its flags: one per process.
+SERVE, SERVE_BENCH = "jaxkv.serve", "jaxkv.serve_bench"
+WITHIN_S = 90  # An input error ends the app before any heavy work: within seconds of its start (4 apps at a time).
 
 
 def _free_port() -> int:
@@ -136,6 +141,7 @@ def _cases(tmp) -> dict:
   partial = helpers.write_checkpoint(tmp / "partial", hf, helpers.hf_tensors(hf), shards=2)
   os.remove(os.path.join(partial, "model-00002-of-00002.safetensors"))
   port = _free_port()
+  (tmp / "a_folder").mkdir()
   return {
       "mesh": (GEN, ["--cpu_devices=3"], "model.num_kv_heads = 8 is not divisible by the tensor axis size 3", 2),
       "depth": (GEN, ["--kv_pipeline_depth=-1"], "kv.pipeline_depth must be >= 0, got -1", 2),
@@ -170,7 +176,13 @@ def _cases(tmp) -> dict:
           "lists weight files that are missing: model-00002-of-00002.safetensors",
           1,
       ),
-      "checkpoint_capacity": (GEN, [f"--checkpoint_dir={ckpt}", "--prompt_len=200"], "longer than the cache", 2),
+      # A checkpoint run without --config takes the engine's capacity (4096 rows), not the tiny config's 128.
+      "checkpoint_capacity": (
+          GEN,
+          [f"--checkpoint_dir={ckpt}", "--prompt_len=5000"],
+          "prompt 0 has 5000 tokens, longer than the cache capacity 4096",
+          2,
+      ),
       "processes": (
           GEN,
           [
@@ -185,6 +197,42 @@ def _cases(tmp) -> dict:
       "bench_kv_dtype": (BENCH, ["--arms=device,host_d1_int8"], "got head_dim 16", 2),
       "bench_output": (BENCH, [f"--md_out={tmp}/missing/bench.md"], "does not exist", 2),
       "bench_contexts": (BENCH, ["--contexts=1,x"], "--contexts must be comma-separated integers", 2),
+      "bench_arm": (BENCH, ["--arms=device,bogus"], "unknown arm 'bogus'", 2),
+      "config_field": (GEN, ["--config.x.y=1"], "--config.x.y: the config has no field x", 2),
+      "config_field_typo": (GEN, ["--config.kv.blok=16"], "--config.kv.blok: the config has no field blok", 2),
+      "config_variant": (
+          GEN,
+          ["--config=experiments/llama3_8b.py:bogus"],
+          "experiments/llama3_8b.py has no variant 'bogus': it takes no variant or one of: 3.1",
+          2,
+      ),
+      "config_file": (GEN, ["--config=README.md"], "--config: ", 2),
+      "json_out_folder": (GEN, [f"--json_out={tmp}/a_folder"], f"--json_out={tmp}/a_folder is a folder", 2),
+      "seed": (GEN, ["--seed=-1"], "flag --seed=-1: -1 is not a non-negative integer", 2),
+      "coordinator": (
+          GEN,
+          ["--coordinator_address=nohost", "--num_processes=2", "--process_id=0"],
+          "the coordinator address 'nohost' is not host:port",
+          2,
+      ),
+      "num_processes": (GEN, ["--num_processes=0"], "the number of processes must be >= 1, got 0", 2),
+      "process_id": (
+          GEN,
+          [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", "--process_id=5"],
+          "the process id must be in [0, 2), got 5",
+          2,
+      ),
+      "host_memory": (
+          GEN,
+          ["--config=experiments/llama3_8b.py"],
+          "the model's weights (16.06 GB: 8,030,261,248 parameters in bfloat16) need 14.96 GiB of host RAM on CPU "
+          "devices, but this host has 8.00 GiB available",
+          2,
+      ),
+      "gates_arm": (GATES, ["--arms=device,bogus"], "unknown arm 'bogus'", 2),
+      "gates_no_arms": (GATES, ["--arms="], "--arms is empty", 2),
+      "serve_port": (SERVE, ["--port=99999"], "flag --port=99999: 99999 is not an integer in the range [1, 65535]", 2),
+      "serve_bench_requests": (SERVE_BENCH, ["--requests=0"], "flag --requests=0: 0 is not a positive integer", 2),
   }
 
 
@@ -196,13 +244,18 @@ def app_errors(tmp_path_factory):
 
   def run(case):
     module, flags_, _, _ = case
-    return subprocess.run(
-        [sys.executable, "-c", _SHIM, module, *flags_], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHIM, module, *flags_], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
+    return proc, time.monotonic() - t0
 
   with concurrent.futures.ThreadPoolExecutor(4) as pool:
     procs = dict(zip(cases, pool.map(run, cases.values())))
-  return {name: (case[2], case[3], procs[name].returncode, procs[name].stderr) for name, case in cases.items()}
+  return {
+      name: (case[2], case[3], procs[name][0].returncode, procs[name][0].stderr, procs[name][1])
+      for name, case in cases.items()
+  }
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -234,6 +287,21 @@ CASES = (
     "bench_kv_dtype",
     "bench_output",
     "bench_contexts",
+    "bench_arm",
+    "config_field",
+    "config_field_typo",
+    "config_variant",
+    "config_file",
+    "json_out_folder",
+    "seed",
+    "coordinator",
+    "num_processes",
+    "process_id",
+    "host_memory",
+    "gates_arm",
+    "gates_no_arms",
+    "serve_port",
+    "serve_bench_requests",
 )
 
 
@@ -243,13 +311,14 @@ def test_every_case_runs(app_errors):
 
 @pytest.mark.parametrize("name", CASES)
 def test_an_input_error_is_one_line_with_its_exit_status(app_errors, name):
-  text, status, returncode, stderr = app_errors[name]
+  text, status, returncode, stderr, seconds = app_errors[name]
   lines = _error_lines(stderr)
   assert "Traceback" not in stderr and "weights were built" not in stderr, stderr[-3000:]
   assert lines and lines[0].startswith("python3 -m jaxkv.") or name == "processes", stderr[-3000:]
   assert "error: " in lines[0] and text in lines[0], (text, stderr[-3000:])
   assert len(lines) == 1 or (len(lines) == 2 and lines[1].startswith("  hint: ")), lines
   assert returncode == status, (returncode, stderr[-3000:])
+  assert seconds < WITHIN_S, seconds
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="an accelerator may be present")
@@ -270,20 +339,19 @@ def test_no_accelerator_with_cpu_devices_0(app_errors):
 
 
 _GROUPS_CHECK = """
-import importlib, importlib.util, sys
+import importlib, sys
 from absl import flags
-from jaxkv import cli
-name = sys.argv[1]
-if importlib.util.find_spec(name).submodule_search_locations:  # A package: `python -m` runs its __main__.
-  name += ".__main__"
-app = importlib.import_module(name)
+app = importlib.import_module(sys.argv[1])
+shared = [m.__name__ for m in vars(app).values() if getattr(m, "__name__", None) == "jaxkv.apps.cli"]
 groups = [h.name for holders in app.HELP_GROUPS.values() for h in holders]
-own = {f.name for m in (app.__name__, cli.__name__) for f in flags.FLAGS.get_flags_for_module(m)}
+own = {f.name for m in [app.__name__, *shared] for f in flags.FLAGS.get_flags_for_module(m)}
 assert len(groups) == len(set(groups)) and set(groups) == own, (sorted(own - set(groups)), groups)
 """
 
 
-@pytest.mark.parametrize("app", [GEN, BENCH, GATES])
+@pytest.mark.parametrize(
+    "app", ["jaxkv.apps.generate", "jaxkv.bench.__main__", "jaxkv.apps.gates", "jaxkv.apps.serve_bench"]
+)
 def test_help_groups_hold_every_flag_of_the_app(app):
   proc = subprocess.run(
       [sys.executable, "-c", _GROUPS_CHECK, app], cwd=ROOT, capture_output=True, text=True, timeout=120
@@ -297,7 +365,32 @@ def test_help_lists_the_app_flags_in_groups():
       [sys.executable, "-m", GEN, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
-  for line in ("model and config:", "KV cache:", "split:", "serving:", "multi-host:", "output:", "  --kv_placement"):
+  for line in ("model and config:", "KV cache:", "split:", "serving:", "multi-host:", "output:"):
     assert line in proc.stdout.splitlines(), line
+  assert "  --kv_placement <device|host|auto>  (config kv.placement)" in proc.stdout.splitlines()
   assert "  --cpu_devices=4" in proc.stdout and "  --config=" in proc.stdout
   assert "--logtostderr" not in proc.stdout and len(proc.stdout.splitlines()) < 120
+
+
+def test_ctrl_c_prints_interrupted_and_exits_130():
+  """SIGINT in the middle of a decode (its progress bar is up): one line, exit status 130, at once."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  cmd = [sys.executable, "-m", GEN, "--capacity=4096", "--batch=1", "--prompt_len=1", "--max_new_tokens=4000"]
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  try:
+    os.set_blocking(proc.stderr.fileno(), False)
+    err, deadline = b"", time.monotonic() + 300
+    while b"decode steps" not in err and proc.poll() is None and time.monotonic() < deadline:
+      time.sleep(0.2)
+      err += proc.stderr.read() or b""
+    assert b"decode steps" in err, err.decode()[-3000:]  # The bar shows after 5 s of work.
+    proc.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    returncode = proc.wait(timeout=60)
+    assert time.monotonic() - t0 < 10
+  finally:
+    proc.kill()
+  os.set_blocking(proc.stderr.fileno(), True)
+  err = (err + proc.stderr.read()).decode()
+  lines = [l for l in _error_lines(err) if "decode steps" not in l]  # The progress bar's lines (\r) apart.
+  assert returncode == 130 and lines == ["interrupted"], (returncode, err[-3000:])

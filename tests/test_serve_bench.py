@@ -5,6 +5,9 @@ import json
 import subprocess
 import sys
 
+from experiments import tiny
+from jaxkv.bench import serve_load
+
 
 def test_serve_bench_times_each_turn_and_the_second_turn_hits_the_prefix_cache(tmp_path):
   out = tmp_path / "serve_bench.json"
@@ -24,3 +27,28 @@ def test_serve_bench_times_each_turn_and_the_second_turn_hits_the_prefix_cache(t
   # Each second turn starts with its first prompt: two whole blocks of engine.prefill_chunk (16) of its 40 ids.
   assert (r["prefix_cache_hits"], r["prefix_cache_hit_tokens"]) == (2, 2 * 32)
   assert "TTFT p50 by turn: turn 1" in proc.stdout
+
+
+def test_the_defaults_fit_the_default_server():
+  """serve_bench's default prompts, new tokens and turns fit the default server's cache (the tiny config's rows)."""
+  flags = "s.PROMPT_LEN, s.MAX_TOKENS, s.TURNS, s.TURN_LEN"
+  code = f"from jaxkv.apps import serve_bench as s; print(*(f.default for f in ({flags})))"
+  # A process of its own: the app's flags would clash with other apps' in this one.
+  defaults = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+  assert serve_load.longest_request(*map(int, defaults)) <= tiny.get_config().engine.capacity
+
+
+def test_requests_that_the_server_cannot_hold_are_one_line_before_the_load():
+  proc = subprocess.run(
+      [sys.executable, "-m", "jaxkv.serve_bench", "--prompt_len=200", "--startup_timeout_s=300"],
+      capture_output=True,
+      text=True,
+      timeout=600,
+      check=False,
+  )
+  lines = [l for l in proc.stderr.splitlines() if l.startswith("python3 -m jaxkv.serve_bench")]
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert lines == [
+      "python3 -m jaxkv.serve_bench: error: a conversation's last request needs 231 cache rows (--prompt_len=200, "
+      "--max_tokens=32, --turns=1, --turn_len=64), more than the server's 128"
+  ]

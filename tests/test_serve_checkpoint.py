@@ -21,8 +21,8 @@ from jaxkv import chat_template as chat_template_lib
 from jaxkv import checkpoint
 from jaxkv import config as config_lib
 from jaxkv import run as run_lib
-from jaxkv import serve_api
 from jaxkv import tokenizer as tokenizer_lib
+from jaxkv.serving import api as serve_api
 
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 
@@ -88,7 +88,7 @@ def served(tmp_path_factory):
   eos = engine.generate([tok.encode(EOS_PROMPT)], 12).tokens[0][5]  # An end of sequence id that this prompt meets.
   with open(os.path.join(path, "generation_config.json"), "w") as f:
     json.dump(dict(eos_token_id=[eos, 255]), f)
-  eos_ids = serve_api.eos_ids(path)
+  eos_ids = checkpoint.eos_ids(path)
   assert eos_ids == {eos, 255}
   with serve_helpers.running(engine, parallel=4, tokenizer=tok, template=template, eos_ids=eos_ids) as (url, _):
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)

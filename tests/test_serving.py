@@ -7,7 +7,7 @@ import helpers
 import numpy as np
 import pytest
 
-from jaxkv import generate as generate_app
+from jaxkv.apps import generate as generate_app
 from jaxkv import serving
 from jaxkv.config import SamplingConfig
 
@@ -54,6 +54,17 @@ def test_a_request_among_others_decodes_as_alone(temperature, served):
   if temperature == 0.0:  # Greedy also matches the batched generate.
     for i in (3, 9):
       assert alone_engine.generate([list(reqs[i].prompt)], reqs[i].max_new_tokens).tokens[0] == among.results[i].tokens
+
+
+def test_a_seeded_request_samples_what_generate_samples_with_its_seed():
+  """One key derivation for generate and the server: a request of seed s samples, token by token and logit by logit,
+  what generate's sequence 0 samples with seed s (its stream 0)."""
+  eng = helpers.engine(2, placement="device", sampling=SamplingConfig(temperature=0.8, top_k=50, top_p=0.95))
+  reqs = requests()
+  for i in (0, 8):
+    served = serving.Server(eng, 2).serve([reqs[i]]).results[0]
+    generated = eng.generate([list(reqs[i].prompt)], reqs[i].max_new_tokens, seed=reqs[i].seed)
+    assert (generated.tokens[0], generated.logits_sha256) == (served.tokens, served.logits_sha256), i
 
 
 @pytest.mark.parametrize("tensor", [1, 4, 8])

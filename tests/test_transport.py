@@ -1,5 +1,6 @@
 """Host placement and the delivery pipeline: exactness across modes, the ring, budgets, telemetry."""
 
+import contextlib
 import dataclasses
 import threading
 
@@ -13,6 +14,7 @@ from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
 from jaxkv import kv_quant
 from jaxkv import transport as transport_lib
+from jaxkv.host import memory
 
 BLOCK = 8
 # Prompt lengths at the block boundaries: 1, block - 1, block, block + 1 (and one past two blocks).
@@ -71,9 +73,10 @@ def test_every_delivery_mode_is_bitwise_identical(tensor, sampling):
 # sampling). To keep the suite fast these run greedy on meshes 1 and 4 only, not the 8 x 2 x 5 matrix: packing
 # acts on one head row at a time, so the mesh only decides which device holds a row; 1 (unsharded) and 4
 # (two heads per device) cover both, and sampling reads only the logits. bfloat16 (a plain cast) runs on mesh 4
-# only. head_dim 32, as int8 needs.
+# only. head_dim 32, as int8 and int4 need.
 @pytest.mark.parametrize(
-    "kv_dtype,tensor", [("int8", 1), ("int8", 4), ("float8_e4m3fn", 1), ("float8_e4m3fn", 4), ("bfloat16", 4)]
+    "kv_dtype,tensor",
+    [("int8", 1), ("int8", 4), ("int4", 1), ("int4", 4), ("float8_e4m3fn", 1), ("float8_e4m3fn", 4), ("bfloat16", 4)],
 )
 def test_every_delivery_mode_is_bitwise_identical_for_each_kv_dtype(kv_dtype, tensor):
   _check_every_mode_is_bitwise_identical(tensor, "greedy", kv_dtype, helpers.tiny_config(head_dim=32))
@@ -107,16 +110,14 @@ def test_delivered_shards_hold_the_device_heads_and_the_ring_is_bounded():
   assert cache.windows[0].sharding.memory_kind == "pinned_host"
   tr = transport_lib.Transport(cache, depth)
   seen = []
-
-  def compute(l, window):
-    assert window.sharding.memory_kind == "device"
-    for shard in window.addressable_shards:
-      assert shard.data.shape[2] == cfg.model.num_kv_heads // tensor
-    assert float(window[0, 0, 0, 0, 0]) == l
-    seen.append(tr.in_flight())
-
   for _ in range(3):
-    tr.run_pass(compute, next_pass=True)
+    for d in tr.deliveries(next_pass=True):
+      for l, window in zip(d.layers, d.windows):
+        assert window.sharding.memory_kind == "device"
+        for shard in window.addressable_shards:
+          assert shard.data.shape[2] == cfg.model.num_kv_heads // tensor
+        assert float(window[0, 0, 0, 0, 0]) == l
+      seen.append(tr.in_flight())
   assert max(seen) == depth  # Groups issued ahead of the one being computed; + it + the previous = depth + 2.
   c = tr.take_counters()
   window_share = np.prod(shape) * 4 // tensor
@@ -125,8 +126,9 @@ def test_delivered_shards_hold_the_device_heads_and_the_ring_is_bounded():
 
 
 def test_an_error_in_a_pass_frees_its_slot_and_close_returns():
-  """A compute that raises mid-pass gives its ring slot back: close() drains the feeder, which may be waiting for
-  that slot (it hung before), and the error reaches the caller."""
+  """A compute that raises mid-pass gives its ring slot back (the deliveries' iterator releases it when closed):
+  close() drains the feeder, which may be waiting for that slot (it hung before), and the error reaches the
+  caller."""
   cfg = helpers.tiny_config()
   kv = dataclasses.replace(cfg.kv, placement="host", pipeline_depth=0, group_layers=1)
   cache = helpers.kv_cache(cfg.model, kv, helpers.mesh(2), batch=2, capacity=64)
@@ -134,14 +136,11 @@ def test_an_error_in_a_pass_frees_its_slot_and_close_returns():
   for l in range(cfg.model.num_layers):
     cache.windows[l] = jax.device_put(np.zeros(shape, np.float32), cache.host_sharding)
   tr = transport_lib.Transport(cache, 0)  # One slot: the feeder's next delivery waits for the failed layer's.
-
-  def compute(l, window):
-    del window
-    if l == 2:
-      raise ValueError("compute failed")
-
   with pytest.raises(ValueError, match="compute failed"):
-    tr.run_pass(compute, next_pass=True)
+    with contextlib.closing(tr.deliveries(next_pass=True)) as deliveries:
+      for d in deliveries:
+        if d.layers == (2,):
+          raise ValueError("compute failed")
   closed = threading.Thread(target=tr.close, daemon=True)  # A regression fails here, not hangs.
   closed.start()
   closed.join(timeout=30)
@@ -174,7 +173,7 @@ def test_choose_depth_uses_the_fullest_device_and_the_headroom():
 
 
 def test_pinned_pool_limit_is_checked_before_allocating(monkeypatch):
-  monkeypatch.setenv(cache_lib.POOL_ENV, "0.001")
+  monkeypatch.setenv(memory.POOL_ENV, "0.001")
   eng = helpers.engine(1, placement="host", capacity=4096)
   with pytest.raises(ValueError, match=r"pinned host memory.*XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=\d+"):
     eng.generate(helpers.prompts([3]), 2)
@@ -184,24 +183,23 @@ def test_pinned_pool_limit_is_checked_before_allocating(monkeypatch):
 def test_host_ram_is_checked_before_allocating(monkeypatch):
   """The RAM figure comes from the test: a host cache larger than it is refused, naming the GiB and what to lower."""
   eng = helpers.engine(1, placement="host", capacity=4096)
-  monkeypatch.setattr(cache_lib, "available_host_bytes", lambda: 2**20)  # 1 MiB of RAM available,
-  monkeypatch.setattr(cache_lib, "_POOL_HELD", [0])  # none held by the pinned pool.
+  monkeypatch.setattr(memory, "available_host_bytes", lambda: 2**20)  # 1 MiB of RAM available,
+  monkeypatch.setattr(memory, "RESERVED", memory.Reserved())  # none held by the pinned pool.
   live = len(jax.live_arrays())
   with pytest.raises(ValueError, match=r"needs \d+\.\d\d GiB .* this host has 0\.00 GiB of RAM available.*--capacity"):
     eng.generate(helpers.prompts([3]), 2)
   assert len(jax.live_arrays()) == live  # Nothing was allocated.
-  monkeypatch.setattr(cache_lib, "available_host_bytes", lambda: 2**40)
+  monkeypatch.setattr(memory, "available_host_bytes", lambda: 2**40)
   eng.generate(helpers.prompts([3]), 2)
-  held = cache_lib._POOL_HELD[0]  # pylint: disable=protected-access
-  assert held > 2**20
-  monkeypatch.setattr(cache_lib, "available_host_bytes", lambda: 2**20)  # The pool's memory is counted as free.
+  assert memory.RESERVED.held > 2**20
+  monkeypatch.setattr(memory, "available_host_bytes", lambda: 2**20)  # The pool's memory is counted as free.
   eng.generate(helpers.prompts([3]), 2)
   cfg = helpers.tiny_config().model
   fmt = kv_quant.KVFormat.of(cfg, "model")
-  cache_lib.check_host_memory(10 * 2**30, 2, cfg, fmt, 1, 4096, available=11 * 2**30)  # Fits: no error.
-  cache_lib.check_host_memory(10 * 2**30, 2, cfg, fmt, 1, 4096, available=None)  # Unknown: not checked.
+  memory.check_host_memory(10 * 2**30, 2, cfg, fmt, 1, 4096, available=11 * 2**30)  # Fits: no error.
+  memory.check_host_memory(10 * 2**30, 2, cfg, fmt, 1, 4096, available=None)  # Unknown: not checked.
   with pytest.raises(ValueError, match=r"needs 10\.00 GiB .*\(2 streamed layers x .* has 9\.50 GiB of RAM available"):
-    cache_lib.check_host_memory(10 * 2**30, 2, cfg, fmt, 1, 4096, available=int(9.5 * 2**30))
+    memory.check_host_memory(10 * 2**30, 2, cfg, fmt, 1, 4096, available=int(9.5 * 2**30))
 
 
 def test_debug_telemetry_has_per_step_and_per_layer_records():

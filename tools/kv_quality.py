@@ -1,4 +1,4 @@
-"""Quality of quantized KV rows (--kv_dtype int8, float8_e4m3fn) on a real model, teacher-forced.
+"""Quality of quantized KV rows (--kv_dtype int8, int4, float8_e4m3fn) on a real model, teacher-forced.
 
 The text is fed in chunks through jaxkv.model.prefill_layer, whose queries attend to the rows as they are stored
 (packed, then unpacked: what decode reads), once per KV dtype. At every position it compares the next-token
@@ -35,7 +35,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_tokens", 0, "Use the first N tokens of the text (0 = all).")
   flags.DEFINE_integer("chunk", 512, "Prefill chunk, rows.")
   flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Model dtype.")
-  flags.DEFINE_list("kv_dtypes", ["int8", "float8_e4m3fn"], "Quantized KV dtypes to compare.")
+  flags.DEFINE_list("kv_dtypes", ["int8", "int4", "float8_e4m3fn"], "Quantized KV dtypes to compare.")
   flags.DEFINE_string("json_out", None, "Write the figures here.")
 
 

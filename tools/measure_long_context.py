@@ -34,10 +34,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top  (after the path; no JAX backend starts in this process)
 from experiments import llama3_8b
-from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
 from jaxkv import kv_quant
 from jaxkv import residency
+from jaxkv.bench import arms as arms_lib
+from jaxkv.host import memory
 
 _CONFIG = "experiments/llama3_8b.py:3.1"
 _ARMS = ("device", "device_int8", "auto_d2", "auto_d2_int8")
@@ -132,9 +133,11 @@ def main():
   weights_gib = 2 * model.num_params() / _GIB  # bfloat16.
   mem_fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", a.mem_fraction))
   free_gib = mem_fraction * a.device_gib - weights_gib - 2.0  # 2 GiB for the rest (estimate).
-  ram_gib = (cache_lib.available_host_bytes() or 0) / _GIB
+  ram_gib = (memory.available_host_bytes() or 0) / _GIB
   arms = a.arms.split(",")
-  dtypes = sorted({"int8" if arm.endswith("_int8") else "bfloat16" for arm in arms if arm.startswith("auto")})
+  dtypes = sorted(
+      {parse.kv_dtype or "bfloat16" for parse in map(arms_lib.parse_arm, arms) if parse.placement == "auto"}
+  )
   summary = dict(
       config=_CONFIG,
       mem_fraction=mem_fraction,
@@ -167,7 +170,7 @@ def main():
       return None, info
     pool = max(4, math.ceil(host_gib + 4))
     info["pinned_pool_gib"] = pool  # XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB: above 64 it must be raised, as here.
-    return dict(base_env, **{cache_lib.POOL_ENV: str(pool)}), info
+    return dict(base_env, **{memory.POOL_ENV: str(pool)}), info
 
   if a.prefill:
     ctx = int(a.prefill)

@@ -1,5 +1,5 @@
 """Measure (GPU): time to first token of a prompt that shares a long prefix with an earlier one, against a cold
-prefill (jaxkv.prefix_cache).
+prefill (jaxkv.serving.prefix_cache).
 
 Random weights of --config; each round draws a fresh random prefix of --prefix_len tokens and serves, one request at
 a time on one slot (jaxkv.serving, greedy, 1 new token), and times each request's first token on the host (its
@@ -27,8 +27,9 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxkv import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jaxkv import generate  # pylint: disable=g-import-not-at-top,wrong-import-position  (--prefix_cache_gib, --seed, --json_out)
+from jaxkv.apps import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxkv.apps import launch  # pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxkv.apps import generate  # pylint: disable=g-import-not-at-top,wrong-import-position  (--prefix_cache_gib, --seed, --json_out)
 
 PREFIX_LEN = flags.DEFINE_integer("prefix_len", 32768, "Tokens of the shared prefix.")
 TAIL_LEN = flags.DEFINE_integer("tail_len", 64, "Tokens after the prefix (different in the cold and warm prompt).")
@@ -42,14 +43,14 @@ def main(argv):
     raise app.UsageError("give --prefix_cache_gib (host memory for the prefix cache, e.g. 8)")
   if ROUNDS.value < 2 or PREFIX_LEN.value < 1 or TAIL_LEN.value < 1:
     raise app.UsageError("--rounds must be >= 2, --prefix_len and --tail_len >= 1")
-  cli.setup_platform()
+  config = cli.resolved_config()
+  cli.setup_platform(config.model)
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   from jaxkv import run  # pylint: disable=g-import-not-at-top
   from jaxkv import serving  # pylint: disable=g-import-not-at-top
 
-  config = cli.resolved_config()
   _, _, engine = run.build(config, generate.SEED.value)
   off = serving.Server(engine, 1)
   on = serving.Server(engine, 1, generate.prefix_cache_bytes())
@@ -91,7 +92,7 @@ def main(argv):
   path = generate.JSON_OUT.value or (
       os.path.join(os.environ["OUT"], "prefix_cache.json") if os.environ.get("OUT") else None
   )
-  cli.write_json(result, path)
+  launch.write_json(result, path)
   print(f"\nprefix {PREFIX_LEN.value} + tail {TAIL_LEN.value} tokens, {ROUNDS.value - 1} rounds, {stats}")
   print(f"{'arm':6} {'ttft_s (median)':>16} {'serve wall_s':>13}")
   for k, v in med.items():
@@ -100,4 +101,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, {"model and config": cli.CONFIG_GROUP, "prefix": [PREFIX_LEN, TAIL_LEN, ROUNDS]}, __doc__)

@@ -19,16 +19,16 @@ from experiments import llama3_8b
 from experiments import tiny
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
-from jaxkv import host_decode
 from jaxkv import run as run_lib
+from jaxkv.host import decode as host_decode
 
 HostDecode = host_decode.HostDecode
 _CARRIED = HostDecode.decode_layer
 
 
-def _alone(self, l, fns, p, x, held, tail, meta, start):
+def _alone(self, l, calls, p, x, held, tail, meta, start):
   """The split layer with the held merge dispatched on its own first."""
-  return _CARRIED(self, l, fns, p, self.merge_held(held, x), None, tail, meta, start)
+  return _CARRIED(self, l, calls, p, self.merge_held(held, x), None, tail, meta, start)
 
 
 def run(cells, ctx: int, new: int, rounds: int, threads: int) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Probe: GB/s of the host attention kernel (jaxkv.host_attention) on the Llama-3-8B per-layer shape, alone and
+"""Probe: GB/s of the host attention kernel (jaxkv.host.attention) on the Llama-3-8B per-layer shape, alone and
 while a thread streams pinned host memory to the device.
 
 For each (batch, context, kv dtype, threads): enough layers of [2, B, 8, W, E] windows in pinned host memory to
@@ -39,8 +39,8 @@ import numba
 import numpy as np
 from absl import app, flags
 
-from jaxkv import host_attention
 from jaxkv import mesh as mesh_lib
+from jaxkv.host import attention as host_attention
 from jaxkv.kv_quant import KVFormat
 
 KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128  # Llama-3-8B on one device.
@@ -49,7 +49,7 @@ BATCHES = flags.DEFINE_list("batches", ["1", "4"], "Batch sizes.")
 CONTEXTS = flags.DEFINE_list("contexts", ["16384", "32768"], "Window rows W.")
 KV_DTYPES = flags.DEFINE_list("kv_dtypes", ["bfloat16", "int8"], "Stored formats (jaxkv.kv_quant).")
 THREADS = flags.DEFINE_list("threads", ["0"], "numba thread counts; 0 = all cores.")
-KERNELS = flags.DEFINE_list("kernels", ["attend"], "attend (jaxkv.host_attention) and/or read (a bare read).")
+KERNELS = flags.DEFINE_list("kernels", ["attend"], "attend (jaxkv.host.attention) and/or read (a bare read).")
 FRACTIONS = flags.DEFINE_list("fractions", ["1"], "Shares f in (0, 1] of each window's rows attended per call.")
 STREAM_MIB = flags.DEFINE_integer("stream_mib", 512, "Size of each streamed device_put.")
 MIN_GIB = flags.DEFINE_float("min_gib", 2.0, "Host bytes of windows per measurement, at least (layers cycle).")

@@ -1,4 +1,4 @@
-"""Probe (GPU): the host-wait op (jaxkv.host_wait) alone, then host attention with kv.host_attention_wait "device"
+"""Probe (GPU): the host-wait op (jaxkv.host.wait) alone, then host attention with kv.host_attention_wait "device"
 against "thread", alternating in one process, with streaming alone (no host attention) beside them.
 
 Part 1, the ops: calls dispatched before their data exist must not block the dispatching thread nor finish early,
@@ -26,9 +26,9 @@ from experiments import llama3_8b
 from experiments import tiny
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
-from jaxkv import host_attention
-from jaxkv import host_wait
 from jaxkv import run as run_lib
+from jaxkv.host import attention as host_attention
+from jaxkv.host import wait as host_wait
 
 
 def _ready_after(out: jax.Array, t0: float) -> float:

@@ -1,4 +1,4 @@
-"""Decode benchmark: `python -m jaxkv.bench` (tiny model, 4 simulated CPU devices by default).
+"""Decode benchmark: `python3 -m jaxkv.bench` (tiny model, 4 simulated CPU devices by default).
 
 Times tokens/s and ms/step per arm ("device", "host_d<depth>", either with an optional KV dtype suffix such as
 "host_d2_int8", and the Hugging Face offloaded-cache peer)
@@ -7,7 +7,7 @@ see jaxkv/bench/benchmark.py. Over several processes (--coordinator_address, --n
 process runs the same arms and process 0 writes the outputs. --sweep picks the contexts, arms, new tokens and rounds
 that are not given: "cpu" (the default) a run of a few minutes on the CPU, "gpu" the long-context sweep, e.g.:
 
-  python -m jaxkv.bench --cpu_devices=0 --sweep=gpu --config=experiments/llama3_8b.py --batches=1,4 \
+  python3 -m jaxkv.bench --cpu_devices=0 --sweep=gpu --config=experiments/llama3_8b.py --batches=1,4 \
       --json_out=bench.json --md_out=bench.md --plot_out=bench.png
 
 --synthetic_context stores each prompt's rows below its last prefill chunk as zeros instead of prefilling them:
@@ -22,8 +22,9 @@ import sys
 from absl import app
 from absl import flags
 
-from jaxkv import cli
 from jaxkv import distributed
+from jaxkv.apps import cli
+from jaxkv.apps import launch
 
 # --sweep's values of the flags left unset: (contexts, arms, new_tokens, rounds).
 SWEEPS = {
@@ -46,7 +47,8 @@ ARMS = flags.DEFINE_list(
     "arms",
     None,
     "KV arms: 'device', 'host_d<depth>' (host_d0 = ordered) or 'auto_d<depth>' (residency planner), optionally "
-    "with a KV dtype suffix: '_bfloat16', '_float32', '_int8', '_float8_e4m3fn' (e.g. host_d2_int8; none = config "
+    "with a KV dtype suffix: '_bfloat16', '_float32', '_int8', '_int4', '_float8_e4m3fn' (e.g. host_d2_int4; none = "
+    "config "
     "kv.dtype), then for host and auto arms '_ha' (host attention, share measured) or '_ha<NN>' (share NN/100), "
     "then '_g<N>': at most N layers per decode call (kv.group_layers; device_g1 = one call per layer); default "
     "from --sweep.",
@@ -71,7 +73,7 @@ SYNTHETIC_CONTEXT = flags.DEFINE_bool(
 PEAK_MIB = flags.DEFINE_integer(
     "peak_mib", 0, "Per-device size of the link peak transfer, MiB; 0 = the largest decode step's KV, 1 MiB to 1 GiB."
 )
-SEED = flags.DEFINE_integer("seed", 0, "Seeds the weights and the prompt ids.")
+SEED = flags.DEFINE_integer("seed", 0, "Seeds the weights and the prompt ids.", lower_bound=0)
 JSON_OUT = flags.DEFINE_string("json_out", None, "Write every raw sample, the ceilings and the stats here.")
 MD_OUT = flags.DEFINE_string("md_out", None, "Write the markdown report here.")
 PLOT_OUT = flags.DEFINE_string("plot_out", None, "Write a PNG of tokens/s against context here (matplotlib).")
@@ -98,9 +100,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   contexts, arms, new_tokens, rounds = SWEEPS[SWEEP.value]
-  cli.check_outputs(JSON_OUT, MD_OUT, PLOT_OUT)
-  cli.setup_platform()
-  # pylint: disable=g-import-not-at-top  (after the platform is set)
+  launch.check_outputs(JSON_OUT, MD_OUT, PLOT_OUT)
+  # pylint: disable=g-import-not-at-top  (no JAX call before setup_platform)
   from jaxkv import preflight
   from jaxkv.bench import arms as arms_lib
   from jaxkv.bench import benchmark
@@ -119,8 +120,9 @@ def main(argv):
         synthetic_context=SYNTHETIC_CONTEXT.value,
     )
     config = cli.resolved_config()
-    for arm in spec.arms:  # A KV dtype that does not fit the model.
+    for arm in spec.arms:  # An unknown arm, or a KV dtype that does not fit the model.
       arms_lib.arm_config(config, arm)
+  cli.setup_platform(config.model)
   main_process = distributed.is_main()  # Every process runs the arms; process 0 writes and prints.
   out = benchmark.run(
       config,
@@ -135,4 +137,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main, HELP_GROUPS)
+  cli.run(main, HELP_GROUPS, __doc__)

@@ -1,10 +1,11 @@
 """The benchmark's arms: an arm name -> its config.
 
 An arm is a KV placement and delivery depth ("device"; "host_d0" = ordered; "host_dN" = pipelined at depth N;
-"auto_dN" = the residency planner), optionally with a KV dtype suffix ("host_d2_int8", "device_float8_e4m3fn"; none =
-the config's kv.dtype) and then a host attention suffix ("host_d2_ha": the host's share chosen at start;
-"host_d2_ha40": f = 0.40; jaxkv.host_split) and last a decode group suffix ("device_g1": kv.group_layers = 1, one
-call per layer; none = the config's), or the Hugging Face peer (PEER_ARM, jaxkv.bench.peer_hf).
+"auto_dN" = the residency planner), optionally with a KV dtype suffix ("host_d2_int8", "host_d2_int4", "device_int4",
+"device_float8_e4m3fn"; none = the config's kv.dtype) and then a host attention suffix ("host_d2_ha": the host's share
+chosen at start; "host_d2_ha40": f = 0.40; jaxkv.host.split) and last a decode group suffix ("device_g1":
+kv.group_layers = 1, one call per layer; none = the config's), or the Hugging Face peer (PEER_ARM,
+jaxkv.bench.peer_hf).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ _ARM_RE = re.compile(rf"^(device|(host|auto)_d(\d+))(?:_({'|'.join(ARM_KV_DTYPES
 @dataclasses.dataclass(frozen=True)
 class ArmSpec:
   """placement: "device", "host" or "auto"; depth: None for "device"; kv_dtype: None = the config's kv.dtype;
-  host_attention: None = off, 0.0 = the share chosen at start (jaxkv.host_split), f in (0, 1) = that share;
+  host_attention: None = off, 0.0 = the share chosen at start (jaxkv.host.split), f in (0, 1) = that share;
   group_layers: kv.group_layers (None = the config's)."""
 
   placement: str
@@ -42,8 +43,8 @@ def parse_arm(name: str) -> ArmSpec:
     raise ValueError(
         f"unknown arm {name!r}: use 'device', 'host_d<depth>' (host_d0 = ordered) or 'auto_d<depth>' (residency "
         f"planner), optionally followed by '_<kv dtype>' with a kv dtype of {', '.join(ARM_KV_DTYPES)} "
-        "(e.g. host_d2_int8), then for a host or auto arm '_ha' (host attention, share measured) or '_ha<NN>' "
-        "(share NN / 100, e.g. host_d2_ha40), and last optionally '_g<N>' (N layers per decode call at most, "
+        "(e.g. host_d2_int8, host_d2_int4), then for a host or auto arm '_ha' (host attention, share measured) or "
+        "'_ha<NN>' (share NN / 100, e.g. host_d2_ha40), and last optionally '_g<N>' (N layers per decode call at most, "
         "kv.group_layers; e.g. device_g1, one call per layer)"
     )
   ha = None if not m.group(5) else int(m.group(6) or 0) / 100
@@ -54,7 +55,8 @@ def parse_arm(name: str) -> ArmSpec:
 
 
 def arm_config(config: Config, arm: str) -> Config:
-  """The config of an arm; ValueError when its KV dtype does not fit the model (int8 needs head_dim % 32 == 0)."""
+  """The config of an arm; ValueError when its KV dtype does not fit the model (int8 and int4 need head_dim % 32 ==
+  0)."""
   a = parse_arm(arm)
   kv = dataclasses.replace(
       config.kv,

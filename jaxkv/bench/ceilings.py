@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import distributed
+from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv.cache import KVCache
@@ -67,7 +68,8 @@ def host_cache_filled(config: Config, mesh: jax.sharding.Mesh, batch: int, rows:
   Each layer gets its own host buffer, as in a real cache. Raises ValueError when the pinned pool is too small.
   """
   kv = dataclasses.replace(config.kv, placement="host", host_attention=False, host_attention_fraction=0.0)
-  args = (config.model, kv, mesh, batch, config.engine.capacity, layout)
+  layout = layout or layout_lib.make_layout("tensor", mesh, config.model.num_layers)
+  args = (config.model, kv, layout, batch, config.engine.capacity)
   cache = KVCache(*args, placement=residency.place(*args))
   m = config.model
   shape = (2, batch, m.num_kv_heads, rows, cache.row_width)
@@ -91,16 +93,12 @@ def transfer_only_ms(transport: Transport, passes: int) -> float:
   clock stops when every delivery has landed.
   """
   held = collections.deque()
-
-  def compute(layers, windows):
-    del layers
-    held.append(windows)
-    if len(held) > transport.depth + 1:
-      jax.block_until_ready(held.popleft())
-
   t0 = time.perf_counter()
   for i in range(passes):
-    transport.run_groups(compute, next_pass=i < passes - 1)
+    for delivery in transport.deliveries(next_pass=i < passes - 1):
+      held.append(delivery.windows)
+      if len(held) > transport.depth + 1:
+        jax.block_until_ready(held.popleft())
   jax.block_until_ready(list(held))
   return 1e3 * (time.perf_counter() - t0) / passes
 

@@ -102,7 +102,7 @@ def markdown(out: dict) -> str:
         "",
         "## Host attention (_ha arms)",
         "",
-        "f = the host's share of the cache's largest window (measured: f* of jaxkv.host_split's model, from the CPU's "
+        "f = the host's share of the cache's largest window (measured: f* of jaxkv.host.split's model, from the CPU's "
         "and the link's rates measured together and a split layer's fixed cost c, with its predicted gain over "
         "streaming alone and the kernel threads it chose; 'off': host attention turned itself off); x link bound = "
         "tok/s / (batch x link peak / the arm's KV bytes per step): above 1 only because the CPU attends part of the "

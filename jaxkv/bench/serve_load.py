@@ -26,6 +26,15 @@ import httpx
 import numpy as np
 
 
+class LoadError(Exception):
+  """The load could not run: the server did not start, refused the requests, or cannot hold them (status 2: the
+  flags must change; 1: the server failed)."""
+
+  def __init__(self, message: str, hint: str | None = None, status: int = 1):
+    super().__init__(message)
+    self.hint, self.status = hint, status
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -36,14 +45,14 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
   t0 = time.monotonic()
   while time.monotonic() - t0 < timeout:
     if proc.poll() is not None:
-      raise RuntimeError(f"the server exited with {proc.returncode} before serving (its log is above)")
+      raise LoadError(f"the server exited with status {proc.returncode} before serving", "its error is above")
     try:
       if httpx.get(url + "/health", timeout=5).status_code == 200:
         return
     except httpx.TransportError:
       pass
     time.sleep(1.0)
-  raise RuntimeError(f"the server did not answer /health within {timeout:.0f} s")
+  raise LoadError(f"the server did not answer /health within {timeout:.0f} s", "raise --startup_timeout_s")
 
 
 async def _one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
@@ -53,7 +62,7 @@ async def _one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> d
   ttft, out = None, []
   async with http.stream("POST", "/v1/completions", json=body) as r:
     if r.status_code != 200:
-      raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
+      raise LoadError(f"the server refused a request: HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
     async for line in r.aiter_lines():
       if not line.startswith("data: {"):
         continue
@@ -94,6 +103,12 @@ def _percentiles(xs) -> dict:
   return {f"p{q}": float(np.percentile(xs, q)) for q in (50, 90, 99)} | {"mean": float(np.mean(xs))}
 
 
+def longest_request(prompt_len: int, max_tokens: int, turns: int, turn_len: int) -> int:
+  """Cache rows that a conversation's last request needs: its prompt (the first prompt, each earlier answer and
+  turn) plus its new tokens - 1."""
+  return prompt_len + (turns - 1) * (max_tokens + turn_len) + max_tokens - 1
+
+
 def run(
     server_flags: list[str],
     requests: int,
@@ -112,7 +127,16 @@ def run(
   proc = subprocess.Popen(cmd, env=os.environ.copy())
   try:
     _wait_healthy(url, proc, startup_s)
-    vocab = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["vocab_size"]
+    card = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
+    rows = longest_request(prompt_len, max_tokens, turns, turn_len)
+    if rows > card["max_model_len"]:
+      raise LoadError(
+          f"a conversation's last request needs {rows} cache rows (--prompt_len={prompt_len}, --max_tokens="
+          f"{max_tokens}, --turns={turns}, --turn_len={turn_len}), more than the server's {card['max_model_len']}",
+          "lower them, or raise the server's --capacity in --server_flags",
+          status=2,
+      )
+    vocab = card["vocab_size"]
     rng = np.random.default_rng(seed)
     new = lambda: [rng.integers(0, vocab, prompt_len if t == 0 else turn_len).tolist() for t in range(turns)]
     conversations = [new() for _ in range(2 * requests)]

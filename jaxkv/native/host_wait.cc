@@ -6,10 +6,10 @@
 //                       copies the bytes into the call's output.
 //   jaxkv_host_publish: copies the call's operand into the bytes, then sets the counter to k (the host polls it).
 // So a call can be dispatched before its input exists and starts as soon as the host's counter moves, and the host
-// sees a result without asking the runtime, with no thread dispatching anything in between (jaxkv.host_wait).
+// sees a result without asking the runtime, with no thread dispatching anything in between (jaxkv.host.wait).
 //
 // CUDA: one block of a small kernel on the call's stream does it, reading and writing the host memory through its
-// device address (the kernels below, PTX: nvcc -ptx -arch=compute_80; their CUDA source is in jaxkv.host_wait).
+// device address (the kernels below, PTX: nvcc -ptx -arch=compute_80; their CUDA source is in jaxkv.host.wait).
 // A kernel, not the stream's own wait (cuStreamWaitValue32) and a cuMemcpy: the copy engines run the copies FIFO,
 // so a small copy waited behind the host-to-device copies in flight (2.7-2.9 ms on the H200 beside back-to-back
 // 256 MiB puts, against 0.17-0.20 ms for the kernel).

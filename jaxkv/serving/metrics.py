@@ -8,7 +8,7 @@ import collections
 import prometheus_client
 from prometheus_client import core
 
-from jaxkv import serving_loop
+from jaxkv.serving import loop as loop_lib
 
 # Seconds: first tokens from ~10 ms (tiny model) to a long prompt's prefill on a large one.
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -17,7 +17,7 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 class Metrics:
   """A registry of its own (several servers can live in one test process)."""
 
-  def __init__(self, loop: serving_loop.ServingLoop):
+  def __init__(self, loop: loop_lib.ServingLoop):
     self.registry = prometheus_client.CollectorRegistry()
     self.registry.register(_LoopCollector(loop))
     self.rejected = prometheus_client.Counter(
@@ -46,7 +46,7 @@ class Metrics:
 class _LoopCollector:
   """The serving loop's counters, read when scraped."""
 
-  def __init__(self, loop: serving_loop.ServingLoop):
+  def __init__(self, loop: loop_lib.ServingLoop):
     self.loop = loop
 
   def describe(self):
@@ -55,7 +55,7 @@ class _LoopCollector:
   def collect(self):
     stats, transport = self.loop.stats, self.loop.transport()
     requests = core.CounterMetricFamily("jaxkv_requests", "Requests served, by how they ended.", labels=["reason"])
-    for reason in serving_loop.ENDS:
+    for reason in loop_lib.ENDS:
       requests.add_metric([reason], stats.requests[reason])
     yield requests
     yield core.CounterMetricFamily(

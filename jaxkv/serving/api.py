@@ -1,7 +1,7 @@
-"""The OpenAI-compatible HTTP API over a jaxkv.serving_loop.ServingLoop (FastAPI and uvicorn; `serve` extra).
+"""The OpenAI-compatible HTTP API over a jaxkv.serving.loop.ServingLoop (FastAPI and uvicorn; `serve` extra).
 
 POST /v1/completions (prompt: text, or token ids), POST /v1/chat/completions (the checkpoint's chat template,
-jaxkv.chat_template), GET /v1/models, GET /health, GET /metrics (Prometheus text, jaxkv.serve_metrics). With
+jaxkv.chat_template), GET /v1/models, GET /health, GET /metrics (Prometheus text, jaxkv.serving.metrics). With
 "stream": true the choices come as server-sent events, one chunk per token, then `data: [DONE]`. Every choice (and
 chunk) carries its generated ids in `token_ids`; without a tokenizer prompts are token ids and `text` is empty.
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import secrets
 import threading
@@ -30,11 +29,13 @@ import uvicorn
 from fastapi import responses
 
 from jaxkv import chat_template as chat_template_lib
-from jaxkv import serve_metrics
-from jaxkv import serving
-from jaxkv import serving_loop
+from jaxkv import checkpoint
 from jaxkv import tokenizer as tokenizer_lib
 from jaxkv.config import SamplingConfig
+from jaxkv.serving import loop as loop_lib
+from jaxkv.serving import metrics as metrics_lib
+from jaxkv.serving import server as server_lib
+from jaxkv.serving.requests import Request
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's.
 _POLL_S = 0.5  # How often a non-streaming request checks that its client is still there.
@@ -46,7 +47,7 @@ class Model:
   sequence ids (a request ends after one, unless it asks "ignore_eos")."""
 
   name: str
-  loop: serving_loop.ServingLoop
+  loop: loop_lib.ServingLoop
   tokenizer: tokenizer_lib.Tokenizer | None = None
   chat_template: chat_template_lib.ChatTemplate | None = None
   eos_ids: frozenset[int] = frozenset()
@@ -136,9 +137,7 @@ _FINISH = {"eos": "stop", "length": "length", "cancelled": "stop"}
 class _Generation:
   """One request in the loop, seen from the event loop: its tokens arrive on an asyncio queue."""
 
-  def __init__(
-      self, model: Model, metrics: serve_metrics.Metrics, request: serving.Request, stops: list[str], eos: frozenset
-  ):
+  def __init__(self, model: Model, metrics: metrics_lib.Metrics, request: Request, stops: list[str], eos: frozenset):
     self.model, self.metrics, self.eos = model, metrics, eos
     self.out = _Output(model.tokenizer, stops)
     self.t0 = time.perf_counter()
@@ -155,9 +154,9 @@ class _Generation:
       self.handle = model.loop.submit(request, lambda t: put("token", t), lambda why, err: put("end", why, err))
     except ValueError as e:
       raise ApiError(400, str(e)) from e
-    except serving_loop.QueueFull as e:
+    except loop_lib.QueueFull as e:
       raise ApiError(429, f"server busy: {e}; retry later", "rate_limit_error") from e
-    except serving_loop.Closed as e:
+    except loop_lib.Closed as e:
       raise ApiError(503, str(e), "server_error") from e
 
   async def next(self, timeout: float | None = None) -> tuple[list[int], str]:
@@ -186,7 +185,7 @@ class _Generation:
 def make_app(model: Model) -> fastapi.FastAPI:
   """The FastAPI app; starting and stopping the loop is the caller's (jaxkv.serve)."""
   app = fastapi.FastAPI(title="jaxkv", docs_url=None, redoc_url=None)
-  metrics = serve_metrics.Metrics(model.loop)
+  metrics = metrics_lib.Metrics(model.loop)
   created = int(time.time())
 
   @app.exception_handler(fastapi.exceptions.RequestValidationError)
@@ -258,7 +257,7 @@ def make_app(model: Model) -> fastapi.FastAPI:
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if stops and model.tokenizer is None:
       raise ApiError(400, "stop strings need a checkpoint with a tokenizer.json")
-    request = serving.Request(tuple(ids), max_tokens, seed=_seed(body.seed), sampling=_sampling(body, model))
+    request = Request(tuple(ids), max_tokens, seed=_seed(body.seed), sampling=_sampling(body, model))
     gen = _Generation(model, metrics, request, stops, frozenset() if body.ignore_eos else model.eos_ids)
     rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
     head = {"id": rid, "created": int(time.time()), "model": model.name}
@@ -379,25 +378,12 @@ def build_model(
     if os.path.isfile(os.path.join(checkpoint_dir, tokenizer_lib.TOKENIZER_FILE)):
       tokenizer = tokenizer_lib.Tokenizer.from_dir(checkpoint_dir)
       template = tokenizer.chat_template
-    eos = eos_ids(checkpoint_dir)
+    eos = checkpoint.eos_ids(checkpoint_dir)
     _, _, _, engine = run.build_from_checkpoint(config, checkpoint_dir, dtype)
   else:
     _, _, engine = run.build(config, seed)
-  loop = serving_loop.ServingLoop(serving.Server(engine, parallel, prefix_cache_bytes), max_queue).start()
+  loop = loop_lib.ServingLoop(server_lib.Server(engine, parallel, prefix_cache_bytes), max_queue).start()
   done = threading.Event()
-  loop.submit(serving.Request((0,), 2), lambda t: None, lambda why, err: done.set())
+  loop.submit(Request((0,), 2), lambda t: None, lambda why, err: done.set())
   done.wait()
   return Model(name, loop, tokenizer, template, eos)
-
-
-def eos_ids(checkpoint_dir: str) -> frozenset[int]:
-  """A checkpoint's end of sequence ids: generation_config.json's eos_token_id (an id or a list, as Llama-3 Instruct
-  lists <|end_of_text|> and <|eot_id|>), else config.json's."""
-  for name in ("generation_config.json", "config.json"):
-    path = os.path.join(checkpoint_dir, name)
-    if os.path.isfile(path):
-      with open(path) as f:
-        ids = json.load(f).get("eos_token_id")
-      if ids is not None:
-        return frozenset([ids] if isinstance(ids, int) else ids)
-  return frozenset()

@@ -1,7 +1,7 @@
 """The host's share of each window for host attention, chosen at start from rates measured on this machine.
 
 With host attention a decode step moves (1 - f) of each streamed window over the link while the CPU attends the other
-f in place (jaxkv.host_attention), then the devices merge the two partials. For one layer whose window holds W bytes
+f in place (jaxkv.host.attention), then the devices merge the two partials. For one layer whose window holds W bytes
 per device, with s = W / link, k = local W / cpu (the kernel reads the process's `local` head shards) and c the
 fixed cost of a split layer's round trip (the query's call and its copy to the host, the kernel's call, the
 hand-back, the merge's call: all on the path from one layer's kernel to the next), the model is
@@ -10,7 +10,7 @@ hand-back, the merge's call: all on the path from one layer's kernel to the next
   split at f:        t(f) = max((1 - f) s, c + f k)   ->   f* = (s - c) / (s + k),   gain = s / t(f*).
 
 A window whose predicted gain is under MIN_GAIN is not split (f = 0): it streams like any other, and where that holds
-for the largest window a cache can reach, host attention is off for it (jaxkv.host_decode). `measure` runs the kernel
+for the largest window a cache can reach, host attention is off for it (jaxkv.host.decode). `measure` runs the kernel
 and the link side by side on one layer's worth of rows (SAMPLE_BYTES per device; each slows the other: they share the
 host's memory) and times FIXED_RUNS round trips of the path, once per process and (shardings, format, threads); with
 several processes, process 0's figures decide for all. With kv.host_attention_threads = 0 the kernel's threads are
@@ -32,7 +32,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from jaxkv import distributed
-from jaxkv import host_attention
+from jaxkv.host import attention
 from jaxkv import mesh as mesh_lib
 from jaxkv.kv_quant import KVFormat
 
@@ -105,7 +105,7 @@ def split(
   """The override when fraction > 0, else the measured split; threads > 0 is the kernel's, 0 chooses them (the
   candidate with the largest predicted gain for a window of `window_bytes` per device, the largest the cache
   reaches). ValueError past numba's pool."""
-  base = host_attention.engine_threads(threads)
+  base = attention.engine_threads(threads)
   if jax.process_count() > 1:  # The same candidates, hence the same collective measurements, in every process.
     base = int(multihost_utils.broadcast_one_to_all(np.int32(base)))
   candidates = [base] if threads else sorted({max(1, base - d) for d in THREAD_STEPS}, reverse=True)
@@ -125,7 +125,7 @@ def measure(
   mesh = host.mesh
   t = mesh_lib.tensor_size(mesh)
   heads = t  # One KV head per device shard: the kernel's and the link's rates are per byte, not per head.
-  rows = max(SAMPLE_BYTES // (2 * fmt.row_bytes), host_attention.ROW_BLOCK)
+  rows = max(SAMPLE_BYTES // (2 * fmt.row_bytes), attention.ROW_BLOCK)
   shape = (2, 1, heads, rows, fmt.width)
   window = jax.jit(lambda: jnp.zeros(shape, fmt.storage_dtype), out_shardings=device)()
   window = distributed.move(window, host)
@@ -134,8 +134,8 @@ def measure(
   start = np.zeros(1, np.int32)
   per_device = window.nbytes // t
 
-  def attend():  # On the engine's kernel thread: see host_attention.WORKER.
-    host_attention.WORKER.submit(host_attention.attend_array, window, q, start, 0, rows, fmt, threads).result()
+  def attend():  # On the engine's kernel thread: see attention.WORKER.
+    attention.WORKER.submit(attention.attend_array, window, q, start, 0, rows, fmt, threads).result()
 
   def stream(n):
     return [distributed.move(window, device) for _ in range(n)]
@@ -200,7 +200,7 @@ def _fixed_seconds(window: jax.Array, q: np.ndarray, start: np.ndarray, fmt: KVF
   device = mesh_lib.sharding(mesh, (), "device")
   pinned = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None), "pinned_host")
   on_device = window.sharding.with_memory_kind("device")
-  shape = (*window.shape[:3], host_attention.ROW_BLOCK, window.shape[4])
+  shape = (*window.shape[:3], attention.ROW_BLOCK, window.shape[4])
   block_host = distributed.move(
       jax.jit(lambda: jnp.zeros(shape, window.dtype), out_shardings=on_device)(), window.sharding
   )
@@ -218,14 +218,14 @@ def _fixed_seconds(window: jax.Array, q: np.ndarray, start: np.ndarray, fmt: KVF
     if q_host.is_fully_addressable:
       q_np = np.asarray(q_host)
     else:  # This process's heads; the kernel reads only those.
-      q_np = host_attention.gather(host_attention.shard_views(q_host), q_host.shape)
-    return host_attention.attend_array(window, q_np, start, 0, host_attention.ROW_BLOCK, fmt, threads)
+      q_np = attention.gather(attention.shard_views(q_host), q_host.shape)
+    return attention.attend_array(window, q_np, start, 0, attention.ROW_BLOCK, fmt, threads)
 
   x, times = jax.jit(lambda: jnp.zeros((), jnp.float32), out_shardings=device)(), []
   for _ in range(FIXED_RUNS + 1):
     t0 = time.perf_counter()
     delivered = distributed.move(block_host, on_device)
-    kernel = host_attention.WORKER.submit(host_part, query(weights, x))
+    kernel = attention.WORKER.submit(host_part, query(weights, x))
     y = tail(weights, x, delivered)
     o, lse = kernel.result()
     x = merge(weights, y, o, lse)

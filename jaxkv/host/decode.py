@@ -1,12 +1,13 @@
 """The host-attention path of decode (kv.host_attention): a split layer's head attended on the host CPU.
 
 A streamed layer's window is stored split at r1 (jaxkv.cache: its head, rows [0, r1), and its tail). Decode runs such a
-layer as its query on the devices, the head's partial on the host by the kernel's worker thread
-(host_attention.WORKER), the tail's partial on the devices, and the merge of the two (jaxkv.jitted). `HostDecode` is
-that path for one cache: the host's share (jaxkv.host_split), the kernel's threads, what waits for the host's
-partials (kv.host_attention_wait), the arrays that carry them back (host_attention.HandBack), the kernels' futures and
-the time spent per part; `plan`, before a cache is made, measures the split or turns the path off. docs/design.md
-says why on the host's threads and not in a device callback.
+layer as its query on the devices, the head's partial on the host by the kernel's worker thread (attention.WORKER), the
+tail's partial on the devices, and the merge of the two (jaxkv.host.calls). `HostDecode` is that path for one cache,
+and the runner of its split layers in a decode pass (jaxkv.decode.Runner, beside the device groups' runner): the
+host's share (jaxkv.host.split), the kernel's threads, what waits for the host's partials (kv.host_attention_wait),
+the arrays that carry them back (attention.HandBack), the kernel's views of each head, the kernels' futures and the
+time spent per part; `plan`, before a cache is made, measures the split or turns the path off. docs/design.md says
+why on the host's threads and not in a device callback.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ import numpy as np
 from absl import logging
 
 from jaxkv import cache as cache_lib
-from jaxkv import host_attention
-from jaxkv import host_split
-from jaxkv import host_wait
-from jaxkv import jitted
 from jaxkv import mesh as mesh_lib
 from jaxkv.config import KVConfig, ModelConfig
+from jaxkv.host import attention
+from jaxkv.host import calls as calls_lib
+from jaxkv.host import split as split_lib
+from jaxkv.host import wait as wait_lib
 from jaxkv.kv_quant import KVFormat
 
 HOST_THREAD_PARTS = ("query", "tail", "wait_host", "merge", "wait_query", "kernel")  # HostDecode.thread_ms.
@@ -38,13 +39,13 @@ HOST_THREAD_PARTS = ("query", "tail", "wait_host", "merge", "wait_query", "kerne
 
 def devices_wait(wait: str, devices: set[jax.Device]) -> bool:
   """Whether the devices wait for the host's partials (kv.host_attention_wait, over the cache's devices): "device"
-  (ValueError if jaxkv.host_wait's ops did not build), "thread", or "auto": "device" where it was measured faster (on
+  (ValueError if jaxkv.host.wait's ops did not build), "thread", or "auto": "device" where it was measured faster (on
   the H200 host: one GPU in one process) and the ops build, "thread" elsewhere."""
   if wait == "auto":
     one_gpu = len(devices) == 1 and next(iter(devices)).platform == "gpu" and jax.process_count() == 1
-    return one_gpu and host_wait.available()
-  if wait == "device" and not host_wait.available():
-    raise ValueError("kv.host_attention_wait device needs jaxkv.host_wait's ops, which did not build (see the log)")
+    return one_gpu and wait_lib.available()
+  if wait == "device" and not wait_lib.available():
+    raise ValueError("kv.host_attention_wait device needs jaxkv.host.wait's ops, which did not build (see the log)")
   return wait == "device"
 
 
@@ -62,10 +63,10 @@ def _poll(ready: Callable[[], bool], threads: int) -> None:
 
 def plan(
     model: ModelConfig, kv: KVConfig, mesh: jax.sharding.Mesh, batch: int, capacity: int
-) -> tuple[KVConfig, host_split.Split | None]:
+) -> tuple[KVConfig, split_lib.Split | None]:
   """Before a cache of `batch` sequences and `capacity` rows is made: with kv.host_attention and a placement that
-  streams, the split (jaxkv.host_split: measured, or the override) and kv; kv with host attention off where the
-  measured model predicts a gain under host_split.MIN_GAIN for the largest window the cache reaches (its windows
+  streams, the split (jaxkv.host.split: measured, or the override) and kv; kv with host attention off where the
+  measured model predicts a gain under split_lib.MIN_GAIN for the largest window the cache reaches (its windows
   then stream alone, in the decode groups of streaming; logged, and in the telemetry)."""
   if not kv.host_attention or kv.placement == "device":
     return kv, None
@@ -74,7 +75,7 @@ def plan(
   window = cache_lib.row_bytes(model, kv.dtype, batch, mesh_lib.tensor_size(mesh)) * cache_lib.rows_bound(
       capacity, kv.block
   )
-  split = host_split.split(
+  split = split_lib.split(
       kv.host_attention_fraction,
       kv.host_attention_threads,
       host,
@@ -96,59 +97,104 @@ def _warn_off(gain: float, window_mib: int) -> None:
       "host attention off: predicted gain %.3f over streaming alone at %d MiB a window per device, under %.2f",
       gain,
       window_mib,
-      host_split.MIN_GAIN,
+      split_lib.MIN_GAIN,
   )
 
 
 class HeldMerge(NamedTuple):
-  """A split layer's merge, not dispatched yet: merge(p, x, o, lse, host_part, slot=slot) on the stage of `fns`, with
-  host_part, slot = _hand_back_args(hand_back)."""
+  """A split layer's merge, not dispatched yet: merge(p, x, o, lse, host_part, slot=slot) on the stage of `calls`,
+  with host_part, slot = _hand_back_args(hand_back)."""
 
-  fns: jitted.Fns
+  calls: calls_lib.Calls
   p: dict
   o: jax.Array  # f32[B, K, G, Dh], the device's partial.
   lse: jax.Array  # f32[B, K, G].
-  hand_back: host_attention.HandBack
+  hand_back: attention.HandBack
 
 
-def _hand_back_args(hand_back: host_attention.HandBack) -> tuple[jax.Array | None, int | None]:
-  """The merge's host_part and slot: the pinned array itself, or the slot the devices wait on (jaxkv.host_wait)."""
+def _hand_back_args(hand_back: attention.HandBack) -> tuple[jax.Array | None, int | None]:
+  """The merge's host_part and slot: the pinned array itself, or the slot the devices wait on (jaxkv.host.wait)."""
   if not hand_back.device_wait:
     return hand_back.array, None
   return None, hand_back.array_slot.id
 
 
 class HostDecode:
-  """The host-attention path of one cache's decode (`of`)."""
+  """The host-attention path of one cache's decode, and the runner of its split layers (jaxkv.decode.Runner).
 
-  def __init__(self, cache: cache_lib.KVCache, split: host_split.Split, threads: int, device_wait: bool):
-    self.cache, self.split, self.threads, self.device_wait = cache, split, threads, device_wait
+  engine: the jaxkv.engine.Engine whose layers run (their weights, stages and where x crosses one)."""
+
+  def __init__(self, engine, cache: cache_lib.KVCache, split: split_lib.Split):
+    kv = cache.kv
+    self.engine, self.cache, self.split, self.threads = engine, cache, split, split.threads
+    self.device_wait = devices_wait(kv.host_attention_wait, {d for s in cache.device_shardings for d in s.device_set})
+    choice = engine.config.engine.decode_attention
+    self.calls = [
+        calls_lib.calls(cache.model, cache.layout.mesh(l), kv.dtype, choice) for l in range(cache.model.num_layers)
+    ]
     # Seconds the dispatching thread and the kernel's worker spent per part of the split layers (thread_ms).
     self.times: collections.Counter = collections.Counter()
     self.pending: collections.deque = collections.deque()  # The kernel's futures not yet collected.
-    self._hand_backs: dict[jax.sharding.Sharding, host_attention.HandBack] = {}
+    self.held: HeldMerge | None = None  # The pass's last split layer's merge, not dispatched yet.
+    self._hand_backs: dict[jax.sharding.Sharding, attention.HandBack] = {}
+    self._views: dict[int, tuple[jax.Array, list]] = {}  # Layer -> (its head, the kernel's views of it).
 
-  @classmethod
-  def of(cls, cache: cache_lib.KVCache, split: host_split.Split | None) -> HostDecode | None:
-    """With kv.host_attention, a split (`plan`) and streamed layers: the path, its split set as the cache's
-    (KVCache.head_split, before anything is stored); else None."""
-    kv = cache.kv
-    if not (kv.host_attention and split is not None and any(cache.streamed)):
-      return None
-    device_wait = devices_wait(kv.host_attention_wait, {d for s in cache.device_shardings for d in s.mesh.devices.flat})
-    cache.head_split = split
-    return cls(cache, split, split.threads, device_wait)
-
-  def hand_back(self, sharding: jax.sharding.Sharding) -> host_attention.HandBack:
+  def hand_back(self, sharding: jax.sharding.Sharding) -> attention.HandBack:
     """The array that carries the host's partials f32[B, K, G, Dh + 1] to a stage's devices, in `sharding` (its
     heads, pinned host memory); one per stage, made at first use."""
     if sharding not in self._hand_backs:
       m = self.cache.model
       shape = (self.cache.batch, m.num_kv_heads, m.num_heads // m.num_kv_heads, m.head_dim + 1)
-      self._hand_backs[sharding] = host_attention.HandBack(shape, sharding, self.device_wait)
+      self._hand_backs[sharding] = attention.HandBack(shape, sharding, self.device_wait)
     return self._hand_backs[sharding]
 
-  def decode_layer(self, l, fns, p, x, held, tail, meta, start) -> tuple[jax.Array, HeldMerge]:
+  def views(self, layer: int) -> list:
+    """The kernel's zero-copy views of the layer's head (attention.kernel_views), made once per head: every decode
+    step reads them, and making them (JAX calls per shard) with the kernel's checks cost the worker 0.08-0.09 ms a
+    layer on the H200 host."""
+    head = self.cache.heads[layer]
+    if layer not in self._views or self._views[layer][0] is not head:
+      self._views[layer] = (head, attention.kernel_views(head, self.cache.format))
+    return self._views[layer][1]
+
+  def forget_views(self, layer: int | None = None) -> None:
+    """Drops the views of a layer's head (every layer's: None), so that the head can be replaced or donated (a slot
+    insert) without the views keeping its memory; a kernel that runs on holds its own."""
+    if layer is None:
+      self._views.clear()
+    else:
+      self._views.pop(layer, None)
+
+  # The runner (jaxkv.decode.Runner).
+  def begin(self) -> None:
+    self.times["steps"] += 1
+    self.held = None
+
+  def run(self, ctx, layers: tuple[int, ...], windows: list, x: jax.Array) -> jax.Array:
+    """Split layer l (a group of one) in the pass `ctx` (jaxkv.decode.Pass): its tail windows[0] delivered, x its
+    input on the previous layer's stage. Returns the input of the next layer, with the layer's merge held."""
+    (l,) = layers
+    calls = self.calls[l]
+    if self.held is not None and self.held.calls is not calls:  # Held on another stage: merged there first.
+      x = self.settle(ctx, x)
+    moved = self.engine.to_layer(x, l)
+    ctx.issued += cache_lib.Issued(calls=2 + (moved is not x))  # The query's call (with the held merge), the tail's.
+    p = self.engine.params["layers"][l]
+    x, self.held = self.decode_layer(l, calls, p, moved, self.held, windows[0], ctx.meta(l), ctx.start)
+    if ctx.full:
+      grown, self.cache.opens[l] = calls.flush(windows[0], self.cache.opens[l])
+      self.forget_views(l)  # The head may be re-split below.
+      ctx.issued += cache_lib.Issued(calls=1) + self.cache.store_tail(l, grown)
+    return x
+
+  def settle(self, ctx, x: jax.Array) -> jax.Array:
+    """x after the held merge (x itself without one)."""
+    if self.held is not None:
+      x, self.held = self.merge_held(self.held, x), None
+      ctx.issued += cache_lib.Issued(calls=1)
+    return x
+
+  def decode_layer(self, l, calls, p, x, held, tail, meta, start) -> tuple[jax.Array, HeldMerge]:
     """Layer l (weights p) with rows [0, r1) (cache.heads[l], r1 > 0) attended on the host CPU by the kernel's
     worker thread and the tail [r1, W) (delivered) and the open page on the devices.
 
@@ -162,12 +208,11 @@ class HostDecode:
     tail (dispatching a call that consumes a delivery in flight blocks this thread until it lands, so on one thread
     the kernel and that wait would add up). The feeder keeps issuing the next layers' deliveries meanwhile.
 
-    With device waits (jaxkv.host_wait) the devices publish q to the worker themselves, and this thread does not wait
+    With device waits (jaxkv.host.wait) the devices publish q to the worker themselves, and this thread does not wait
     for the worker: the merge it holds waits on the devices for the worker's signal. The workers' futures are
     collected as they end, and all of them where the caller says (`kernels_collected`)."""
     cache = self.cache
-    cache.dispatches += 2  # The query's call (with the held merge) and the tail's.
-    hand_back = self.hand_back(fns.pinned_heads)
+    hand_back = self.hand_back(calls.pinned_heads)
     times, t0 = self.times, time.perf_counter()
     # The held merge reads the hand-back array before this query, hence before the worker writes it again (with
     # device waits it waits on the devices for the worker's signal). q f32[B, K, G, Dh] also lands in pinned host
@@ -176,26 +221,26 @@ class HostDecode:
     if held is None:
       args = (p, x, cache.opens[l], meta)
       if q_slot is None:
-        q, q_host, cache.opens[l] = fns.query(*args)
+        q, q_host, cache.opens[l] = calls.query(*args)
       else:
-        q, cache.opens[l] = fns.query_published(*args, q_slot=q_slot)
+        q, cache.opens[l] = calls.query_published(*args, q_slot=q_slot)
     else:
       host_part, slot = _hand_back_args(held.hand_back)
       args = (held.p, x, held.o, held.lse, host_part, p, cache.opens[l], meta)
       if q_slot is None:
-        x, q, q_host, cache.opens[l] = fns.merge_query(*args)
+        x, q, q_host, cache.opens[l] = calls.merge_query(*args)
       else:
-        x, q, cache.opens[l] = fns.merge_query_published(*args, slot=slot, q_slot=q_slot)
-    views, rows = cache.head_views(l), cache.head_rows(l)  # Read here: the worker does not touch the cache's state.
-    self.pending.append(host_attention.WORKER.submit(self._host_part, views, rows, q_host, start, hand_back))
+        x, q, cache.opens[l] = calls.merge_query_published(*args, slot=slot, q_slot=q_slot)
+    views, rows = self.views(l), cache.head_rows(l)  # Read here: the worker does not touch the cache's state.
+    self.pending.append(attention.WORKER.submit(self._host_part, views, rows, q_host, start, hand_back))
     t1 = time.perf_counter()
-    o, lse = fns.tail_partial(q, tail, cache.opens[l], meta)
+    o, lse = calls.tail_partial(q, tail, cache.opens[l], meta)
     times.update(query=t1 - t0, tail=time.perf_counter() - t1)
     if not hand_back.device_wait:  # The merge takes the partial from this thread: wait for it.
       self.collect()
     while self.pending and self.pending[0].done():  # A kernel's error surfaces here, not at the end.
       times.update(self.pending.popleft().result())
-    return x, HeldMerge(fns, p, o, lse, hand_back)
+    return x, HeldMerge(calls, p, o, lse, hand_back)
 
   def merge_held(self, held: HeldMerge | None, x: jax.Array) -> jax.Array:
     """x after the held merge (x itself without one)."""
@@ -203,9 +248,8 @@ class HostDecode:
       return x
     t0 = time.perf_counter()
     host_part, slot = _hand_back_args(held.hand_back)
-    x = held.fns.merge(held.p, x, held.o, held.lse, host_part, slot=slot)
+    x = held.calls.merge(held.p, x, held.o, held.lse, host_part, slot=slot)
     self.times["merge"] += time.perf_counter() - t0
-    self.cache.dispatches += 1
     return x
 
   @contextlib.contextmanager
@@ -215,6 +259,7 @@ class HostDecode:
     try:
       yield
     except BaseException:
+      self.held = None
       self.collect(raise_error=False)
       raise
     if wait:
@@ -240,16 +285,16 @@ class HostDecode:
     for it (even on an error: else they would wait forever); returns this thread's seconds per part."""
     try:
       t0 = time.perf_counter()
-      if q_host is None:  # Published by the devices (jaxkv.host_wait).
+      if q_host is None:  # Published by the devices (jaxkv.host.wait).
         q = hand_back.read_query()
       else:
         _poll(q_host.is_ready, self.threads)
         if q_host.is_fully_addressable:  # One call: on the H200 host ~0.05 ms a layer less than a view per shard.
           q = np.asarray(q_host)
         else:  # This process's heads; the kernel reads only those.
-          q = host_attention.gather(host_attention.shard_views(q_host), q_host.shape)
+          q = attention.gather(attention.shard_views(q_host), q_host.shape)
       t1 = time.perf_counter()
-      o, lse = host_attention.attend_views(views, q, start, 0, rows, self.cache.format, threads=self.threads)
+      o, lse = attention.attend_views(views, q, start, 0, rows, self.cache.format, threads=self.threads)
       hand_back.write(o, lse)
     finally:
       if hand_back.device_wait:
@@ -267,11 +312,11 @@ class HostDecode:
     return {f"{k}_ms_per_step": 1e3 * self.times[k] / steps for k in HOST_THREAD_PARTS}
 
   def summary(self) -> dict:
-    """The split (host_split.Split.summary at the cache's largest window) and what waits ("thread" or "device")."""
+    """The split (split_lib.Split.summary at the cache's largest window) and what waits ("thread" or "device")."""
     return dict(self.split.summary(self.cache.layer_bytes), wait="device" if self.device_wait else "thread")
 
 
-def report(host: HostDecode | None, split: host_split.Split | None = None, window_bytes: int = 0) -> dict:
+def report(host: HostDecode | None, split: split_lib.Split | None = None, window_bytes: int = 0) -> dict:
   """A run's telemetry of the path: {"host_attention": its summary and thread_ms}; with host attention turned off by
   `plan`, {"host_attention": the split's summary at `window_bytes`, off: True}; else {}."""
   if host is not None:

@@ -11,7 +11,7 @@ So a call can be dispatched before its input exists and the device starts on it 
 and the host sees a device's result without asking the runtime. On CUDA a one-block kernel on the call's stream
 spins on the counter and copies, reading and writing host memory through its device address; on the CPU the call's
 thread does it (for the tests). The engine's host attention uses the pair for q and the host's partial
-(jaxkv.engine, docs/design.md).
+(jaxkv.host.decode, docs/design.md).
 
 Rules for the caller: every `wait` call dispatched must be matched by one `signal`, or its device waits forever; the
 host must not write a slot's array for the k+1-th `wait` call before the k-th has copied it, nor read it for the k-th
@@ -60,7 +60,7 @@ import numpy as np
 from absl import logging
 
 WAIT, PUBLISH = "jaxkv_host_wait", "jaxkv_host_publish"
-_SOURCE = pathlib.Path(__file__).with_name("native") / "host_wait.cc"
+_SOURCE = pathlib.Path(__file__).parent.parent / "native" / "host_wait.cc"
 
 
 def _cache_dir() -> pathlib.Path:

@@ -1,10 +1,11 @@
 """Continuous batching: an engine thread serves requests as they arrive, through a bounded queue.
 
-`ServingLoop` owns a jaxkv.serving.Server and the one thread that runs JAX. `submit` (from any thread) validates a
-request and queues it, or raises `QueueFull` when `max_queue` requests already wait for a slot. Before each decode
-step the thread takes what arrived, so a request that comes while others decode takes a free slot at the next step
-(jaxkv.serving's schedule: first in, first out; it enters at the current end E when its prompt fits, L <= E; a fresh
-epoch when nothing fits) and the others' tokens do not change. Each token is reported as it is read back
+`ServingLoop` owns a jaxkv.serving.server.Server and the one thread that runs JAX, which serves one Run, iterating
+over its epochs: between two steps the loop's feed (`_Feed`) hands out what the run did and gives it what arrived. `submit` (from any thread) validates a request and queues it, or raises `QueueFull` when
+`max_queue` requests already wait for a slot. Before each decode step the thread takes what arrived, so a request that
+comes while others decode takes a free slot at the next step (jaxkv.serving.scheduler: first in, first out; it enters
+at the current end E when its prompt fits, L <= E; a fresh epoch when nothing fits) and the others' tokens do not
+change. Each token is reported as it is read back
 (`on_token`, called on the engine thread), and `Handle.cancel()` ends a request before the next step, freeing its
 slot. `stop()` lets the requests in flight finish, then ends the thread.
 """
@@ -20,7 +21,8 @@ from collections.abc import Callable
 
 from absl import logging
 
-from jaxkv import serving
+from jaxkv.serving import server as server_lib
+from jaxkv.serving.requests import Request
 
 # Why a request ended: "eos", "length" (max_new_tokens), "cancelled" (Handle.cancel), "error" (the engine failed).
 ENDS = ("eos", "length", "cancelled", "error")
@@ -38,7 +40,7 @@ class Handle:
   """One submitted request. on_token(token) and on_end(reason, error) run on the engine thread; on_end runs once,
   last, with a reason from ENDS (error: the exception's text for "error", else None)."""
 
-  def __init__(self, request: serving.Request, on_token: Callable[[int], None], on_end: Callable[[str, str], None]):
+  def __init__(self, request: Request, on_token: Callable[[int], None], on_end: Callable[[str, str], None]):
     self.request, self.on_token, self.on_end = request, on_token, on_end
     self.cancelled = False
 
@@ -62,15 +64,17 @@ class Stats:
 class ServingLoop:
   """Serves submitted requests on the server's slots, on a thread of its own (start() it)."""
 
-  def __init__(self, server: serving.Server, max_queue: int):
+  def __init__(self, server: server_lib.Server, max_queue: int):
     if max_queue < 1:
       raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     self.server, self.max_queue = server, max_queue
     self.stats = Stats()
-    self._lock = threading.Lock()
-    self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+    self._lock = threading.Lock()  # Guards stats and the closing flag.
+    self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # Submitted handles; None wakes the thread.
     self._closing = False
-    self._run = _LiveRun(self)
+    # Nobody reads a live request's logits hash: none is computed.
+    self._run = server_lib.Run(server, batch=server.parallel, hashed=False)
+    self._feed = _Feed(self._run, self._inbox, self.stats, self._lock)
     self._thread = threading.Thread(target=self._main, name="jaxkv-engine", daemon=True)
 
   @property
@@ -85,7 +89,7 @@ class ServingLoop:
     self._thread.start()
     return self
 
-  def submit(self, request: serving.Request, on_token, on_end) -> Handle:
+  def submit(self, request: Request, on_token, on_end) -> Handle:
     """Queues a request; ValueError when it cannot run (empty, past the capacity...), QueueFull, Closed."""
     self.server.engine.validate([request.prompt], request.max_new_tokens)
     handle = Handle(request, on_token, on_end)
@@ -122,65 +126,61 @@ class ServingLoop:
     try:
       self._serve()
     finally:
-      self._run.digests.close()
+      self._run.close()
 
   def _serve(self) -> None:
-    run, epoch = self._run, 0
+    run, feed = self._run, self._feed
     while True:
-      run.arrivals(block=not run.queue)
-      if not run.queue:
-        if self._closing and not run.handles:
+      feed.take(block=not run.scheduler.queue)
+      if not run.scheduler.queue:
+        if self._closing and not feed.handles:
           return
         continue
       try:
-        run.epoch(epoch)
+        for progress in run.epoch():  # Before each scheduling decision: what the run did, then what arrived.
+          feed.report(progress)
+          feed.take()
       except Exception as e:  # pylint: disable=broad-except  (the server keeps serving; the requests hear why)
-        logging.exception("serving loop: epoch %d failed", epoch)
-        run.fail(f"{type(e).__name__}: {e}")
-      epoch += 1
+        logging.exception("serving loop: epoch %d failed", run.epochs - 1)
+        feed.fail(f"{type(e).__name__}: {e}")
 
 
-class _LiveRun(serving._Run):  # pylint: disable=protected-access
-  """A serving run that takes requests as they arrive; request r's records are dropped when it ends."""
+class _Feed:
+  """Between the loop and its run: feeds the run the submitted requests as they arrive and ends the cancelled ones
+  (`take`), hands each request's tokens and end to its handle and keeps the stats (`report`); a request's records are
+  dropped when it ends."""
 
-  def __init__(self, loop: ServingLoop):
-    super().__init__(loop.server, [], None, batch=loop.server.parallel)
-    self.loop = loop
+  def __init__(self, run: server_lib.Run, inbox: queue.SimpleQueue, stats: Stats, lock: threading.Lock):
+    self.run, self.inbox, self.stats, self.lock = run, inbox, stats, lock
     self.handles: dict[int, Handle] = {}
+    self.placed: set[int] = set()
 
-  def arrivals(self, block: bool = False) -> None:
+  def take(self, block: bool = False) -> None:
     """Takes the submitted requests (waits for one when `block`) and ends the cancelled ones."""
     while True:
       try:
-        handle = self.loop._inbox.get(block=block)  # pylint: disable=protected-access
+        handle = self.inbox.get(block=block)
       except queue.Empty:
         break
       block = False
-      if handle is None:  # stop() woke us.
-        continue
-      r = len(self.requests)
-      self.requests.append(handle.request)
-      self.tokens.append([])
-      self.hashes.append(None)  # Nobody reads a live request's logits hash: none is computed.
-      self.done.append(False)
-      self.where.append(None)
-      self.errors.append(None)
-      self.ttft_s.append(None)
-      self.queue.append(r)
-      self.handles[r] = handle
+      if handle is not None:  # None: stop() woke us.
+        self.handles[self.run.submit(handle.request)] = handle
     for r in [r for r, h in self.handles.items() if h.cancelled]:
-      if self.where[r] is None:
-        self.queue.remove(r)
       self._end(r, "cancelled")
 
-  def placed(self, r, slot, epoch, first_row) -> None:
-    super().placed(r, slot, epoch, first_row)
-    with self.loop._lock:  # pylint: disable=protected-access
-      self.loop.stats.waiting -= 1
-      self.loop.stats.busy += 1
+  def report(self, progress: server_lib.Progress) -> None:
+    """Hands out what the run did: requests placed, tokens read (each to its handle, an end ending it)."""
+    for r, *_ in progress.placed:
+      self.placed.add(r)
+      with self.lock:
+        self.stats.waiting -= 1
+        self.stats.busy += 1
+    for r, token, end in progress.tokens:
+      if r in self.handles:  # Not ended meanwhile.
+        self._token(r, token, end)
 
-  def emitted(self, r, token, end) -> None:
-    stats, second = self.loop.stats, int(time.monotonic())
+  def _token(self, r: int, token: int, end: str | None) -> None:
+    stats, second = self.stats, int(time.monotonic())
     stats.tokens += 1
     if stats.recent and stats.recent[-1][0] == second:
       stats.recent[-1][1] += 1
@@ -195,22 +195,23 @@ class _LiveRun(serving._Run):  # pylint: disable=protected-access
       self._end(r, end)
 
   def fail(self, error: str) -> None:
-    """Ends every request in flight or waiting with "error" (the epoch that served them failed)."""
-    self.queue.clear()
+    """Ends every request in flight or waiting with "error" (the epoch that served them failed), after handing out
+    what the epoch did before it failed."""
+    self.report(self.run.take_progress())
     for r in list(self.handles):
       self._end(r, "error", error)
 
   def _end(self, r: int, reason: str, error: str | None = None) -> None:
-    self.done[r] = True
     handle = self.handles.pop(r)
-    self.requests[r] = self.tokens[r] = self.hashes[r] = None  # A long-running server keeps no prompts or tokens.
-    with self.loop._lock:  # pylint: disable=protected-access
-      stats = self.loop.stats
-      stats.requests[reason] += 1
-      if self.where[r] is None:
-        stats.waiting -= 1
+    self.run.end(r)
+    self.run.forget(r)
+    with self.lock:
+      self.stats.requests[reason] += 1
+      if r in self.placed:
+        self.placed.discard(r)
+        self.stats.busy -= 1
       else:
-        stats.busy -= 1
+        self.stats.waiting -= 1
     try:
       handle.on_end(reason, error)
     except Exception:  # pylint: disable=broad-except  (a client's callback must not stop the engine)

@@ -1,0 +1,93 @@
+"""Serve: `python3 -m jaxkv.serve`, an OpenAI-compatible HTTP server with continuous batching (jaxkv.serving.api).
+
+Takes generate's model flags (--config, --kv_*, --split_mode, --cpu_devices, --checkpoint_dir, --checkpoint_dtype,
+--seed for random weights) and serves on --host:--port with --parallel slots; up to --max_queue requests wait for a
+slot, more get 429. SIGTERM (or Ctrl-C) stops taking requests, lets those in flight finish, then exits. Needs the
+`serve` extra: pip install -e '.[serve]'.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+
+from absl import app
+from absl import flags
+from absl import logging
+
+from jaxkv import distributed
+from jaxkv import preflight
+from jaxkv.apps import cli
+
+# generate's flags: --checkpoint_dir, --checkpoint_dtype, --parallel, --seed, --prefix_cache_gib.
+from jaxkv.apps import generate
+
+HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
+PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=1, upper_bound=65535)
+MAX_QUEUE = flags.DEFINE_integer("max_queue", 64, "Requests that may wait for a slot; more are refused with 429.")
+MODEL_NAME = flags.DEFINE_string(
+    "served_model_name", None, "The model's name in the API (default: the checkpoint folder's name, else jaxkv-random)."
+)
+
+HELP_GROUPS = {
+    "model and config": [*cli.CONFIG_GROUP, generate.CHECKPOINT_DIR, generate.CHECKPOINT_DTYPE, generate.SEED],
+    "server": [HOST, PORT, generate.PARALLEL, MAX_QUEUE, MODEL_NAME, generate.PREFIX_CACHE_GIB],
+    "KV cache": cli.KV_GROUP,
+    "split": cli.SPLIT_GROUP,
+    "multi-host": cli.MULTIHOST_GROUP,
+}
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if generate.PARALLEL.value < 1 or MAX_QUEUE.value < 1:
+    raise app.UsageError(f"--parallel and --max_queue must be >= 1, got {generate.PARALLEL.value}, {MAX_QUEUE.value}")
+  if generate.CHECKPOINT_DTYPE.value and not generate.CHECKPOINT_DIR.value:
+    raise app.UsageError("--checkpoint_dtype needs --checkpoint_dir (else set --config.model.dtype)")
+  missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "jinja2") if importlib.util.find_spec(m) is None]
+  if missing:
+    raise preflight.InputError(f"jaxkv.serve needs {', '.join(missing)} (the serve extra)", "pip install -e '.[serve]'")
+  try:
+    with socket.create_server((HOST.value, PORT.value)):
+      pass
+  except OSError as e:
+    raise app.UsageError(f"cannot listen on {HOST.value}:{PORT.value} ({e.strerror}); pick another --port") from e
+  if distributed.settings(cli.COORDINATOR_ADDRESS.value, cli.NUM_PROCESSES.value, cli.PROCESS_ID.value):
+    raise app.UsageError("serve runs in one process: drop the multi-process flags and JAX_* variables")
+  cd = cli.resolved_config_dict(checkpoint=bool(generate.CHECKPOINT_DIR.value))
+  cli.setup_platform(cli.model_of(cd, generate.CHECKPOINT_DIR.value, dtype=generate.CHECKPOINT_DTYPE.value))
+  from jaxkv.serving import api as serve_api  # pylint: disable=g-import-not-at-top  (after the platform is set)
+
+  checkpoint = generate.CHECKPOINT_DIR.value
+  name = MODEL_NAME.value or (os.path.basename(os.path.normpath(checkpoint)) if checkpoint else "jaxkv-random")
+  model = serve_api.build_model(
+      cd,
+      checkpoint_dir=checkpoint,
+      dtype=generate.CHECKPOINT_DTYPE.value,
+      parallel=generate.PARALLEL.value,
+      seed=generate.SEED.value,
+      max_queue=MAX_QUEUE.value,
+      name=name,
+      prefix_cache_bytes=generate.prefix_cache_bytes(),
+  )
+  logging.info("serving %s on http://%s:%d", name, HOST.value, PORT.value)
+  print(f"serving {name} on http://{HOST.value}:{PORT.value} ({generate.PARALLEL.value} slots)", flush=True)
+  # uvicorn drains on SIGTERM, then raises it again for the handler it found: let that one return, so that the loop
+  # stops and the app exits 0.
+  signal.signal(signal.SIGTERM, lambda *_: logging.info("SIGTERM: drained"))
+  try:
+    serve_api.uvicorn_server(serve_api.make_app(model), HOST.value, PORT.value).run()
+  finally:
+    model.loop.stop()
+
+
+def run() -> None:
+  """The app: `python3 -m jaxkv.serve`."""
+  cli.run(main, HELP_GROUPS, __doc__)
+
+
+if __name__ == "__main__":
+  run()

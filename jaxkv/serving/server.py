@@ -1,0 +1,274 @@
+"""Concurrent sequences with slot reuse: `parallel` slots serve a queue of requests.
+
+The batch of an `Engine` becomes `parallel` slots, scheduled by jaxkv.serving.scheduler (first in, first out, from
+token counts alone). A `Run` is one serve: its requests, their records and the telemetry, fed by `submit` (and `end`)
+before or while it serves. Its epochs are iterators: before each scheduling decision an epoch yields what it did
+since (`Progress`: the requests placed, the tokens read), and whoever iterates may submit or end requests before it
+goes on (`Server.serve` gives a list up front; jaxkv.serving.loop feeds requests as they arrive), so control flows
+one way down.
+
+Each `Epoch` makes a fresh cache, prefills its first requests (as one batch; with the prefix cache one by one like any
+later request), then runs the decode loop (jaxkv.decode.DecodeLoop, the one generate runs), and before each step lets
+the requests that fit enter the free slots (jaxkv.serving.slots): the deliveries already issued for the next step are
+dropped (they hold the slot's old rows), the request is prefilled alone and put into its slot, and the head samples
+its first token; the decode state takes its row (jaxkv.meta.DecodeState.with_row). Tokens are read
+jaxkv.decode.READ_LAG steps late, so a slot frees that many steps after its last token.
+
+Sampling: request r's token i draws with key fold_in(fold_in(key(seed_r), 0), i) (jaxkv.sampling), whatever its
+slot or step, so sampled output does not depend on the neighbours either. Each request has its own temperature,
+top-k and top-p (`Request.sampling`, default the engine's), per-row arguments of the one compiled head.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import time
+from collections.abc import Iterator, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import decode
+from jaxkv import telemetry
+from jaxkv.config import SamplingConfig
+from jaxkv.sampling import SamplingParams
+from jaxkv.serving import prefix_cache as prefix_cache_lib
+from jaxkv.serving import slots as slots_lib
+from jaxkv.serving.requests import Request, RequestResult, ServeResult
+from jaxkv.serving.scheduler import Scheduler
+
+
+@dataclasses.dataclass
+class Progress:
+  """What an epoch did since it last yielded: requests placed (request, slot, epoch, first row), tokens read
+  (request, token, end: "eos", "length" or None), and the indices of the steps read."""
+
+  placed: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+  tokens: list[tuple[int, int, str | None]] = dataclasses.field(default_factory=list)
+  steps: list[int] = dataclasses.field(default_factory=list)
+
+
+class Server:
+  """Serves requests on `parallel` slots of an engine (its config gives placement, depth, capacity...)."""
+
+  def __init__(self, engine, parallel: int, prefix_cache_bytes: int = 0):
+    """engine: a jaxkv.engine.Engine. prefix_cache_bytes: the prefix cache's budget in host memory (0 = off;
+    jaxkv.serving.prefix_cache), kept across serve() calls and epochs."""
+    if parallel < 1:
+      raise ValueError(f"parallel must be >= 1, got {parallel}")
+    slots_lib.check_prefix_cache_budget(prefix_cache_bytes)
+    self.engine, self.parallel = engine, parallel
+    self.prefix_cache = None
+    if prefix_cache_bytes:
+      self.prefix_cache = prefix_cache_lib.PrefixCache(prefix_cache_bytes, engine.config.engine.prefill_chunk)
+
+  def sampling(self, requests: Sequence[Request | None]) -> SamplingParams:
+    """The rows of the head's sampling for slots holding `requests`: each its own seed, stream 0 (an empty slot,
+    None, samples greedily)."""
+    settings = [SamplingConfig() if r is None else r.sampling or self.engine.config.sampling for r in requests]
+    return SamplingParams.rows(settings, [0 if r is None else r.seed for r in requests], [0] * len(requests))
+
+  def validate(self, requests: Sequence[Request]) -> list[str | None]:
+    """Why each request cannot run (None: it can). ValueError when there is none to run."""
+    if not requests:
+      raise ValueError("no requests given")
+    errors = []
+    for r in requests:
+      try:
+        self.engine.validate([r.prompt], r.max_new_tokens)
+        errors.append(None)
+      except ValueError as e:
+        errors.append(str(e).replace("prompt 0", "its prompt", 1))  # The engine numbers the prompts of a batch.
+    if all(errors):
+      raise ValueError(f"every request was rejected; request 0: {errors[0]}")
+    return errors
+
+  def serve(self, requests: Sequence[Request], on_step=None) -> ServeResult:
+    """Runs every request that can run to its end, and rejects the others (their results say why); on_step(step,
+    slots) after each decode step is read (for monitoring)."""
+    errors = self.validate(requests)
+    t0 = time.perf_counter()
+    run = Run(self, batch=min(self.parallel, errors.count(None)))
+    try:
+      ids = [None if e else run.submit(r) for r, e in zip(requests, errors)]
+      while run.scheduler.queue:
+        for progress in run.epoch():
+          for step in progress.steps if on_step is not None else ():
+            on_step(step, list(run.scheduler.slots))
+      return run.result(ids, errors, time.perf_counter() - t0)
+    finally:
+      run.close()
+
+
+class Run:
+  """One serve: its requests (by id, from `submit`), their records (jaxkv.telemetry.Recorder; with hashed, each
+  request's logits hash), where each ran, the progress not yielded yet, and the telemetry. batch: the slots of an
+  epoch's cache."""
+
+  def __init__(self, server: Server, batch: int, hashed: bool = True):
+    self.server, self.batch, self.hashed = server, batch, hashed
+    self.scheduler = Scheduler(server.engine.config.engine.capacity)
+    self.recorder = telemetry.Recorder(server.engine.config.sampling.stop_ids)
+    self.requests: dict[int, Request] = {}
+    self.where: dict[int, tuple[int, int, int]] = {}  # Request -> (slot, epoch, first row).
+    self.counters, self.shapes = telemetry.Counters(), set()
+    self.insertions = self.steps = self.epochs = 0
+    self.summary: dict = {}
+    self.progress = Progress()
+    self._ids = 0
+
+  def submit(self, request: Request) -> int:
+    """Queues a request (validated); returns its id."""
+    r, self._ids = self._ids, self._ids + 1
+    self.requests[r] = request
+    self.recorder.add(r, request.max_new_tokens, self.hashed)
+    self.scheduler.submit(r, len(request.prompt), request.max_new_tokens)
+    return r
+
+  def end(self, r: int) -> None:
+    """Request r ends now (cancelled): nothing more is recorded for it, its slot frees before the next step."""
+    self.recorder.end(r)
+    self.scheduler.end(r)
+
+  def forget(self, r: int) -> None:
+    """Drops an ended request's records (a long-running server keeps no prompts or tokens)."""
+    del self.requests[r]
+    self.where.pop(r, None)
+    self.recorder.forget(r)
+
+  def placed(self, r: int, slot: int, epoch: int, first_row: int) -> None:
+    self.where[r] = (slot, epoch, first_row)
+    self.progress.placed.append((r, slot, epoch, first_row))
+
+  def read(self, loop: decode.DecodeLoop) -> None:
+    """Reads the oldest step in flight and ends the requests it ended."""
+    step, taken = loop.read()
+    for r, _, end in taken:
+      if end is not None:
+        self.scheduler.end(r)
+    self.progress.tokens += taken
+    self.progress.steps.append(step.index)
+
+  def take_progress(self) -> Progress:
+    progress, self.progress = self.progress, Progress()
+    return progress
+
+  def epoch(self) -> Iterator[Progress]:
+    """An epoch (module docstring), served as it is iterated, until its slots are free and nothing waiting fits."""
+    return Epoch(self, self.epochs).serve()
+
+  @property
+  def totals(self) -> collections.Counter:
+    """Every counter of TOTALS, present from the start (a run without slot reuse has 0 insertions)."""
+    c = self.counters
+    return collections.Counter(
+        h2d_bytes=c.h2d_bytes,
+        d2h_bytes=c.d2h_bytes,
+        ring_high_water_bytes_per_device=c.ring_high_water_bytes_per_device,
+        insertions=self.insertions,
+    )
+
+  def result(self, ids: list[int | None], errors: list[str | None], wall_s: float) -> ServeResult:
+    """The results of the requests given as `ids` (None: rejected, its error in `errors`)."""
+    results = []
+    for r, e in zip(ids, errors):
+      if r is None:
+        results.append(RequestResult([], hashlib.sha256().hexdigest(), -1, -1, -1, error=e))
+        continue
+      rec = self.recorder.records[r]
+      results.append(RequestResult(rec.tokens, self.recorder.hexdigest(rec.hash), *self.where[r], ttft_s=rec.ttft_s))
+    transcript = json.dumps([[r.tokens, r.logits_sha256] + ([r.error] if r.error else []) for r in results])
+    report = dict(self.summary, compiled_shapes=len(self.shapes), epochs=self.epochs, **self.totals)
+    if self.server.prefix_cache is not None:
+      report["prefix_cache"] = self.server.prefix_cache.summary()
+    report.update(self.counters.by_device())
+    timing = dict(wall_s=wall_s, decode_steps=self.steps, tokens=sum(len(r.tokens) for r in results))
+    return ServeResult(results, hashlib.sha256(transcript.encode()).hexdigest(), report, timing)
+
+  def close(self) -> None:
+    self.recorder.close()
+
+
+class Epoch:
+  """One epoch of a run: a fresh cache, its first requests prefilled, then decode with slot reuse."""
+
+  def __init__(self, run: Run, index: int):
+    self.run, self.index, self.engine = run, index, run.server.engine
+    self.scheduler = run.scheduler
+
+  def serve(self) -> Iterator[Progress]:
+    run, eng = self.run, self.engine
+    owners, end = self.scheduler.open_epoch(run.batch)
+    gen = eng.start(run.batch, counters=run.counters, shapes=run.shapes)
+    filler = slots_lib.SlotFiller(eng, run.server.prefix_cache, run.counters, run.shapes)
+    loop = decode.DecodeLoop(eng, gen, run.recorder)
+    try:
+      if run.server.prefix_cache is None:
+        state = self._first_batched(gen, loop, owners)
+      else:
+        state = self._first_alone(gen, loop, filler, owners, end)
+      for b, r in enumerate(owners):
+        if r is not None:
+          run.placed(r, b, self.index, int(gen.start[b]))
+      yield from self._decode(gen, loop, filler, state)
+    finally:
+      filler.close()
+      gen.close()
+      run.summary = gen.summary()
+      run.epochs += 1
+
+  def _decode(self, gen, loop: decode.DecodeLoop, filler: slots_lib.SlotFiller, state) -> Iterator[Progress]:
+    """Steps until every slot is free and nothing waiting fits; free slots take the next requests that fit. Yields
+    the progress before each scheduling decision (the iterating side may submit or end requests meanwhile)."""
+    run, sched = self.run, self.scheduler
+    while True:
+      yield run.take_progress()
+      sched.free()
+      for b, r in sched.admit(gen.end):
+        gen.drop_pending(state.x)  # Deliveries issued for the next step hold slot b's old rows.
+        state = self._enter(gen, loop, filler, state, b, r)
+        run.insertions += 1
+        run.placed(r, b, self.index, int(gen.start[b]))
+      need = sched.need()
+      if gen.end <= need:
+        state = loop.step(state, sched.owners(), next_pass=gen.end + 1 <= need, run_ahead=False)
+        run.steps += 1
+        if not loop.lagging():
+          continue
+      elif not loop.pending:
+        return
+      run.read(loop)
+
+  def _first_batched(self, gen, loop: decode.DecodeLoop, owners):
+    """The epoch's first requests prefilled as one batch; their first tokens' read queued."""
+    eng, requests = self.engine, self.run.requests
+    prompts = [(0,) if r is None else requests[r].prompt for r in owners]
+    x_last, start, longest = eng.prefill_prompts(gen, prompts, next_pass=True)
+    sampling = self.run.server.sampling([None if r is None else requests[r] for r in owners])
+    return loop.first(eng.state(x_last, start, longest - 1, sampling), owners)
+
+  def _first_alone(self, gen, loop, filler, owners, longest: int):
+    """With the prefix cache: the epoch's first requests enter their slots one by one at end = the longest prompt,
+    each prefilled alone like any later request (so that a prompt's rows never depend on its neighbours)."""
+    eng, cfg = self.engine, self.engine.config
+    gen.cache.store_empty_slots(longest // cfg.kv.block * cfg.kv.block)
+    gen.start, gen.end = np.full(len(owners), longest - 1, np.int32), longest  # An empty slot attends one zero row.
+    x = eng.put(np.zeros((len(owners), cfg.model.d_model)), jnp.dtype(cfg.model.dtype))
+    state = eng.state(x, gen.start, longest, self.run.server.sampling([None] * len(owners)))
+    for b, r in enumerate(owners):
+      if r is not None:
+        state = self._enter(gen, loop, filler, state, b, r)
+    return state
+
+  def _enter(self, gen, loop: decode.DecodeLoop, filler: slots_lib.SlotFiller, state, b: int, r: int):
+    """Request r prefilled alone into slot b at the current end; its first token's read queued; returns the state
+    with its row."""
+    eng, req, end = self.engine, self.run.requests[r], gen.end
+    x_new = filler.fill(gen.cache, b, req.prompt, end)
+    gen.start[b] = end - len(req.prompt)
+    row = eng.state(x_new, gen.start[b : b + 1], end - 1, self.run.server.sampling([req]))
+    row = loop.first(row, [r])
+    return eng.fns.enter(state, eng.put(b, np.int32), row)
