@@ -304,18 +304,24 @@ class KVCache:
       return Issued(tail.nbytes, 1)
     return Issued(0, 2) + self.store(layer, self.full_window(layer, tail))
 
-  def insert_slot(self, layer: int, slot: int, window: jax.Array | None, open_page: jax.Array) -> None:
+  def insert_slot(self, layer: int, slot: int, window: jax.Array | None, open_page: jax.Array) -> Issued:
     """Replaces slot `slot` of layer `layer`: its rows [0, W) (window [2, 1, K, W, E] on the devices, None while
     W = 0) and its open page [2, 1, K, P, E], each by one donated `dynamic_update_slice` where it lives (in place in
     pinned host memory for a streamed layer; a split layer's rows [0, r1) into its head). Nothing may read or write
-    the layer's arrays meanwhile (jaxkv.engine.Generation.drop_pending); the other slots are not touched."""
+    the layer's arrays meanwhile (jaxkv.engine.Generation.drop_pending); the other slots are not touched. Returns
+    what it issued (the window's bytes copied to host memory, the calls)."""
+    issued = Issued(calls=1)  # The open page's.
     if window is not None and self.windows[layer] is None:  # One slot and no rows yet: the whole window.
-      self.store(layer, window)
+      issued += self.store(layer, window)
     elif window is not None:
       r1 = self.head_rows(layer)
       if r1:
+        nbytes = window.nbytes
         host_rows, window = split_rows(window, r1, self.device_shardings[layer])
         self.heads[layer] = _insert_fn(self.host_shardings[layer])(self.heads[layer], host_rows, slot)
+        issued += Issued(nbytes - window.nbytes, 2)
       where = self.host_shardings[layer] if self.streamed[layer] else self.device_shardings[layer]
       self.windows[layer] = _insert_fn(where)(self.windows[layer], window, slot)
+      issued += Issued(window.nbytes if self.streamed[layer] else 0, 1)
     self.opens[layer] = _insert_fn(self.device_shardings[layer])(self.opens[layer], open_page, slot)
+    return issued

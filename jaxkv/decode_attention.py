@@ -189,7 +189,18 @@ def _xla_leaf_partials(q, parts, first_row, start, end, num_leaves, first_leaf, 
   m = jnp.max(s, axis=-1)  # [n, B, K, G]
   e = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m)[..., None])
   o = jnp.einsum("nbkgs,bknsd->nbkgd", e.astype(kv.dtype), rows[1], preferred_element_type=jnp.float32)
-  return Partials(m, jnp.sum(e, axis=-1), jnp.where((m == -jnp.inf)[..., None], 0.0, o))
+  return Partials(m, pairwise_sum(e), jnp.where((m == -jnp.inf)[..., None], 0.0, o))
+
+
+def pairwise_sum(x):
+  """x [..., S] -> its sum over the last axis in a fixed pairwise tree (padded with zeros to a power of two), level
+  by level in elementwise adds: the same bits whatever the other axes' sizes. A reduce does not promise that: XLA's
+  CPU backend vectorizes it by the whole shape, so a leaf's sum changed with the batch's size on a sharded mesh."""
+  size = 1 << max(x.shape[-1] - 1, 0).bit_length()
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+  while x.shape[-1] > 1:
+    x = x[..., 0::2] + x[..., 1::2]
+  return x[..., 0]
 
 
 def _pallas_leaf_partials(q, parts, start, bounds, *, num_leaves, first_leaf, leaf_rows, interpret) -> Partials:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import time
 from collections.abc import Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
@@ -60,6 +62,12 @@ class GenerateResult:
   timing: dict
 
 
+@functools.lru_cache(maxsize=None)
+def _stack_fn(sharding: jax.sharding.Sharding):
+  """[1, D] arrays -> [N, D], in `sharding`."""
+  return jax.jit(lambda xs: jnp.concatenate(xs), out_shardings=sharding)
+
+
 def check_input(config: Config, prompts: Sequence[Sequence[int]], max_new_tokens: int, zero_rows: int = 0) -> None:
   """Raises ValueError for prompts and max_new_tokens that cannot run with `config` (its capacity, vocabulary).
   Needs no engine: the apps call it before they build one."""
@@ -84,9 +92,10 @@ def check_input(config: Config, prompts: Sequence[Sequence[int]], max_new_tokens
         f"{longest + max_new_tokens - 1} cache rows, more than the capacity {cap}; raise engine.capacity "
         "or lower max_new_tokens"
     )
-  if zero_rows % chunk or not 0 <= zero_rows < longest:
+  shortest = min(len(p) for p in prompts)
+  if zero_rows % chunk or not 0 <= zero_rows < shortest:
     raise ValueError(
-        f"zero_rows must be a multiple of engine.prefill_chunk ({chunk}) below the longest prompt ({longest} "
+        f"zero_rows must be a multiple of engine.prefill_chunk ({chunk}) below the shortest prompt ({shortest} "
         f"tokens), got {zero_rows}"
     )
 
@@ -236,10 +245,11 @@ class Engine:
       on_chunk=None,
   ) -> GenerateResult:
     """Generates up to max_new_tokens per prompt. on_step(step, cache), if given, runs after each decode
-    step's tokens are back on the host, and on_chunk(rows) after each prefill chunk is dispatched, rows the prompt rows
-    prefilled so far (for monitoring). zero_rows (a multiple of engine.prefill_chunk below the
-    longest prompt): rows [0, zero_rows) are stored as zeros instead of prefilled through the model, a synthetic
-    context for benchmarks (decode reads and attends them like any rows; the tokens differ from a full prefill's)."""
+    step's tokens are back on the host, and on_chunk(rows) after each prefill chunk is dispatched, rows its prompt's
+    rows prefilled so far (the prompts are prefilled one after another: prefill_prompts). zero_rows (a multiple of
+    engine.prefill_chunk below the shortest prompt): each prompt's rows [0, zero_rows) are stored as zeros instead of
+    prefilled through the model, a synthetic context for benchmarks (decode reads and attends them like any rows; the
+    tokens differ from a full prefill's)."""
     self.validate(prompts, max_new_tokens, zero_rows)
     cfg = self.config
     gen = self.start(len(prompts), counters=telemetry.Counters(cfg.kv.transport_debug, on_chunk))
@@ -345,27 +355,79 @@ class Engine:
           yield l, gen.cache.full_window(l, tail)
 
   def prefill_prompts(self, gen: Generation, prompts, *, next_pass: bool, zero_rows: int = 0):
-    """Prefills a batch of prompts right-aligned into the generation's fresh cache (window, open page and
-    cache.rows), rows [0, zero_rows) as zeros (Engine.generate), and sets gen.start and gen.end; returns (x [B, D] of
-    each prompt's last row, start i32[B], longest). next_pass: a decode pass follows."""
-    cache = gen.cache
+    """Prefills a batch of prompts right-aligned at the longest one's end E into the generation's fresh cache (window,
+    open page and cache.rows), each prompt alone from its row 0 (prefill_slot), and sets gen.start and gen.end:
+    a sequence's rows and last hidden state depend on its prompt only, never on the others. Rows [0, zero_rows) of
+    each prompt are zeros (Engine.generate). Returns (x [B, D] of each prompt's last row, start i32[B], E).
+
+    One prompt is prefilled straight into the cache (its rows start at row 0: nothing to move; next_pass: a decode
+    pass follows, whose first deliveries may start behind the last chunk); more are prefilled one by one in a
+    generation of one sequence placed like this one (the price: one prompt's rows beside the batch's), each
+    prompt's rows moved to [E - L, E) of its slot."""
     chunk, block = self.config.engine.prefill_chunk, self.config.kv.block
     lens = np.array([len(p) for p in prompts], np.int32)
     longest = int(lens.max())
-    start = longest - lens
-    tokens = np.zeros((len(prompts), -(-longest // chunk) * chunk), np.int32)
-    for b, p in enumerate(prompts):
-      tokens[b, start[b] : longest] = p
-    if zero_rows:
-      cache.store_zeros(zero_rows)
-    run, issued = self.prefill(gen, tokens, start, longest, first=zero_rows // chunk, next_pass=next_pass), Issued()
+    gen.start, gen.end = longest - lens, longest
+    if len(prompts) == 1:
+      tokens = np.zeros((1, -(-longest // chunk) * chunk), np.int32)
+      tokens[0, :longest] = prompts[0]
+      if zero_rows:
+        gen.cache.store_zeros(zero_rows)
+      run, issued = (
+          self.prefill(gen, tokens, gen.start, longest, first=zero_rows // chunk, next_pass=next_pass),
+          Issued(),
+      )
+      for layer in run:
+        gen.cache.opens[layer.layer] = layer.open_page
+        issued += gen.cache.store(layer.layer, layer.window)
+      gen.add_counters("prefill", issued, run.rows)
+      gen.cache.rows = longest // block * block
+      return run.x, gen.start, longest
+    gen.cache.store_empty_slots(longest // block * block)
+    own, xs, plans = self.start(1, counters=gen.counters, shapes=gen.shapes), [], []
+    try:
+      for b, prompt in enumerate(prompts):
+        own.cache.clear()
+        if zero_rows:
+          own.cache.store_zeros(zero_rows)
+        run = self.prefill_slot(own, gen.cache, b, prompt, longest, first=zero_rows // chunk)
+        for _ in run:
+          pass
+        xs.append(run.x)
+        plans.append(own.prefill_summary)
+    finally:
+      own.close()
+    # The largest prefill's plan: the one that needs the most device memory.
+    gen.prefill_summary = max(plans, key=lambda plan: plan["bytes_per_device"])
+    return _stack_fn(self._rep)(xs), gen.start, longest
+
+  def prefill_slot(
+      self, own: Generation, cache: cache_lib.KVCache, slot: int, prompt, end: int, *, first=0, prefix=None
+  ):
+    """Prefills one prompt of L tokens alone from its row 0 in `own` (a generation of one sequence whose cache holds
+    the rows of the chunks before `first`, if any, or gets them in `prefix`: Engine.prefill), its chunks the ones its
+    length determines, and puts its rows at [end - L, end) of slot `slot` of `cache` (window of end // block * block
+    rows, and open page; jitted.Fns.place, KVCache.insert_slot) layer by layer as the prefill yields them, so that a
+    layer's slot is replaced while the next layers compute. Nothing may read or write `cache` meanwhile
+    (Generation.drop_pending).
+
+    Returns the prefill to iterate over: each layer as prefilled from row 0 (PrefilledLayer: rows [0, R) and the open
+    page, e.g. for the prefix cache), after its slot was filled; then x [1, D], the prompt's last row."""
+    chunk, length = self.config.engine.prefill_chunk, len(prompt)
+    tokens = np.zeros((1, -(-length // chunk) * chunk), np.int32)
+    tokens[0, :length] = prompt
+    run = self.prefill(own, tokens, np.zeros(1, np.int32), length, first=first, prefix=prefix)
+    return Prefill(self._fill_slot(own, run, cache, slot, end - length, end), run.rows)
+
+  def _fill_slot(self, own: Generation, run: Prefill, cache, slot: int, offset: int, end: int):
+    w_rows, issued = end // self.config.kv.block * self.config.kv.block, Issued()
     for layer in run:
-      cache.opens[layer.layer] = layer.open_page
-      issued += cache.store(layer.layer, layer.window)
-    gen.add_counters("prefill", issued, run.rows)
-    cache.rows = longest // block * block
-    gen.start, gen.end = start, longest
-    return run.x, start, longest
+      fns = self.layer_fns(layer.layer)
+      window, open_page = fns.place(layer.window, layer.open_page, np.int32(offset), w_rows=w_rows)
+      issued += cache.insert_slot(layer.layer, slot, window if w_rows else None, open_page)
+      yield layer
+    own.add_counters("prefill", issued, run.rows)
+    return run.x
 
   def _generate(self, gen: Generation, rec, prompts, max_new_tokens, seed, on_step, zero_rows) -> GenerateResult:
     """Prefill, then decode; the caller closes the generation."""

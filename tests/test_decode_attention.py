@@ -142,6 +142,28 @@ def test_the_kernel_sharded_by_kv_head_gives_the_unsharded_bits():
     np.testing.assert_array_equal(a, c)
 
 
+@pytest.mark.parametrize("tensor", [1, 2, 4])
+def test_the_xla_leaves_give_a_sequence_its_bits_in_a_batch_of_any_size_on_a_sharded_mesh(tensor):
+  """The same sequence in slot 0 of batches of 1 to 5, its kv heads sharded over the mesh (as a tensor-parallel
+  decode runs the leaves). A reduce's vectorization on the CPU follows the whole shape (the leaf's sum of 8 kv heads
+  over 2 devices changed at batch 2): the leaves sum in a fixed tree (pairwise_sum)."""
+  rng = np.random.default_rng(11)
+  mesh = helpers.mesh(tensor)
+  heads = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "tensor"))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, "tensor"))
+  q = rng.standard_normal((1, 8, 2, 16)).astype(np.float32)
+  kv = rng.standard_normal((2, 1, 8, S + 24, 16)).astype(np.float32)
+  leaves = jax.jit(lambda q, kv, start: da.leaf_partials(q, (kv,), 0, start, S + 20, 2))
+  outs = []
+  for batch in range(1, 6):
+    q_b, kv_b = np.repeat(q, batch, axis=0), np.repeat(kv, batch, axis=1)
+    p = leaves(jax.device_put(q_b, heads), jax.device_put(kv_b, rows), jnp.zeros(batch, jnp.int32))
+    outs.append([np.asarray(a)[:, 0] for a in p])
+  for batch, out in enumerate(outs[1:], 2):
+    for got, want in zip(out, outs[0]):
+      np.testing.assert_array_equal(got, want, err_msg=f"batch {batch}")
+
+
 # A sequence of L rows (its new row included) whose rows, relative to its newest, are the same everywhere: at rows
 # [d, d + L) of slot `slot` of a batch, in a window of W rows plus an 8-row page. (L, d, W, batch, slot): alone from
 # row 0; moved by a block and by 300 rows (the new row at another page row); in a window of 6 leaves (a fold of 8

@@ -125,7 +125,7 @@ def test_the_engine_runs_the_xla_prefill_on_cpu_and_refuses_cudnn():
     engine_lib.Engine(cudnn_cfg, helpers.mesh(2), helpers.params(2))
 
 
-LENGTHS = (40, 23)  # Three chunks of 16: the first prompt's rows span them all, the second starts in the second.
+LENGTHS = (40, 23)  # Chunks of 16: three of the first prompt, two of the second (each prefilled alone).
 
 
 def _prefill_h2d(res) -> int:
@@ -143,11 +143,12 @@ def test_host_prefill_keeps_earlier_rows_on_the_devices_with_the_same_bits(tenso
   assert plan["keep"] and "stay on the devices" in plan["reason"]
   assert _prefill_h2d(res) == 0  # No chunk got a window from the host.
   cfg = helpers.tiny_config().model
-  row = 2 * len(LENGTHS) * cfg.num_kv_heads * cfg.head_dim * 4  # K and V of one row, the batch, f32.
+  row = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V of one row of one sequence, f32.
+  # Each prompt is prefilled alone: the plan of the largest prefill, the 40-token prompt's 3 chunks.
   assert plan["bytes_per_device"] == cfg.num_layers * row // tensor * 48
-  # The rows reached the host once: the 40 // 8 * 8 = 40 full-block rows of each layer.
+  # The rows reached the host once: each prompt's rows in its slot of the batch's 40 // 8 * 8 = 40 full-block rows.
   prefill_d2h = sum(s["d2h_bytes"] for s in res.transport["steps"] if s["kind"] == "prefill")
-  assert prefill_d2h == cfg.num_layers * row * 40
+  assert prefill_d2h == cfg.num_layers * row * len(LENGTHS) * 40
 
 
 def test_host_prefill_past_the_device_budget_redelivers_each_chunk_with_the_same_bits():
@@ -159,8 +160,9 @@ def test_host_prefill_past_the_device_budget_redelivers_each_chunk_with_the_same
   plan = res.transport["prefill"]
   assert not plan["keep"] and "exceed the free device memory" in plan["reason"]
   cfg = helpers.tiny_config().model
-  row = 2 * len(LENGTHS) * cfg.num_kv_heads * cfg.head_dim * 4
-  assert _prefill_h2d(res) == cfg.num_layers * row * (16 + 32)  # Chunks 1 and 2 got rows [0, 16) and [0, 32).
+  row = 2 * cfg.num_kv_heads * cfg.head_dim * 4
+  # The 40-token prompt's chunks 1 and 2 got rows [0, 16) and [0, 32), the 23-token one's chunk 1 rows [0, 16).
+  assert _prefill_h2d(res) == cfg.num_layers * row * (16 + 32 + 16)
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5])

@@ -248,9 +248,9 @@ def test_long_decode_keeps_device_memory_flat():
 
 
 def test_zero_rows_are_stored_not_prefilled_and_every_mode_agrees():
-  """generate(zero_rows=...) stores rows [0, zero_rows) as zeros and prefills only the chunks after them; the
-  delivery modes stay bitwise identical over that context, and bad values are refused before any work."""
-  prompts = helpers.prompts((40, 33))  # Chunks of 16 rows: [0, 16), [16, 32), [32, 48).
+  """generate(zero_rows=...) stores each prompt's rows [0, zero_rows) as zeros and prefills only the chunks after
+  them; the delivery modes stay bitwise identical over that context, and bad values are refused before any work."""
+  prompts = helpers.prompts((40, 33))  # Chunks of 16 rows: [0, 16), [16, 32), [32, 48) of each.
   results = {}
   for placement, depth in [("device", 1), ("host", 0), ("host", 2)]:
     eng = helpers.engine(2, placement=placement, depth=depth, chunk=16, debug=1)
@@ -259,7 +259,7 @@ def test_zero_rows_are_stored_not_prefilled_and_every_mode_agrees():
   for mode, res in results.items():
     np.testing.assert_array_equal(res.logits, ref.logits, err_msg=str(mode))
   steps = results["host", 2].transport["steps"]
-  assert [s["kind"] for s in steps].count("prefill") == 1  # Only the last chunk ran.
+  assert [s["kind"] for s in steps].count("prefill") == len(prompts)  # Only each prompt's last chunk ran.
   full = helpers.engine(2, chunk=16).generate(prompts, 6, keep_logits=True)
   assert not np.array_equal(full.logits, ref.logits)  # The zero rows were attended, not the prompts' own.
   for bad in (8, 48, -16):
@@ -270,7 +270,8 @@ def test_zero_rows_are_stored_not_prefilled_and_every_mode_agrees():
 def test_on_chunk_reports_each_prefill_chunk():
   rows = []
   helpers.engine(1, placement="host").generate(helpers.prompts([37, 5]), 2, on_chunk=rows.append)
-  assert rows == [16, 32, 40]  # Chunks of engine.prefill_chunk (16) rows, the last to the block (8) past 37.
+  # Each prompt alone, in chunks of engine.prefill_chunk (16) rows, the last to the block (8) past its length.
+  assert rows == [16, 32, 40, 8]
 
 
 def test_split_prefilled_cuts_the_window_and_the_open_page_from_their_parts():

@@ -7,8 +7,7 @@ since (`Progress`: the requests placed, the tokens read), and whoever iterates m
 goes on (`Server.serve` gives a list up front; jaxkv.serving.loop feeds requests as they arrive), so control flows
 one way down.
 
-Each `Epoch` makes a fresh cache, prefills its first requests (as one batch; with the prefix cache one by one like any
-later request), then runs the decode loop (jaxkv.decode.DecodeLoop, the one generate runs), and before each step lets
+Each `Epoch` makes a fresh cache, prefills its first requests one by one like any later request, then runs the decode loop (jaxkv.decode.DecodeLoop, the one generate runs), and before each step lets
 the requests that fit enter the free slots (jaxkv.serving.slots): the deliveries already issued for the next step are
 dropped (they hold the slot's old rows), the request is prefilled alone and put into its slot, and the head samples
 its first token; the decode state takes its row (jaxkv.meta.DecodeState.with_row). Tokens are read
@@ -206,10 +205,7 @@ class Epoch:
     filler = slots_lib.SlotFiller(eng, run.server.prefix_cache, run.counters, run.shapes)
     loop = decode.DecodeLoop(eng, gen, run.recorder)
     try:
-      if run.server.prefix_cache is None:
-        state = self._first_batched(gen, loop, owners)
-      else:
-        state = self._first_alone(gen, loop, filler, owners, end)
+      state = self._first_alone(gen, loop, filler, owners, end)
       for b, r in enumerate(owners):
         if r is not None:
           run.placed(r, b, self.index, int(gen.start[b]))
@@ -242,17 +238,9 @@ class Epoch:
         return
       run.read(loop)
 
-  def _first_batched(self, gen, loop: decode.DecodeLoop, owners):
-    """The epoch's first requests prefilled as one batch; their first tokens' read queued."""
-    eng, requests = self.engine, self.run.requests
-    prompts = [(0,) if r is None else requests[r].prompt for r in owners]
-    x_last, start, longest = eng.prefill_prompts(gen, prompts, next_pass=True)
-    sampling = self.run.server.sampling([None if r is None else requests[r] for r in owners])
-    return loop.first(eng.state(x_last, start, longest - 1, sampling), owners)
-
   def _first_alone(self, gen, loop, filler, owners, longest: int):
-    """With the prefix cache: the epoch's first requests enter their slots one by one at end = the longest prompt,
-    each prefilled alone like any later request (so that a prompt's rows never depend on its neighbours)."""
+    """The epoch's first requests enter their slots one by one at end = the longest prompt, each prefilled alone like
+    any later request (so that a prompt's rows never depend on its neighbours)."""
     eng, cfg = self.engine, self.engine.config
     gen.cache.store_empty_slots(longest // cfg.kv.block * cfg.kv.block)
     gen.start, gen.end = np.full(len(owners), longest - 1, np.int32), longest  # An empty slot attends one zero row.

@@ -1,15 +1,11 @@
 """A request entering a slot: its prompt prefilled alone, its rows put into the slot (jaxkv.cache.KVCache.insert_slot).
 
-The request is prefilled in a scratch generation of one sequence, the epoch's one (made at the first request that
-needs it, cleared for each), whose last chunk's layers go into slot b of the epoch's cache one by one as the prefill
-yields them (jaxkv.engine.Engine.prefill), so that slot b of a layer is replaced while the next layers compute. Either
-
-  in place (`fill`, no prefix cache): prefilled as if its prompt ended at the epoch's row E, its chunks aligned to
-    row 0 of the slot, those wholly before E - L skipped (their rows start as zeros: left padding); its last chunk
-    yields rows [0, W) and the open page with the shared cache's W;
-  from row 0 (`fill` with a prefix cache): prefilled at rows [0, L), its chunks aligned to its position 0, its first
-    whole blocks taken from the prefix cache (jaxkv.serving.prefix_cache), its new whole blocks stored there; its rows
-    are then moved to [E - L, E) (jitted.Fns.place). A prompt's rows never depend on where it enters.
+Every request is prefilled at rows [0, L) of a scratch generation of one sequence, the epoch's one (made at the first
+request, cleared for each), its chunks aligned to its position 0 (jaxkv.engine.Engine.prefill_slot), with the prefix
+cache its first whole blocks taken from there (jaxkv.serving.prefix_cache) and its new whole blocks stored there; its
+rows are then moved to [E - L, E) of slot b of the epoch's cache (jitted.Fns.place), layer by layer as the prefill
+yields them, so that slot b of a layer is replaced while the next layers compute. A prompt's rows, and its last
+hidden state, never depend on where it enters, on the requests beside it or on the prefix cache.
 
 Positions are r - start[b], so a request sees the same positions, keys and values as when decoded alone.
 """
@@ -21,7 +17,6 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxkv.cache import Issued
 from jaxkv.host import memory
 from jaxkv.serving import prefix_cache as prefix_cache_lib
 
@@ -62,55 +57,33 @@ class SlotFiller:
     return self._scratch
 
   def fill(self, cache, slot: int, prompt, end: int) -> jax.Array:
-    """Prefills `prompt` alone and puts its rows at [end - L, end) of slot `slot` of `cache` (jaxkv.cache.KVCache)
-    and into its open page; returns the hidden state of its last row [1, D]."""
-    if self.prefix_cache is None:
-      return self._in_place(cache, slot, prompt, end)
-    return self._from_zero(cache, slot, prompt, end)
-
-  def close(self) -> None:
-    if self._scratch is not None:
-      self._scratch.close()
-
-  def _in_place(self, cache, slot: int, prompt, end: int) -> jax.Array:
-    chunk, length = self.engine.config.engine.prefill_chunk, len(prompt)
-    tokens = np.zeros((1, -(-end // chunk) * chunk), np.int32)
-    tokens[0, end - length : end] = prompt
-    first = (end - length) // chunk
-    own = self.scratch()
-    if first:  # Skipped chunks: zero rows below the prompt (left padding).
-      own.cache.store_zeros(first * chunk)
-    run = self.engine.prefill(own, tokens, np.array([end - length], np.int32), end, first=first)
-    for layer in run:
-      cache.insert_slot(layer.layer, slot, layer.window, layer.open_page)
-    own.add_counters("prefill", Issued(), run.rows)
-    return run.x
-
-  def _from_zero(self, cache, slot: int, prompt, end: int) -> jax.Array:
+    """Prefills `prompt` alone from row 0 and puts its rows at [end - L, end) of slot `slot` of `cache`
+    (jaxkv.cache.KVCache) and into its open page; returns the hidden state of its last row [1, D]."""
     eng, pc = self.engine, self.prefix_cache
-    chunk, length, block = eng.config.engine.prefill_chunk, len(prompt), eng.config.kv.block
+    if pc is None:
+      run = eng.prefill_slot(self.scratch(), cache, slot, prompt, end)
+      for _ in run:
+        pass
+      return run.x
+    chunk = eng.config.engine.prefill_chunk
     keys, hit = pc.match(prompt)
-    tokens = np.zeros((1, -(-length // chunk) * chunk), np.int32)
-    tokens[0, :length] = prompt
     fresh = [[] for _ in range(len(hit), len(keys))]  # Per new block, its rows of each layer.
     try:
       # Every layer's blocks start moving to the devices now, one transfer a layer on the host-to-device copy stream;
       # the prefill joins each layer's just before its first chunk, so the transfers run behind the earlier layers.
       blocks = [[e.rows[l] for e in hit] for l in range(eng.config.model.num_layers)]
       moved = [jax.device_put(rows, rows[0].sharding.with_memory_kind("device")) for rows in blocks if rows]
-      own = self.scratch()
-      run = eng.prefill(own, tokens, np.zeros(1, np.int32), length, first=len(hit), prefix=moved or None)
+      run = eng.prefill_slot(self.scratch(), cache, slot, prompt, end, first=len(hit), prefix=moved or None)
       for layer in run:
         fns = eng.layer_fns(layer.layer)
         for i, rows in enumerate(fresh):
           rows.append(fns.block(layer.window, np.int32((len(hit) + i) * chunk), size=chunk))
-        window, open_page = fns.place(
-            layer.window, layer.open_page, np.int32(end - length), w_rows=end // block * block
-        )
-        cache.insert_slot(layer.layer, slot, window if window.shape[3] else None, open_page)
-      own.add_counters("prefill", Issued(), run.rows)
       if fresh:  # Its own blocks stay pinned meanwhile: a block is not evicted to make room for its children.
         pc.add(keys, fresh, sum(a.nbytes for a in fresh[0]))
     finally:
       pc.release(hit)
     return run.x
+
+  def close(self) -> None:
+    if self._scratch is not None:
+      self._scratch.close()
