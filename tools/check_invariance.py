@@ -9,9 +9,9 @@ default the ones that start processes first, before this process holds device me
            request's logits) with --parallel slots: a --target_len-token request (--new_tokens new tokens) alone,
            then among --others others of mixed lengths (shorter and longer, --other_lengths as multiples of the
            target's) in --orders orders (the target first, in the middle, last); per variant (decode attention x
-           placement x prefix cache: on = every prompt prefilled alone from row 0, off = at its slot's rows): do its
-           tokens and logits hash equal the alone run's? Wanted for every variant but legacy, which the check must
-           see differ; with the cache off the prefill still depends on the slot's rows (not yet batch-invariant).
+           placement x prefix cache on or off: either way every prompt is prefilled alone from row 0 and its rows
+           moved to its slot's): do its tokens and logits hash equal the alone run's? Wanted for every variant but
+           legacy, which the check must see differ.
   process  --processes fresh `python3 -m jaxkv.generate` processes per JAXKV_GPU_KERNELS choice (--kernel_choices;
            "table" = one process with record:FILE, then the others with table:FILE), each with its own empty
            --compilation_cache_dir, run two at a time (two servers started at once): one logits hash per choice?
@@ -69,8 +69,8 @@ OTHER_LENGTHS = flags.DEFINE_list(
 ORDERS = flags.DEFINE_integer("orders", 3, "server: orders of the requests (the target first, middle, last, ...).")
 VARIANTS = flags.DEFINE_list(
     "variants",
-    ["auto/device/on", "auto/host/on", "auto/device/off", "legacy/device/on"],
-    "server: decode_attention/placement/prefix cache (on: prompts prefilled alone) per variant.",
+    ["auto/device/on", "auto/host/on", "auto/device/off", "auto/host/off", "legacy/device/on"],
+    "server: decode_attention/placement/prefix cache (on or off) per variant.",
 )
 PROCESS_PROMPTS = flags.DEFINE_list("process_prompts", ["1", "4095", "4097"], "process: prompt lengths (batch).")
 PROCESSES = flags.DEFINE_integer("processes", 2, "process: fresh processes per kernel choice.")

@@ -30,7 +30,7 @@ def _generate(engine: engine_lib.Engine, prompts, max_new_tokens: int, seed: int
     last.update(cache=cache)
     bar.update()
 
-  chunks = -(-max(len(p) for p in prompts) // engine.config.engine.prefill_chunk)
+  chunks = sum(-(-len(p) // engine.config.engine.prefill_chunk) for p in prompts)  # Each prompt's, alone.
   with _progress("prefill chunks and decode steps", chunks + max_new_tokens - 1) as bar:
     res = engine.generate(prompts, max_new_tokens, seed=seed, on_step=on_step, on_chunk=lambda _: bar.update())
   decode_start = time.perf_counter() - res.timing["decode_s"]
