@@ -1,10 +1,12 @@
-"""Batched prefill and decode, driven layer by layer from Python.
+"""Prefill and batched decode, driven layer by layer from Python.
 
 Prompts are right-aligned in the cache (left padding), so every sequence writes its next row at the same
 row `end` and one `dynamic_update_slice` serves the whole batch. Prefill runs in chunks of
-`engine.prefill_chunk` rows (`Engine.prefill`, a generator of the last chunk's layers for their consumer to store);
-decode produces one token per sequence per step in the one decode loop (jaxkv.decode), each group of layers one
-jitted call (jaxkv.jitted), a split layer's head attended on the host (jaxkv.host.decode).
+`engine.prefill_chunk` rows (`Engine.prefill`, a generator of the last chunk's layers for their consumer to store),
+each prompt alone from its row 0 and then moved to its rows (`Engine.prefill_slot`), so that a sequence's bits do
+not depend on the other prompts; decode produces one token per sequence per step in the one decode loop
+(jaxkv.decode), each group of layers one jitted call (jaxkv.jitted), a split layer's head attended on the host
+(jaxkv.host.decode).
 
 The layers read meta i32[B + 1] = start[B], end (jaxkv.meta.Meta): one explicit host->device transfer per prefill
 chunk; during decode the head carries the decode state (jaxkv.meta.DecodeState) to the next step on the device.
@@ -369,13 +371,11 @@ class Engine:
     longest = int(lens.max())
     gen.start, gen.end = longest - lens, longest
     if len(prompts) == 1:
-      tokens = np.zeros((1, -(-longest // chunk) * chunk), np.int32)
-      tokens[0, :longest] = prompts[0]
       if zero_rows:
         gen.cache.store_zeros(zero_rows)
-      run, issued = (
-          self.prefill(gen, tokens, gen.start, longest, first=zero_rows // chunk, next_pass=next_pass),
-          Issued(),
+      issued = Issued()
+      run = self.prefill(
+          gen, self._tokens(prompts[0]), gen.start, longest, first=zero_rows // chunk, next_pass=next_pass
       )
       for layer in run:
         gen.cache.opens[layer.layer] = layer.open_page
@@ -387,7 +387,6 @@ class Engine:
     own, xs, plans = self.start(1, counters=gen.counters, shapes=gen.shapes), [], []
     try:
       for b, prompt in enumerate(prompts):
-        own.cache.clear()
         if zero_rows:
           own.cache.store_zeros(zero_rows)
         run = self.prefill_slot(own, gen.cache, b, prompt, longest, first=zero_rows // chunk)
@@ -403,7 +402,7 @@ class Engine:
 
   def prefill_slot(
       self, own: Generation, cache: cache_lib.KVCache, slot: int, prompt, end: int, *, first=0, prefix=None
-  ):
+  ) -> Prefill:
     """Prefills one prompt of L tokens alone from its row 0 in `own` (a generation of one sequence whose cache holds
     the rows of the chunks before `first`, if any, or gets them in `prefix`: Engine.prefill), its chunks the ones its
     length determines, and puts its rows at [end - L, end) of slot `slot` of `cache` (window of end // block * block
@@ -413,11 +412,16 @@ class Engine:
 
     Returns the prefill to iterate over: each layer as prefilled from row 0 (PrefilledLayer: rows [0, R) and the open
     page, e.g. for the prefix cache), after its slot was filled; then x [1, D], the prompt's last row."""
-    chunk, length = self.config.engine.prefill_chunk, len(prompt)
-    tokens = np.zeros((1, -(-length // chunk) * chunk), np.int32)
-    tokens[0, :length] = prompt
-    run = self.prefill(own, tokens, np.zeros(1, np.int32), length, first=first, prefix=prefix)
+    length = len(prompt)
+    run = self.prefill(own, self._tokens(prompt), np.zeros(1, np.int32), length, first=first, prefix=prefix)
     return Prefill(self._fill_slot(own, run, cache, slot, end - length, end), run.rows)
+
+  def _tokens(self, prompt) -> np.ndarray:
+    """i32[1, n * chunk]: the prompt at rows [0, L), zeros after."""
+    chunk = self.config.engine.prefill_chunk
+    tokens = np.zeros((1, -(-len(prompt) // chunk) * chunk), np.int32)
+    tokens[0, : len(prompt)] = prompt
+    return tokens
 
   def _fill_slot(self, own: Generation, run: Prefill, cache, slot: int, offset: int, end: int):
     w_rows, issued = end // self.config.kv.block * self.config.kv.block, Issued()
@@ -427,6 +431,7 @@ class Engine:
       issued += cache.insert_slot(layer.layer, slot, window if w_rows else None, open_page)
       yield layer
     own.add_counters("prefill", issued, run.rows)
+    own.cache.clear()  # The slot holds its rows now.
     return run.x
 
   def _generate(self, gen: Generation, rec, prompts, max_new_tokens, seed, on_step, zero_rows) -> GenerateResult:

@@ -1,12 +1,17 @@
 """Batch invariance from the prompt on: every prompt is prefilled alone from row 0 (its chunks its own length's) and its
 rows placed at its slot's, so a sequence's tokens and logits are bitwise those it gets alone, among longer and
-shorter prompts, in generate and through the server (prefix cache off and on). A prefill whose chunks follow the
-batch (left padding to the longest prompt, or a request prefilled at its slot's rows) fails these checks."""
+shorter prompts, in generate (every split mode) and through the server (prefix cache off and on). A prefill whose
+chunks follow the batch (left padding to the longest prompt, or a request prefilled at its slot's rows) fails these
+checks, and so does a leaf sum whose order follows the batch's size (jaxkv.decode_attention.pairwise_sum)."""
 
 import helpers
+import jax
 import numpy as np
 import pytest
 
+from jaxkv import engine as engine_lib
+from jaxkv import layout as layout_lib
+from jaxkv import model
 from jaxkv import serving
 
 NEW_TOKENS = 8
@@ -24,6 +29,19 @@ def test_a_prompt_gets_its_bits_alone_among_longer_and_shorter_ones_in_generate(
     res = eng.generate(batch, NEW_TOKENS, keep_logits=True)
     assert res.tokens[b] == alone.tokens[0], (len(batch), b)
     np.testing.assert_array_equal(res.logits[:, b], alone.logits[:, 0], err_msg=f"{len(batch)} prompts, row {b}")
+
+
+@pytest.mark.parametrize("mode", ["layer", "none"])
+def test_a_prompt_gets_its_bits_alone_in_a_batch_in_the_other_split_modes(mode):
+  """The same in split modes layer (a stage per device) and none (one device), host placement."""
+  mesh = helpers.mesh(2)
+  layout = layout_lib.make_layout(mode, mesh, helpers.tiny_config().model.num_layers)
+  params = model.init_params(helpers.tiny_config().model, jax.random.key(0), mesh, layout)
+  eng = engine_lib.Engine(helpers.engine(1, placement="host", depth=1).config, mesh, params, layout)
+  short, target, long1 = helpers.prompts([7, 20, 45], seed=6)
+  alone = eng.generate([target], NEW_TOKENS, keep_logits=True)
+  res = eng.generate([short, target, long1], NEW_TOKENS, keep_logits=True)
+  np.testing.assert_array_equal(res.logits[:, 1], alone.logits[:, 0])
 
 
 def _requests():

@@ -12,6 +12,10 @@ default the ones that start processes first, before this process holds device me
            placement x prefix cache on or off: either way every prompt is prefilled alone from row 0 and its rows
            moved to its slot's): do its tokens and logits hash equal the alone run's? Wanted for every variant but
            legacy, which the check must see differ.
+  generate Engine.generate (every prompt prefilled alone from row 0, then placed) of the same target and others
+           (--generate_placements; keep_logits): the target alone (batch 1), then among the first --parallel - 1
+           others in --orders orders (batch --parallel): does the target's row of logits equal across the orders
+           (one batch size), and the alone run's (another batch size: the decode's matmuls may run other kernels)?
   process  --processes fresh `python3 -m jaxkv.generate` processes per JAXKV_GPU_KERNELS choice (--kernel_choices;
            "table" = one process with record:FILE, then the others with table:FILE), each with its own empty
            --compilation_cache_dir, run two at a time (two servers started at once): one logits hash per choice?
@@ -54,7 +58,7 @@ from jaxkv.apps import cli  # pylint: disable=g-import-not-at-top,wrong-import-p
 from jaxkv.apps import generate  # pylint: disable=g-import-not-at-top,wrong-import-position  (--parallel, --seed, --json_out)
 from jaxkv.apps import launch  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-PARTS = flags.DEFINE_list("parts", ["process", "cost", "kernel", "server"], "Parts to run, in this order.")
+PARTS = flags.DEFINE_list("parts", ["process", "cost", "kernel", "server", "generate"], "Parts to run, in this order.")
 LAYERS = flags.DEFINE_integer("layers", 4, "model.num_layers of the server and process parts.")
 KERNEL_CELLS = flags.DEFINE_list("kernel_cells", ["1x4096", "8x4096", "1x32768", "8x32768"], "kernel: BxW cells.")
 KERNEL_LAYERS = flags.DEFINE_integer("kernel_layers", 32, "kernel: layers per timed call.")
@@ -72,6 +76,7 @@ VARIANTS = flags.DEFINE_list(
     ["auto/device/on", "auto/host/on", "auto/device/off", "auto/host/off", "legacy/device/on"],
     "server: decode_attention/placement/prefix cache (on or off) per variant.",
 )
+GENERATE_PLACEMENTS = flags.DEFINE_list("generate_placements", ["device", "host"], "generate: kv placements.")
 PROCESS_PROMPTS = flags.DEFINE_list("process_prompts", ["1", "4095", "4097"], "process: prompt lengths (batch).")
 PROCESSES = flags.DEFINE_integer("processes", 2, "process: fresh processes per kernel choice.")
 KERNEL_CHOICES = flags.DEFINE_list(
@@ -260,6 +265,43 @@ def part_server(config, mesh, params) -> dict:
   return out
 
 
+def part_generate(config, mesh, params) -> dict:
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import hashlib  # pylint: disable=g-import-not-at-top
+
+  from jaxkv import engine as engine_lib  # pylint: disable=g-import-not-at-top
+
+  out = {}
+  batch = generate.PARALLEL.value
+  print(f"\n(generate) target row's logits hash: same across orders at batch {batch} / same as alone:", flush=True)
+  for placement in GENERATE_PLACEMENTS.value:
+    engine = engine_lib.Engine(
+        dataclasses.replace(config, kv=dataclasses.replace(config.kv, placement=placement)), mesh, params
+    )
+
+    def target_row(reqs, at):
+      res = engine.generate([r.prompt for r in reqs], NEW_TOKENS.value, keep_logits=True)
+      return res.tokens[at], hashlib.sha256(res.logits[:, at].tobytes()).hexdigest()
+
+    t0 = time.perf_counter()
+    reqs, at = _requests(config.model.vocab_size, 0)
+    alone = target_row([reqs[at]], 0)
+    runs = []
+    for order in range(ORDERS.value):  # The target first, in the middle, last, then at other rows.
+      reqs, at = _requests(config.model.vocab_size, order)
+      others = (reqs[:at] + reqs[at + 1 :])[: batch - 1]
+      row = (0, len(others) // 2, len(others))[order] if order < 3 else order % batch
+      runs.append(target_row(others[:row] + [reqs[at]] + others[row:], row))
+    out[placement] = dict(
+        same_across_orders=len({h for _, h in runs}) == 1,
+        same_as_alone=all(h == alone[1] for _, h in runs),
+        same_tokens_as_alone=all(t == alone[0] for t, _ in runs),
+        wall_s=time.perf_counter() - t0,
+    )
+    print(f"  {placement:>8}: {out[placement]}", flush=True)
+  return out
+
+
 def part_process(tmp: str) -> dict:
   lens = PROCESS_PROMPTS.value
   args = _config_args() + [f"--config.model.num_layers={LAYERS.value}", f"--batch={len(lens)}"]
@@ -342,9 +384,9 @@ def part_cost(tmp: str) -> dict:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  unknown = sorted(set(PARTS.value) - {"kernel", "server", "process", "cost"})
+  unknown = sorted(set(PARTS.value) - {"kernel", "server", "generate", "process", "cost"})
   if unknown:
-    raise app.UsageError(f"unknown --parts {unknown}: use kernel, server, process, cost")
+    raise app.UsageError(f"unknown --parts {unknown}: use kernel, server, generate, process, cost")
   launch.check_outputs(generate.JSON_OUT)
   # The processes it starts share the GPU with it: this one takes device memory as it needs it, not 75% at once.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -367,10 +409,10 @@ def main(argv):
     for part in PARTS.value:
       if part == "kernel":
         out["kernel"] = part_kernel(config)
-      elif part == "server":
+      elif part in ("server", "generate"):
         cfg = dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=LAYERS.value))
         mesh, params, _ = run.build(cfg, generate.SEED.value)
-        out["server"] = part_server(cfg, mesh, params)
+        out[part] = (part_server if part == "server" else part_generate)(cfg, mesh, params)
         del params
       elif part == "process":
         out["process"] = part_process(tmp)
@@ -388,6 +430,11 @@ def main(argv):
     verdict = "PASS" if v["same_logits"] == want else "FAIL"
     print(
         f"  server {variant:>18}: same tokens {v['same_tokens']}, same logits {v['same_logits']} (want {want}): {verdict}"
+    )
+  for placement, v in out.get("generate", {}).items():
+    print(
+        f"  generate {placement:>8}: same across orders {v['same_across_orders']} (want True): "
+        f"{'PASS' if v['same_across_orders'] else 'FAIL'}; same as alone (batch 1) {v['same_as_alone']}"
     )
   for choice, v in out.get("process", {}).items():
     ms = v["decode_ms_per_step"]
