@@ -7,10 +7,11 @@ since (`Progress`: the requests placed, the tokens read), and whoever iterates m
 goes on (`Server.serve` gives a list up front; jaxkv.serving.loop feeds requests as they arrive), so control flows
 one way down.
 
-Each `Epoch` makes a fresh cache, prefills its first requests one by one like any later request, then runs the decode loop (jaxkv.decode.DecodeLoop, the one generate runs), and before each step lets
-the requests that fit enter the free slots (jaxkv.serving.slots): the deliveries already issued for the next step are
-dropped (they hold the slot's old rows), the request is prefilled alone and put into its slot, and the head samples
-its first token; the decode state takes its row (jaxkv.meta.DecodeState.with_row). Tokens are read
+Each `Epoch` makes a fresh cache, prefills its first requests one by one like any later request, then runs the
+decode loop (jaxkv.decode.DecodeLoop, the one generate runs), and before each step lets the requests that fit enter
+the free slots (jaxkv.serving.slots): the deliveries already issued for the next step are dropped (they hold the
+slot's old rows), the request is prefilled alone and put into its slot, and the head samples its first token; the
+decode state takes its row (jaxkv.meta.DecodeState.with_row). Tokens are read
 jaxkv.decode.READ_LAG steps late, so a slot frees that many steps after its last token.
 
 Sampling: request r's token i draws with key fold_in(fold_in(key(seed_r), 0), i) (jaxkv.sampling), whatever its
