@@ -69,7 +69,8 @@ class Tokenizer:
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of `text`, with the special tokens (BOS) that the tokenizer's post-processor adds unless
     add_special_tokens=False (a rendered chat template writes its own)."""
-    return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    # encode_batch, unlike encode, lets go of the GIL while it works: a server's other threads run meanwhile.
+    return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
     return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -100,7 +101,7 @@ class Tokenizer:
   def encode_chat(self, messages: Sequence[dict]) -> list[int]:
     """Token ids of `messages` in the chat template, with the prompt for the assistant's turn. The template writes
     the special tokens itself: the post-processor adds none."""
-    return self._tok.encode(self.apply_chat_template(messages), add_special_tokens=False).ids
+    return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
 
 class Detokenizer:

@@ -3,6 +3,8 @@ completions through the template, stop strings, and streamed text that adds up t
 
 import json
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -204,3 +206,26 @@ def test_null_content_and_lone_surrogates_are_no_500(served, body, status, messa
   assert r.status_code == status, r.text
   if message:
     assert message in r.json()["error"]["message"], r.text
+
+
+def test_tokenizing_a_huge_prompt_stalls_no_one(served):
+  """6 MiB of text, under the body limit: a word-level tokenizer gives no byte bound (it drops the spaces), so it is
+  tokenized, for seconds, on a worker thread that lets go of the GIL, while /health answers; then refused as too long.
+  """
+  client, _, tok, _ = served
+  assert tok.bytes_per_token() is None
+  url, out, waits = _url(client), {}, []
+  big = threading.Thread(
+      target=lambda: out.update(
+          r=httpx.post(url + "/v1/completions", json={"prompt": "w7 w8 " * (1 << 20)}, timeout=TIMEOUT_S)
+      )
+  )
+  big.start()
+  while big.is_alive():
+    t0 = time.monotonic()
+    assert httpx.get(url + "/health", timeout=TIMEOUT_S).status_code == 200
+    waits.append(time.monotonic() - t0)
+    time.sleep(0.05)
+  big.join()
+  assert out["r"].status_code == 400 and "longer than the cache capacity" in out["r"].json()["error"]["message"]
+  assert len(waits) >= 5 and max(waits) < 2.0, waits
