@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ import time
 import httpx
 
 from jaxkv import serving
+from jaxkv.bench import serve_load
 from jaxkv.serving import api as serve_api
 
 START_S = 60.0  # Bound on the server's start.
@@ -55,34 +55,19 @@ def running(
     loop.stop(START_S)
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+free_port = serve_load.free_port
 
 
 @contextlib.contextmanager
 def app(*flags: str, start_s: float = 600.0):
   """`python3 -m jaxkv.serve --port=P *flags` in a process of its own (its own simulated devices), healthy; yields
   (base url, the process); kills it at the end."""
-  port = free_port()
-  url = f"http://127.0.0.1:{port}"
+  url = f"http://127.0.0.1:{free_port()}"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  cmd = [sys.executable, "-m", "jaxkv.serve", f"--port={port}", *flags]
+  cmd = [sys.executable, "-m", "jaxkv.serve", f"--port={url.rsplit(':', 1)[1]}", *flags]
   proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
-    t0 = time.monotonic()
-    while True:
-      if proc.poll() is not None:
-        raise RuntimeError(f"the server exited ({proc.returncode}): {proc.stdout.read()[-3000:]}")
-      if time.monotonic() - t0 > start_s:
-        raise RuntimeError("the server did not start")
-      try:
-        if httpx.get(url + "/health", timeout=5).status_code == 200:
-          break
-      except httpx.TransportError:
-        pass
-      time.sleep(0.5)
+    serve_load.wait_healthy(url, proc, start_s)
     yield url, proc
   finally:
     proc.kill()

@@ -257,14 +257,8 @@ def test_a_full_queue_is_a_429(engine):
     asyncio.run(two())
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_the_app_serves_and_drains_on_sigterm(reference):
-  port = _free_port()
+  port = serve_helpers.free_port()
   url = f"http://127.0.0.1:{port}"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   cmd = [

