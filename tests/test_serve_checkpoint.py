@@ -229,3 +229,11 @@ def test_tokenizing_a_huge_prompt_stalls_no_one(served):
   big.join()
   assert out["r"].status_code == 400 and "longer than the cache capacity" in out["r"].json()["error"]["message"]
   assert len(waits) >= 5 and max(waits) < 2.0, waits
+
+
+def test_chats_without_max_tokens_reserve_nothing_and_end_at_the_capacity(served):
+  client, _, _, _ = served
+  messages = [{"role": "user", "content": "w30 w31"}]
+  out = client.chat.completions.create(model="tiny", messages=messages, temperature=0, extra_body={"ignore_eos": True})
+  used = out.usage.prompt_tokens + out.usage.completion_tokens - 1  # The last token is not written.
+  assert out.choices[0].finish_reason == "length" and used <= 128 and out.usage.completion_tokens > 64

@@ -322,10 +322,12 @@ def make_app(model: Model, max_body_mb: float = DEFAULT_MAX_BODY_MB) -> fastapi.
     except ValueError as e:
       raise ApiError(400, str(e)) from e
     ids = await _encode(model, text, add_special_tokens=False)
-    max_tokens = body.max_completion_tokens or body.max_tokens or max(model.capacity - len(ids) + 1, 1)
+    max_tokens = body.max_completion_tokens or body.max_tokens  # None: until its end or the capacity.
     return await _respond(body, ids, max_tokens, "chat.completion", http, t0)
 
-  async def _respond(body: _Params, ids: list[int], max_tokens: int, kind: str, http: fastapi.Request, t0: float):
+  async def _respond(
+      body: _Params, ids: list[int], max_tokens: int | None, kind: str, http: fastapi.Request, t0: float
+  ):
     if body.model is not None and body.model != model.name:
       raise ApiError(404, f"model {body.model!r} is not served here; GET /v1/models lists {model.name!r}")
     if not ids:
