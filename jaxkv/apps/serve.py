@@ -112,7 +112,11 @@ def main(argv):
       prefix_cache_bytes=generate.prefix_cache_bytes(),
   )
   logging.info("serving %s on http://%s:%d", name, HOST.value, PORT.value)
-  print(f"serving {name} on http://{HOST.value}:{PORT.value} ({generate.PARALLEL.value} slots)", flush=True)
+  print(
+      f"serving {name} on http://{HOST.value}:{PORT.value} ({generate.PARALLEL.value} slots, capacity "
+      f"{model.capacity} tokens, {'text and token ids' if model.tokenizer else 'token ids'})",
+      flush=True,
+  )
   # uvicorn drains on SIGTERM, then raises it again for the handler it found: let that one return, so that the loop
   # stops and the app exits 0.
   signal.signal(signal.SIGTERM, lambda *_: logging.info("SIGTERM: drained"))

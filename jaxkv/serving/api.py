@@ -32,7 +32,6 @@ import fastapi
 import fastapi.exceptions
 import pydantic
 import uvicorn
-from absl import logging
 from fastapi import concurrency
 from fastapi import responses
 from starlette import exceptions as starlette_exceptions
@@ -533,7 +532,4 @@ def build_model(
   loop.submit(Request((0,), 2), lambda t: None, lambda why, err: done.set())
   done.wait()
   template = tokenizer.chat_template if tokenizer is not None else None
-  logging.info(
-      "serving %s: capacity %d, vocabulary %d", name, engine.config.engine.capacity, engine.config.model.vocab_size
-  )
   return Model(name, loop, tokenizer, template, eos_ids)
