@@ -9,8 +9,8 @@ hundred tokens, with the cache on the devices and on the host at depths 0 and 2,
 
 from __future__ import annotations
 
-import importlib.util
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
