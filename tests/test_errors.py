@@ -233,6 +233,25 @@ def _cases(tmp) -> dict:
       "gates_no_arms": (GATES, ["--arms="], "--arms is empty", 2),
       "serve_port": (SERVE, ["--port=99999"], "flag --port=99999: 99999 is not an integer in the range [1, 65535]", 2),
       "serve_bench_requests": (SERVE_BENCH, ["--requests=0"], "flag --requests=0: 0 is not a positive integer", 2),
+      "serve_prompt": (
+          SERVE,
+          ["--prompt=hi", "--max_new_tokens=4"],
+          "jaxkv.serve takes its prompts from requests: drop --prompt, --max_new_tokens",
+          2,
+      ),
+      "serve_both": (
+          SERVE,
+          ["--gguf=m.gguf", f"--checkpoint_dir={ckpt}"],
+          "give --checkpoint_dir or --gguf, not both",
+          2,
+      ),
+      "serve_body": (SERVE, ["--max_body_mb=0"], "--max_body_mb must be > 0, got 0", 2),
+      "serve_gguf": (
+          SERVE,
+          [f"--gguf={tmp}/missing.gguf", f"--port={_free_port()}"],
+          "missing.gguf' does not exist",
+          1,
+      ),
   }
 
 
@@ -302,6 +321,10 @@ CASES = (
     "gates_no_arms",
     "serve_port",
     "serve_bench_requests",
+    "serve_prompt",
+    "serve_both",
+    "serve_body",
+    "serve_gguf",
 )
 
 

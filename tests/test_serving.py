@@ -126,3 +126,17 @@ def test_every_serving_run_has_the_fields_its_report_prints(served):
     assert set(serving.TOTALS) <= res.transport.keys(), name
     if reuses is not None:
       assert res.transport["insertions"] == reuses and f"{reuses} slot reuses" in line, (name, line)
+
+
+def test_requests_without_max_new_tokens_share_an_epoch_and_end_at_the_capacity():
+  """Without max_new_tokens a request reserves no rows: the first four take the four slots at once (with the capacity
+  reserved, each would fit only at an end equal to its own prompt length), and each decodes to the capacity, its
+  tokens those of a generate of as many."""
+  eng = helpers.engine(2, placement="host", depth=1)
+  capacity = eng.config.engine.capacity
+  prompts = helpers.prompts([9, 30, 17, 5], seed=4)
+  res = serving.Server(eng, 4).serve([serving.Request(tuple(p), None, seed=i) for i, p in enumerate(prompts)])
+  assert [r.epoch for r in res.results] == [0] * 4 and sorted(r.slot for r in res.results) == [0, 1, 2, 3]
+  end = max(len(p) for p in prompts)  # The epoch's first requests enter at its longest prompt.
+  want = helpers.engine(2, placement="device").generate(prompts, capacity - end + 1).tokens
+  assert [r.tokens for r in res.results] == want and all(len(t) == capacity - end + 1 for t in want)
