@@ -37,12 +37,14 @@ class Closed(Exception):
 
 
 class Handle:
-  """One submitted request. on_token(token) and on_end(reason, error) run on the engine thread; on_end runs once,
+  """One submitted request. on_token(token, logprob) and on_end(reason, error) run on the engine thread (logprob:
+  jaxkv.sampling.logprobs's where the request asked for them, else None); on_end runs once,
   last, with a reason from ENDS (error: the exception's text for "error", else None)."""
 
-  def __init__(self, request: Request, on_token: Callable[[int], None], on_end: Callable[[str, str], None]):
+  def __init__(self, request: Request, on_token: Callable[[int, tuple], None], on_end: Callable[[str, str], None]):
     self.request, self.on_token, self.on_end = request, on_token, on_end
     self.cancelled = False
+    self.cached_tokens = 0  # Its prompt tokens taken from the prefix cache (set when it takes a slot).
 
   def cancel(self) -> None:
     """Ends the request before the next decode step (safe from any thread, also after it ended)."""
@@ -170,16 +172,18 @@ class _Feed:
 
   def report(self, progress: server_lib.Progress) -> None:
     """Hands out what the run did: requests placed, tokens read (each to its handle, an end ending it)."""
-    for r, *_ in progress.placed:
+    for r, *_, cached in progress.placed:
       self.placed.add(r)
+      if r in self.handles:
+        self.handles[r].cached_tokens = cached
       with self.lock:
         self.stats.waiting -= 1
         self.stats.busy += 1
-    for r, token, end in progress.tokens:
+    for r, token, end, logprob in progress.tokens:
       if r in self.handles:  # Not ended meanwhile.
-        self._token(r, token, end)
+        self._token(r, token, end, logprob)
 
-  def _token(self, r: int, token: int, end: str | None) -> None:
+  def _token(self, r: int, token: int, end: str | None, logprob: tuple | None) -> None:
     stats, second = self.stats, int(time.monotonic())
     stats.tokens += 1
     if stats.recent and stats.recent[-1][0] == second:
@@ -187,7 +191,7 @@ class _Feed:
     else:
       stats.recent.append([second, 1])
     try:
-      self.handles[r].on_token(token)
+      self.handles[r].on_token(token, logprob)
     except Exception:  # pylint: disable=broad-except  (a client's callback must not stop the engine)
       logging.exception("serving loop: on_token of request %d failed", r)
       self.handles[r].cancel()
