@@ -106,7 +106,7 @@ def functions(
     s = state.sampling
     logits = model.logits(top, state.x, cfg)
     tokens = sampling.sample(sampling.shape(logits, s, state.counts, state.prompt, state.index), s, state.index)
-    counts = sampling.count(state.counts, tokens, s)
+    counts = sampling.count(state.counts, tokens)
     nxt = DecodeState(model.embed(top, tokens), Meta.advance(state.meta), state.index + 1, s, counts, state.prompt)
     return HeadOut(logits, tokens), nxt
 

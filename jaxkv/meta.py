@@ -56,7 +56,7 @@ class DecodeState:
     head's output the row the next pass writes.
   index: i32[B], the token index that row b samples next (0: its first generated token).
   sampling: row b's sampling settings (jaxkv.sampling.SamplingParams).
-  counts: i32[B, V], how often row b generated each token (counted where some row's penalties read them).
+  counts: i32[B, V], how often row b generated each token (what its penalties read).
   prompt: bool[B, V], the tokens of row b's prompt (marked where its repetition penalty reads them).
   """
 

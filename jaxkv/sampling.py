@@ -15,8 +15,8 @@ Shaping (`shape`, vLLM's order and meaning) reads each row's generated-token cou
 tokens bool[B, V] (jaxkv.meta.DecodeState): the repetition penalty divides the positive logits (multiplies the
 negative) of tokens in the prompt or generated; the frequency and presence penalties subtract count * frequency and
 presence from the logits of generated tokens; the logit bias adds to its ids; held ids (a request's end ids while
-fewer than min_tokens were generated) get -inf. A batch where no row asks for any of it skips it, so greedy rows
-without these settings take the largest of the model's own logits, as they always did.
+fewer than min_tokens were generated) get -inf. A row without these settings keeps the model's logits bit for bit,
+so its greedy tokens are the largest of the model's own logits, as they always were.
 
 Log-probabilities (`logprobs`) are taken on the host from the step's logits, which come back anyway (HeadOut).
 """
@@ -129,30 +129,22 @@ def row_key(seed: jax.Array, stream: jax.Array, index: jax.Array) -> jax.Array:
 
 def shape(logits: jax.Array, params: SamplingParams, counts: jax.Array, prompt: jax.Array, index: jax.Array):
   """logits f32[B, V], counts i32[B, V] (each row's generated tokens), prompt bool[B, V] (its prompt's tokens),
-  index i32[B] (tokens generated) -> f32[B, V], shaped as the module docstring says; the logits themselves where no
-  row asks for any shaping."""
+  index i32[B] (tokens generated) -> f32[B, V], shaped as the module docstring says. Branch-free (no conditional,
+  which a GPU would evaluate on the host): a row without shaping subtracts zeros, adds no bias and holds no id, so
+  its logits come out bit for bit."""
   p = params
-  holding = index < p.min_tokens
-  on = (p.presence != 0) | (p.frequency != 0) | (p.repetition != 1) | (p.bias_ids != NO_ID).any(-1) | holding
-
-  def shaped(x):
-    rows = jnp.arange(x.shape[0])[:, None]
-    rep = p.repetition[:, None]
-    x = jnp.where((counts > 0) | prompt, jnp.where(x > 0, x / rep, x * rep), x)
-    x = x - counts * p.frequency[:, None] - (counts > 0) * p.presence[:, None]
-    x = x.at[rows, p.bias_ids].add(p.bias, mode="drop")
-    held = jnp.where(holding[:, None], p.held, NO_ID)
-    return x.at[rows, held].set(-jnp.inf, mode="drop")
-
-  return jax.lax.cond(jnp.any(on), shaped, lambda x: x, logits)
+  rows = jnp.arange(logits.shape[0])[:, None]
+  rep = p.repetition[:, None]
+  x = jnp.where((counts > 0) | prompt, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+  x = x - counts * p.frequency[:, None] - (counts > 0) * p.presence[:, None]
+  x = x.at[rows, p.bias_ids].add(p.bias, mode="drop")
+  held = jnp.where((index < p.min_tokens)[:, None], p.held, NO_ID)
+  return x.at[rows, held].set(-jnp.inf, mode="drop")
 
 
-def count(counts: jax.Array, tokens: jax.Array, params: SamplingParams) -> jax.Array:
-  """counts i32[B, V] with each row's new token i32[B] counted, where a row's penalties read them (else as given)."""
-  p = params
-  on = jnp.any((p.presence != 0) | (p.frequency != 0) | (p.repetition != 1))
-  add = lambda c: c.at[jnp.arange(c.shape[0]), tokens].add(1)
-  return jax.lax.cond(on, add, lambda c: c, counts)
+def count(counts: jax.Array, tokens: jax.Array) -> jax.Array:
+  """counts i32[B, V] with each row's new token i32[B] counted."""
+  return counts.at[jnp.arange(counts.shape[0]), tokens].add(1)
 
 
 def sample(logits: jax.Array, params: SamplingParams, index: jax.Array) -> jax.Array:

@@ -170,14 +170,16 @@ def test_shaping_applies_penalties_bias_and_held_ids_per_row():
   assert np.isfinite(later[2, [1, 9]]).all()
 
 
-def test_without_shaping_the_logits_pass_through_and_nothing_is_counted():
+def test_without_shaping_the_logits_pass_through_bit_for_bit_and_tokens_are_counted():
+  """Rows without shaping, with counts and prompt tokens marked (as beside a row with penalties): their logits as
+  they are, -0.0 and -inf included."""
+  logits = LOGITS.copy()
+  logits[0, 1], logits[1, 3] = -0.0, -np.inf
   params = _params([SamplingConfig(), SamplingConfig(temperature=1.0, top_k=3)])
-  counts = jnp.zeros((2, 5), jnp.int32)
-  out = sampling.shape(LOGITS, params, counts, jnp.zeros((2, 5), bool), jnp.zeros(2, jnp.int32))
-  np.testing.assert_array_equal(out, LOGITS)
-  np.testing.assert_array_equal(sampling.count(counts, jnp.array([1, 2]), params), counts)
-  on = _params([SamplingConfig(), SamplingConfig(frequency_penalty=0.1)])
-  np.testing.assert_array_equal(sampling.count(counts, jnp.array([1, 2]), on), [[0, 1, 0, 0, 0], [0, 0, 1, 0, 0]])
+  counts = jnp.array([[0, 2, 0, 1, 0], [1, 0, 0, 3, 0]], jnp.int32)
+  out = np.asarray(sampling.shape(logits, params, counts, np.ones((2, 5), bool), jnp.zeros(2, jnp.int32)))
+  np.testing.assert_array_equal(out.view(np.int32), logits.view(np.int32))
+  np.testing.assert_array_equal(sampling.count(counts, jnp.array([1, 2])), [[0, 3, 0, 1, 0], [1, 0, 1, 3, 0]])
 
 
 def test_rules_are_bounded():
