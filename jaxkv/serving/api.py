@@ -10,7 +10,7 @@ and settings gets the tokens `python3 -m jaxkv.generate` prints; penalties, min_
 the head per request (jaxkv.sampling). `stop` strings end a request at the first one and cut the text before it; so
 does a checkpoint's end of sequence id or a `stop_token_ids` id (its id ends `token_ids`), unless "ignore_eos".
 `logprobs` (and chat's `top_logprobs`) give each token's float32 log-probability under the model's logits in the
-OpenAI shapes (jaxkv.serving.logprobs). A field the server does not implement is a 400 naming it (`_NO_OPS`: its
+OpenAI shapes (jaxkv.serving.logprobs). A field the server does not implement is a 400 naming it (jaxkv.serving.schemas: its
 no-op value is accepted). Bad input is a 400 with a message; a full queue is a 429; the server keeps serving. A
 client that disconnects ends its request at the next decode step, freeing its slot.
 """
@@ -19,18 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import secrets
 import threading
 import time
 import uuid
-from typing import Literal
 
 import fastapi
 import fastapi.exceptions
 import pydantic
-import pydantic_core
 import uvicorn
 from fastapi import responses
 
@@ -43,6 +40,7 @@ from jaxkv.serving import access as access_lib
 from jaxkv.serving import logprobs as logprobs_lib
 from jaxkv.serving import loop as loop_lib
 from jaxkv.serving import metrics as metrics_lib
+from jaxkv.serving import schemas
 from jaxkv.serving import server as server_lib
 from jaxkv.serving.requests import Request
 
@@ -64,107 +62,6 @@ class Model:
   @property
   def capacity(self) -> int:
     return self.loop.server.engine.config.engine.capacity
-
-
-# OpenAI fields the server does not implement, accepted only with the value that asks for nothing (clients send
-# some of them by default); any other value, like a field of no endpoint, is a 400 naming it.
-_NO_OPS = {
-    "best_of": (None, 1),
-    "echo": (None, False),
-    "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "parallel_tool_calls": (None, True, False),
-    "store": (None, False),
-}
-_PENALTY = pydantic.Field(None, ge=-2.0, le=2.0)
-
-
-class _StreamOptions(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(strict=True, extra="forbid")
-
-  include_usage: bool = False
-
-
-class _Params(pydantic.BaseModel):
-  """Fields of both endpoints. A field the server does not implement is refused (`_NO_OPS`, extra="forbid"); known
-  ones must have their type (strict: "0.5" is not a number). Sampling fields left out take the config's."""
-
-  model_config = pydantic.ConfigDict(strict=True, extra="forbid")
-
-  model: str | None = None
-  max_tokens: int | None = pydantic.Field(None, ge=1)
-  temperature: float | None = pydantic.Field(None, ge=0.0)
-  top_p: float | None = pydantic.Field(None, gt=0.0, le=1.0)
-  top_k: int | None = pydantic.Field(None, ge=-1)  # -1 or 0: off.
-  min_p: float | None = pydantic.Field(None, ge=0.0, le=1.0)
-  presence_penalty: float | None = _PENALTY
-  frequency_penalty: float | None = _PENALTY
-  repetition_penalty: float | None = pydantic.Field(None, gt=0.0)
-  logit_bias: dict[str, float] | None = None  # Token id (a string, as OpenAI's) -> a bias in [-100, 100].
-  seed: int | None = None
-  stop: str | list[str] | None = None
-  stop_token_ids: list[pydantic.StrictInt] | None = None  # As vLLM: ids that end a request (kept as its last).
-  stream: bool = False
-  stream_options: _StreamOptions | None = None
-  n: Literal[1] = 1
-  ignore_eos: bool = False  # As vLLM: run past the checkpoint's end of sequence ids (the config's eos_id still ends).
-  min_tokens: int = pydantic.Field(0, ge=0)  # As vLLM: no end id (nor stop string) before this many tokens.
-  user: str | None = None  # An end user's name for the operator's logs: nothing to do here.
-
-  @pydantic.model_validator(mode="before")
-  @classmethod
-  def _refuse_no_ops(cls, data):
-    """Drops the fields of _NO_OPS that ask for nothing; refuses the others."""
-    if not isinstance(data, dict):
-      return data
-    for name, accepted in _NO_OPS.items():
-      if name in data:
-        value = data[name]
-        if not any(value is a or (type(value) is type(a) and value == a) for a in accepted):
-          shown = " or ".join(json.dumps(a) for a in accepted)
-          raise pydantic_core.PydanticCustomError(
-              "unsupported", f"unsupported field {name!r}: jaxkv does not implement it (it takes only {shown})"
-          )
-    return {k: v for k, v in data.items() if k not in _NO_OPS}
-
-
-class CompletionRequest(_Params):
-  prompt: str | list[pydantic.StrictInt] | list[str] | list[list[pydantic.StrictInt]]
-  logprobs: int | None = pydantic.Field(None, ge=0, le=sampling_lib.MAX_TOP_LOGPROBS)  # The top entries per token.
-
-
-class _Message(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(strict=True, extra="allow")
-
-  role: str
-  content: str | list[dict] | None = None
-
-
-class ChatRequest(_Params):
-  messages: list[_Message] = pydantic.Field(min_length=1)
-  max_completion_tokens: int | None = pydantic.Field(None, ge=1)
-  logprobs: bool = False
-  top_logprobs: int | None = pydantic.Field(None, ge=0, le=sampling_lib.MAX_TOP_LOGPROBS)
-
-
-class TokenizeRequest(pydantic.BaseModel):
-  """llama-server's /tokenize."""
-
-  model_config = pydantic.ConfigDict(strict=True, extra="forbid")
-
-  content: str
-  add_special: bool = False
-  with_pieces: bool = False
-
-
-class DetokenizeRequest(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(strict=True, extra="forbid")
-
-  tokens: list[pydantic.StrictInt]
 
 
 class ApiError(Exception):
@@ -321,14 +218,14 @@ def make_app(model: Model, access: access_lib.Access = access_lib.Access()) -> f
     return {"object": "list", "data": [card]}
 
   @app.post("/tokenize")
-  async def tokenize(body: TokenizeRequest):
+  async def tokenize(body: schemas.TokenizeRequest):
     ids = _tokenizer(model).encode(body.content, add_special_tokens=body.add_special)
     if not body.with_pieces:
       return {"tokens": ids}
     return {"tokens": [{"id": i, "piece": model.tokenizer.decode([i], skip_special_tokens=False)} for i in ids]}
 
   @app.post("/detokenize")
-  async def detokenize(body: DetokenizeRequest):
+  async def detokenize(body: schemas.DetokenizeRequest):
     return {"content": _tokenizer(model).decode(_ids(body.tokens, model, "tokens"), skip_special_tokens=False)}
 
   @app.get("/props")
@@ -344,7 +241,7 @@ def make_app(model: Model, access: access_lib.Access = access_lib.Access()) -> f
     }
 
   @app.post("/v1/completions")
-  async def completions(body: CompletionRequest, http: fastapi.Request):
+  async def completions(body: schemas.CompletionRequest, http: fastapi.Request):
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
       if len(prompt) != 1:
@@ -359,7 +256,7 @@ def make_app(model: Model, access: access_lib.Access = access_lib.Access()) -> f
     return await _respond(body, ids, body.max_tokens or DEFAULT_MAX_TOKENS, "text_completion", http, body.logprobs)
 
   @app.post("/v1/chat/completions")
-  async def chat(body: ChatRequest, http: fastapi.Request):
+  async def chat(body: schemas.ChatRequest, http: fastapi.Request):
     if model.tokenizer is None or model.chat_template is None:
       raise ApiError(400, "chat needs a checkpoint with a tokenizer.json and a chat template; use /v1/completions")
     messages = [_message(m) for m in body.messages]
@@ -374,7 +271,7 @@ def make_app(model: Model, access: access_lib.Access = access_lib.Access()) -> f
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return await _respond(body, ids, max_tokens, "chat.completion", http, logprobs)
 
-  async def _respond(body: _Params, ids: list[int], max_tokens: int, kind: str, http: fastapi.Request, logprobs):
+  async def _respond(body: schemas.Params, ids: list[int], max_tokens: int, kind: str, http: fastapi.Request, logprobs):
     if body.model is not None and body.model != model.name:
       raise ApiError(404, f"model {body.model!r} is not served here; GET /v1/models lists {model.name!r}")
     if not ids:
@@ -464,7 +361,7 @@ def _usage(prompt: int, completion: int, cached: int) -> dict:
   return dict(usage, prompt_tokens_details={"cached_tokens": cached})
 
 
-def _message(m: _Message) -> dict:
+def _message(m: schemas.Message) -> dict:
   """A chat message as the template sees it: content parts of type text joined into one string."""
   d = m.model_dump(exclude_none=False)
   if isinstance(m.content, list):
@@ -477,7 +374,7 @@ def _seed(seed: int | None) -> int:
   return secrets.randbits(31) if seed is None else seed & 0x7FFFFFFF
 
 
-def _sampling(body: _Params, model: Model) -> SamplingConfig:
+def _sampling(body: schemas.Params, model: Model) -> SamplingConfig:
   """The request's sampling settings: the config's where a field is left out."""
   base = model.loop.server.engine.config.sampling
   given = dict(
@@ -507,7 +404,7 @@ def _ids(ids, model: Model, what: str = "stop_token_ids") -> list[int]:
   return list(ids)
 
 
-def _rules(body: _Params, model: Model, eos: frozenset[int]) -> sampling_lib.Rules | None:
+def _rules(body: schemas.Params, model: Model, eos: frozenset[int]) -> sampling_lib.Rules | None:
   """The request's logit rules: its logit_bias, and its end ids held back until min_tokens (None: no rule)."""
   bias = {}
   for key, value in (body.logit_bias or {}).items():
