@@ -12,6 +12,7 @@ import pytest
 from jaxkv import config as config_lib
 from jaxkv import model
 from jaxkv import reference
+from jaxkv import sampling
 
 LENGTHS = (5, 12, 1, 9)
 NEW = 12
@@ -160,10 +161,7 @@ def test_penalties_shape_each_step_by_the_tokens_before_it(one_device_run):
     seen = np.zeros(res.logits.shape[-1], bool)
     seen[prompt] = True
     for t, token in enumerate(res.tokens[b]):
-      x = res.logits[t, b].copy()
-      on = (counts > 0) | seen
-      x[on] = np.where(x[on] > 0, x[on] / np.float32(1.3), x[on] * np.float32(1.3))
-      x = x - counts * np.float32(0.75) - (counts > 0) * np.float32(1.5)
+      x = reference.shaped_logits(res.logits[t, b], counts, seen, s, sampling.Rules(), t)
       assert token == np.argmax(x), (b, t)
       counts[token] += 1
   assert res.tokens != one_device_run.tokens

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import reference
 from jaxkv import sampling
 from jaxkv.config import SamplingConfig
 
@@ -126,21 +127,6 @@ def test_min_p_keeps_the_tokens_at_least_that_fraction_of_the_largest():
   assert set(toks[:, 0].tolist()) == {1, 4} and set(toks[:, 1].tolist()) == {0, 2}
 
 
-def _shaped_reference(logits, counts, prompt, cfg: SamplingConfig, rules: sampling.Rules, index: int) -> np.ndarray:
-  """f32[V]: the shaping written out (vLLM's rules) for one row."""
-  x = logits.astype(np.float32).copy()
-  seen = (counts > 0) | prompt
-  rep = np.float32(cfg.repetition_penalty)
-  x[seen] = np.where(x[seen] > 0, x[seen] / rep, x[seen] * rep)
-  c = counts.astype(np.float32)
-  x = x - c * np.float32(cfg.frequency_penalty) - (c > 0).astype(np.float32) * np.float32(cfg.presence_penalty)
-  for i, b in rules.logit_bias.items():
-    x[i] += np.float32(b)
-  if index < rules.min_tokens:
-    x[list(rules.held)] = -np.inf
-  return x
-
-
 def test_shaping_applies_penalties_bias_and_held_ids_per_row():
   v = 64
   rng = np.random.default_rng(0)
@@ -160,7 +146,7 @@ def test_shaping_applies_penalties_bias_and_held_ids_per_row():
   index = np.array([0, 0, 1, 5], np.int32)
   got = np.asarray(jax.jit(sampling.shape)(logits, params, counts, seen, index))
   for b in range(4):
-    want = _shaped_reference(logits[b], counts[b], seen[b], settings[b], rules[b] or sampling.Rules(), index[b])
+    want = reference.shaped_logits(logits[b], counts[b], seen[b], settings[b], rules[b] or sampling.Rules(), index[b])
     # XLA's CPU division is not correctly rounded (1 ulp off numpy's): the rule is the claim here, not the bits.
     np.testing.assert_allclose(got[b], want, rtol=2e-7, atol=0, err_msg=str(b))
   np.testing.assert_array_equal(got[0], logits[0])  # Shaped among others, a row without shaping is untouched.

@@ -23,6 +23,7 @@ import numpy as np
 from absl import app
 from absl import flags
 
+from jaxkv import reference
 from jaxkv import sampling
 from jaxkv.config import SamplingConfig
 
@@ -47,20 +48,6 @@ def boundary() -> dict:
   return out
 
 
-def _reference(x, counts, prompt, cfg, rules, index):
-  x = x.copy()
-  seen = (counts > 0) | prompt
-  rep = np.float32(cfg.repetition_penalty)
-  x[seen] = np.where(x[seen] > 0, x[seen] / rep, x[seen] * rep)
-  c = counts.astype(np.float32)
-  x = x - c * np.float32(cfg.frequency_penalty) - (c > 0).astype(np.float32) * np.float32(cfg.presence_penalty)
-  for i, b in rules.logit_bias.items():
-    x[i] += np.float32(b)
-  if index < rules.min_tokens:
-    x[list(rules.held)] = -np.inf
-  return x
-
-
 def _setup(shaped: bool):
   b, v = BATCH.value, VOCAB.value
   rng = np.random.default_rng(0)
@@ -68,7 +55,7 @@ def _setup(shaped: bool):
   counts = (rng.integers(0, 3, (b, v)) * (rng.random((b, v)) < 0.01)).astype(np.int32)
   prompt = rng.random((b, v)) < 0.01
   cfgs = [SamplingConfig(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)] * b
-  rules = [sampling.Rules({i: 2.0 for i in range(0, 3000, 10)}, min_tokens=4, held=(1, 2, 3))] * b
+  rules = [sampling.Rules({i: 2.0 for i in range(0, min(3000, v), 10)}, min_tokens=4, held=(1, 2, 3))] * b
   if not shaped:
     cfgs, rules = [SamplingConfig()] * b, [None] * b
   else:
@@ -83,7 +70,7 @@ def shaping() -> dict:
   got = np.asarray(jax.jit(sampling.shape)(logits, params, counts, prompt, index))
   rows = []
   for b in range(BATCH.value):
-    want = _reference(logits[b], counts[b], prompt[b], cfgs[b], rules[b] or sampling.Rules(), 0)
+    want = reference.shaped_logits(logits[b], counts[b], prompt[b], cfgs[b], rules[b] or sampling.Rules(), 0)
     finite = np.isfinite(want)
     err = float(np.max(np.abs(got[b][finite] - want[finite])))
     rows.append(
