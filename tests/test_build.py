@@ -39,6 +39,7 @@ NON_IMPORT_DEPS = {
     "tests/test_serve_bench.py": lambda root: {"jaxkv/serve_bench.py", "jaxkv/serve.py"},
     "tests/test_compile_cache.py": lambda root: {"jaxkv/generate.py"},
     "tests/test_gguf.py": lambda root: {"jaxkv/generate.py"},
+    "tests/test_serve_gguf.py": lambda root: {"jaxkv/generate.py", "jaxkv/serve.py"},
     "tests/test_errors.py": lambda root: {
         "jaxkv/generate.py",
         "jaxkv/gates.py",

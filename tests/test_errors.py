@@ -239,6 +239,25 @@ def _cases(tmp) -> dict:
           "cannot read the API key file no_such_key_file (No such file or directory); fix --api_key_file",
           2,
       ),
+      "serve_prompt": (
+          SERVE,
+          ["--prompt=hi", "--max_new_tokens=4"],
+          "jaxkv.serve takes its prompts from requests: drop --prompt, --max_new_tokens",
+          2,
+      ),
+      "serve_both": (
+          SERVE,
+          ["--gguf=m.gguf", f"--checkpoint_dir={ckpt}"],
+          "give --checkpoint_dir or --gguf, not both",
+          2,
+      ),
+      "serve_body": (SERVE, ["--max_body_mb=0"], "--max_body_mb must be > 0, got 0", 2),
+      "serve_gguf": (
+          SERVE,
+          [f"--gguf={tmp}/missing.gguf", f"--port={_free_port()}"],
+          "missing.gguf' does not exist",
+          1,
+      ),
   }
 
 
@@ -309,6 +328,10 @@ CASES = (
     "serve_port",
     "serve_bench_requests",
     "serve_api_key_file",
+    "serve_prompt",
+    "serve_both",
+    "serve_body",
+    "serve_gguf",
 )
 
 

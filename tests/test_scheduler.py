@@ -53,3 +53,16 @@ def test_ending_a_waiting_request_takes_it_out_of_the_queue():
   s.end(0)
   s.free()
   assert list(s.queue) == [2] and s.admit(6) == [(0, 2)]
+
+
+def test_a_request_without_max_new_tokens_reserves_nothing_and_ends_at_the_capacity():
+  # Capacity reserved up front (max_new_tokens = capacity - L + 1), each would fit only at end = its own prompt.
+  s = _scheduler(40, (10, None), (30, None), (20, 31), (5, None))
+  owners, end = s.open_epoch(4)
+  assert (owners, end) == ([0, 1, None, None], 30)  # Request 2's 31 tokens do not fit from row 30: it waits.
+  assert s.slots[:2] == [Slot(0, 39), Slot(1, 39)] and s.need() == 39
+  s.end(0)
+  s.free()
+  assert s.admit(35) == []  # Request 2 first: it fits in the next epoch only.
+  s.end(2)
+  assert s.admit(40) == [(0, 3)] and s.slots[0] == Slot(3, 39)  # At the capacity: one token, from its prefill.

@@ -56,9 +56,7 @@ def client(server):
   return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
 
 
-def metrics(url) -> dict[str, float]:
-  text = httpx.get(url + "/metrics", timeout=TIMEOUT_S).text
-  return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))}
+metrics = serve_helpers.metrics
 
 
 def wait_for(predicate, what: str, timeout: float = 30.0):
@@ -164,6 +162,7 @@ def test_unknown_model_is_a_404(client):
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
   url, _ = server
   before = metrics(url)
+  ended = serve_helpers.finished(url)[0]
   body = {"prompt": [5, 6, 7], "max_tokens": 120, "stream": True}
   with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT_S) as r:
     events, lines = [], r.iter_lines()  # Held: a dropped iterator closes the connection.
@@ -177,7 +176,44 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
   wait_for(lambda: metrics(url)[cancelled] == before[cancelled] + 1, "the cancellation")
   after = metrics(url)
   assert after["jaxkv_slots_busy"] == 0
-  assert after["jaxkv_generated_tokens_total"] - before["jaxkv_generated_tokens_total"] < 60  # Not run to its end.
+  assert serve_helpers.one_more(ended, serve_helpers.finished(url)[0], "cancelled")
+  assert 3 <= after["jaxkv_generated_tokens_total"] - before["jaxkv_generated_tokens_total"] < 60  # Not to its end.
+
+
+def test_a_client_that_disconnects_before_its_answer_frees_its_slot(server, engine):
+  """Not streaming: the server hears the disconnect (not only a failed write) and ends the request at the next decode
+  step, long before its max_tokens."""
+  url, model = server
+  ended, tokens = serve_helpers.finished(url)
+  engine_tokens = model.loop.stats.tokens
+  body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 120}).encode()
+  head = f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {len(body)}"
+  with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
+    sock.sendall(head.encode() + b"\r\n\r\n" + body)
+    wait_for(lambda: model.loop.stats.tokens > engine_tokens, "its first token", timeout=TIMEOUT_S)
+  wait_for(lambda: serve_helpers.finished(url)[0]["cancelled"] == ended["cancelled"] + 1, "the cancellation")
+  wait_for(lambda: metrics(url)["jaxkv_slots_busy"] == 0, "its slot")
+  assert serve_helpers.one_more(ended, serve_helpers.finished(url)[0], "cancelled")
+  assert model.loop.stats.tokens - engine_tokens < 60  # Not run to its end.
+  assert serve_helpers.finished(url)[1] - tokens < 60
+
+
+@pytest.mark.parametrize(
+    "method, path, body, status, message",
+    [
+        ("GET", "/v1/nowhere", None, 404, "Not Found: GET /v1/nowhere"),
+        ("GET", "/v1/completions", None, 405, "Method Not Allowed: GET /v1/completions"),
+        ("POST", "/v1/completions", b'{"prompt": [1], "stop": "\xff"}', 400, "not UTF-8"),
+        ("POST", "/v1/completions", b'{"prompt": [1], "max_tokens": 0}', 400, "max_tokens"),
+    ],
+)
+def test_framework_errors_are_openai_shaped(server, method, path, body, status, message):
+  url, _ = server
+  r = httpx.request(method, url + path, content=body, headers={"content-type": "application/json"}, timeout=TIMEOUT_S)
+  assert r.status_code == status, r.text
+  error = r.json()["error"]
+  assert message in error["message"] and error["type"] == "invalid_request_error" and error["code"] == status, error
+  assert set(error) == {"message", "type", "param", "code"}
 
 
 def test_64_concurrent_requests_on_8_slots_are_all_answered(server, reference):
@@ -213,19 +249,16 @@ def test_a_full_queue_is_a_429(engine):
           await asyncio.sleep(0.02)
         with pytest.raises(openai.RateLimitError, match="queue holds 1"):
           await asyncio.to_thread(client.completions.create, model="tiny", prompt=[1], max_tokens=2)
+        full = await http.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
+        assert full.status_code == 429 and full.headers["retry-after"] == "1"
+        assert full.json()["error"]["type"] == "rate_limit_error"
         waiting.cancel()
 
     asyncio.run(two())
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_the_app_serves_and_drains_on_sigterm(reference):
-  port = _free_port()
+  port = serve_helpers.free_port()
   url = f"http://127.0.0.1:{port}"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   cmd = [

@@ -3,6 +3,8 @@ completions through the template, stop strings, and streamed text that adds up t
 
 import json
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -211,3 +213,82 @@ def test_tokenize_and_detokenize_in_llama_server_s_shapes(served):
   assert httpx.post(url + "/detokenize", json={"tokens": [100000]}, timeout=TIMEOUT_S).status_code == 400
   props = httpx.get(url + "/props", timeout=TIMEOUT_S).json()
   assert props["chat_template"] == TEMPLATE
+
+
+def _url(client) -> str:
+  return str(client.base_url).removesuffix("/").removesuffix("/v1")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("reason", ["eos", "stop", "length"])
+def test_a_request_counts_once_under_its_end_with_its_tokens(served, reason, stream):
+  client, _, _, _ = served
+  url = _url(client)
+  ask = dict(model="tiny", temperature=0, max_tokens=12, stream=stream)
+  if stream:
+    ask["stream_options"] = {"include_usage": True}
+  if reason == "eos":
+    ask["prompt"] = EOS_PROMPT
+  elif reason == "stop":
+    full = client.completions.create(model="tiny", prompt="w20 w21", max_tokens=12, temperature=0).choices[0]
+    ask.update(prompt="w20 w21", stop=[full.text.split(" ")[3]])
+  else:
+    ask.update(prompt="w7 w8 w9", max_tokens=10, extra_body={"ignore_eos": True})
+  before, tokens = serve_helpers.finished(url)
+  out = client.completions.create(**ask)
+  chunks = list(out) if stream else [out]
+  usage = chunks[-1].usage
+  finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+  after, tokens_after = serve_helpers.finished(url)
+  assert serve_helpers.one_more(before, after, reason), (before, after)
+  assert tokens_after - tokens == usage.completion_tokens > 0
+  assert finish == ["length" if reason == "length" else "stop"]
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        ({"messages": [{"role": "user", "content": "w7"}, {"role": "assistant", "content": None}]}, 200, None),
+        ({"prompt": "w7 \ud800 w8"}, 400, "not valid Unicode (surrogates not allowed at character 3)"),
+        ({"messages": [{"role": "user", "content": "w7 \udfff"}]}, 400, "not valid Unicode"),
+    ],
+)
+def test_null_content_and_lone_surrogates_are_no_500(served, body, status, message):
+  client, _, _, _ = served
+  path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+  content = json.dumps(dict(body, max_tokens=2))  # Escapes the surrogates: the body is UTF-8.
+  r = httpx.post(_url(client) + path, content=content, headers={"content-type": "application/json"}, timeout=TIMEOUT_S)
+  assert r.status_code == status, r.text
+  if message:
+    assert message in r.json()["error"]["message"], r.text
+
+
+def test_tokenizing_a_huge_prompt_stalls_no_one(served):
+  """6 MiB of text, under the body limit: a word-level tokenizer gives no byte bound (it drops the spaces), so it is
+  tokenized, for seconds, on a worker thread that lets go of the GIL, while /health answers; then refused as too long.
+  """
+  client, _, tok, _ = served
+  assert tok.bytes_per_token() is None
+  url, out, waits = _url(client), {}, []
+  big = threading.Thread(
+      target=lambda: out.update(
+          r=httpx.post(url + "/v1/completions", json={"prompt": "w7 w8 " * (1 << 20)}, timeout=TIMEOUT_S)
+      )
+  )
+  big.start()
+  while big.is_alive():
+    t0 = time.monotonic()
+    assert httpx.get(url + "/health", timeout=TIMEOUT_S).status_code == 200
+    waits.append(time.monotonic() - t0)
+    time.sleep(0.05)
+  big.join()
+  assert out["r"].status_code == 400 and "longer than the cache capacity" in out["r"].json()["error"]["message"]
+  assert len(waits) >= 5 and max(waits) < 2.0, waits
+
+
+def test_chats_without_max_tokens_reserve_nothing_and_end_at_the_capacity(served):
+  client, _, _, _ = served
+  messages = [{"role": "user", "content": "w30 w31"}]
+  out = client.chat.completions.create(model="tiny", messages=messages, temperature=0, extra_body={"ignore_eos": True})
+  used = out.usage.prompt_tokens + out.usage.completion_tokens - 1  # The last token is not written.
+  assert out.choices[0].finish_reason == "length" and used <= 128 and out.usage.completion_tokens > 64

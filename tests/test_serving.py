@@ -156,3 +156,17 @@ def test_rules_and_penalties_apply_per_request_and_a_shaped_request_among_others
   assert banned not in out.results[0].tokens and out.results[1].tokens == [7] * 6
   assert not set(out.results[2].tokens[:8]) & set(plain[2][:3])
   assert out.results[3].tokens != plain[3]  # Its plain tokens repeat one.
+
+
+def test_requests_without_max_new_tokens_share_an_epoch_and_end_at_the_capacity():
+  """Without max_new_tokens a request reserves no rows: the first four take the four slots at once (with the capacity
+  reserved, each would fit only at an end equal to its own prompt length), and each decodes to the capacity, its
+  tokens those of a generate of as many."""
+  eng = helpers.engine(2, placement="host", depth=1)
+  capacity = eng.config.engine.capacity
+  prompts = helpers.prompts([9, 30, 17, 5], seed=4)
+  res = serving.Server(eng, 4).serve([serving.Request(tuple(p), None, seed=i) for i, p in enumerate(prompts)])
+  assert [r.epoch for r in res.results] == [0] * 4 and sorted(r.slot for r in res.results) == [0, 1, 2, 3]
+  end = max(len(p) for p in prompts)  # The epoch's first requests enter at its longest prompt.
+  want = helpers.engine(2, placement="device").generate(prompts, capacity - end + 1).tokens
+  assert [r.tokens for r in res.results] == want and all(len(t) == capacity - end + 1 for t in want)

@@ -50,8 +50,9 @@ from ml_collections import config_flags
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from jaxkv import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jaxkv import generate  # pylint: disable=g-import-not-at-top,wrong-import-position  (--parallel, --seed, --json_out)
+from jaxkv.apps import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxkv.apps import generate  # pylint: disable=g-import-not-at-top,wrong-import-position  (--parallel, --seed, --json_out)
+from jaxkv.apps import launch  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 PARTS = flags.DEFINE_list("parts", ["process", "cost", "kernel", "server"], "Parts to run, in this order.")
 LAYERS = flags.DEFINE_integer("layers", 4, "model.num_layers of the server and process parts.")
@@ -89,7 +90,7 @@ def _config_args() -> list[str]:
   """--cpu_devices, --config and the --config.* overrides of this run, for the processes it starts."""
   path = config_flags.get_config_filename(flags.FLAGS["config"])
   overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
-  capacity = [f"--capacity={cli.CAPACITY.value}"] if cli.CAPACITY.value else []
+  capacity = [f"--capacity={cli.SHORTHAND_FLAGS['capacity'].value}"] if cli.SHORTHAND_FLAGS["capacity"].value else []
   return [f"--cpu_devices={cli.CPU_DEVICES.value}", f"--config={path}", *overrides, *capacity]
 
 
@@ -189,20 +190,22 @@ def _requests(vocab: int, order: int):
 
 
 def _serve(server, requests):
-  """Server.serve(requests) on all `parallel` slots, as the HTTP server's loop runs them (jaxkv.serving_loop), where
+  """The requests on all `parallel` slots, as the HTTP server's loop runs them (jaxkv.serving.loop), where
   Server.serve runs min(parallel, len(requests)): a request alone would run a batch of 1, whose logits product is
   another shape, which the GPU computes with another kernel."""
   from jaxkv import serving  # pylint: disable=g-import-not-at-top
 
-  run = serving._Run(server, requests, None, server.validate(requests), batch=server.parallel)  # pylint: disable=protected-access
-  epoch = 0
+  run = serving.Run(server, batch=server.parallel)
   try:
-    while run.queue:
-      run.epoch(epoch)
-      epoch += 1
-    return run.result(0.0, epochs=epoch)
+    errors = server.validate(requests)
+    ids = [None if e else run.submit(r) for r, e in zip(requests, errors)]
+    t0 = time.perf_counter()
+    while run.scheduler.queue:
+      for _ in run.epoch():
+        pass
+    return run.result(ids, errors, time.perf_counter() - t0)
   finally:
-    run.digests.close()
+    run.close()
 
 
 def part_server(config, mesh, params) -> dict:
@@ -342,7 +345,7 @@ def main(argv):
   unknown = sorted(set(PARTS.value) - {"kernel", "server", "process", "cost"})
   if unknown:
     raise app.UsageError(f"unknown --parts {unknown}: use kernel, server, process, cost")
-  cli.check_outputs(generate.JSON_OUT)
+  launch.check_outputs(generate.JSON_OUT)
   # The processes it starts share the GPU with it: this one takes device memory as it needs it, not 75% at once.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   cli.setup_platform()
@@ -358,7 +361,7 @@ def main(argv):
 
   def save():
     out["total_s"] = time.perf_counter() - t0
-    cli.write_json(out, generate.JSON_OUT.value)
+    launch.write_json(out, generate.JSON_OUT.value)
 
   with tempfile.TemporaryDirectory(prefix="jaxkv-invariance-") as tmp:
     for part in PARTS.value:
@@ -399,4 +402,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main, {})
+  cli.run(main, {}, __doc__)

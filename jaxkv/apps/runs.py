@@ -14,11 +14,9 @@ import tqdm
 from jaxkv import compile_cache
 from jaxkv import distributed
 from jaxkv import engine as engine_lib
-from jaxkv import gguf_loader
 from jaxkv import preflight
 from jaxkv import run
 from jaxkv import serving
-from jaxkv import tokenizer as tokenizer_lib
 
 
 def _generate(engine: engine_lib.Engine, prompts, max_new_tokens: int, seed: int):
@@ -155,7 +153,7 @@ def generate_checkpoint(
   tok = None
   if prompts:
     with preflight.input_errors(preflight.FAILURE):
-      tok = gguf_loader.tokenizer(gguf) if gguf is not None else tokenizer_lib.Tokenizer.from_dir(checkpoint_dir)
+      tok = run.tokenizer(checkpoint_dir, gguf)
     ids = [tok.encode_chat([{"role": "user", "content": p}]) if chat else tok.encode(p) for p in prompts]
   else:
     ids = run.random_prompts(job.config.model.vocab_size, lengths, seed)

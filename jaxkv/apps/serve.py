@@ -1,9 +1,11 @@
 """Serve: `python3 -m jaxkv.serve`, an OpenAI-compatible HTTP server with continuous batching (jaxkv.serving.api).
 
-Takes generate's model flags (--config, --kv_*, --split_mode, --cpu_devices, --checkpoint_dir, --checkpoint_dtype,
---seed for random weights) and serves on --host:--port with --parallel slots; up to --max_queue requests wait for a
-slot, more get 429. SIGTERM (or Ctrl-C) stops taking requests, lets those in flight finish, then exits. Needs the
-`serve` extra: pip install -e '.[serve]'.
+Takes generate's model sources and flags (--config, --kv_*, --split_mode, --cpu_devices, --checkpoint_dir or --gguf,
+--checkpoint_dtype, --ignore_eos, --seed for random weights), read as generate reads them, and serves on
+--host:--port with --parallel slots; up to --max_queue requests wait for a slot, more get 429; request bodies past
+--max_body_mb get 413. generate's flags for its own prompts (--prompt, --chat, --prompt_len, --batch,
+--max_new_tokens, --sequences, --json_out) are refused. SIGTERM (or Ctrl-C) stops taking requests, lets those in
+flight finish, then exits. Needs the `serve` extra: pip install -e '.[serve]'.
 """
 
 from __future__ import annotations
@@ -21,15 +23,21 @@ from jaxkv import distributed
 from jaxkv import preflight
 from jaxkv.apps import cli
 
-# generate's flags: --checkpoint_dir, --checkpoint_dtype, --parallel, --seed, --prefix_cache_gib.
+# generate's flags: --checkpoint_dir, --gguf, --checkpoint_dtype, --ignore_eos, --parallel, --seed, --prefix_cache_gib.
 from jaxkv.apps import generate
 
 HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=1, upper_bound=65535)
 MAX_QUEUE = flags.DEFINE_integer("max_queue", 64, "Requests that may wait for a slot; more are refused with 429.")
 MODEL_NAME = flags.DEFINE_string(
-    "served_model_name", None, "The model's name in the API (default: the checkpoint folder's name, else jaxkv-random)."
+    "served_model_name",
+    None,
+    "The model's name in the API (default: the checkpoint folder's or GGUF file's name, else jaxkv-random).",
 )
+MAX_BODY_MB = flags.DEFINE_float(
+    "max_body_mb", None, "Request bodies larger than this many MiB are refused with 413 (default: jaxkv.serving.api's)."
+)
+
 API_KEY = flags.DEFINE_string(
     "api_key", None, "A key every request must send as 'Authorization: Bearer <key>' (/health stays open)."
 )
@@ -40,9 +48,27 @@ CORS_ORIGINS = flags.DEFINE_list(
     "Origins a browser may call the API from (CORS), e.g. https://a.example,https://b.example; * = any.",
 )
 
+# generate's flags that give its own prompts and outputs: a server takes its prompts from requests.
+_NOT_SERVED = (
+    generate.PROMPT,
+    generate.CHAT,
+    generate.PROMPT_LEN,
+    generate.BATCH,
+    generate.MAX_NEW,
+    generate.SEQUENCES,
+    generate.JSON_OUT,
+)
+
 HELP_GROUPS = {
-    "model and config": [*cli.CONFIG_GROUP, generate.CHECKPOINT_DIR, generate.CHECKPOINT_DTYPE, generate.SEED],
-    "server": [HOST, PORT, generate.PARALLEL, MAX_QUEUE, MODEL_NAME, generate.PREFIX_CACHE_GIB],
+    "model and config": [
+        *cli.CONFIG_GROUP,
+        generate.CHECKPOINT_DIR,
+        generate.GGUF,
+        generate.CHECKPOINT_DTYPE,
+        generate.IGNORE_EOS,
+        generate.SEED,
+    ],
+    "server": [HOST, PORT, generate.PARALLEL, MAX_QUEUE, MAX_BODY_MB, MODEL_NAME, generate.PREFIX_CACHE_GIB],
     "access": [API_KEY, API_KEY_FILE, CORS_ORIGINS],
     "KV cache": cli.KV_GROUP,
     "split": cli.SPLIT_GROUP,
@@ -55,8 +81,18 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if generate.PARALLEL.value < 1 or MAX_QUEUE.value < 1:
     raise app.UsageError(f"--parallel and --max_queue must be >= 1, got {generate.PARALLEL.value}, {MAX_QUEUE.value}")
-  if generate.CHECKPOINT_DTYPE.value and not generate.CHECKPOINT_DIR.value:
-    raise app.UsageError("--checkpoint_dtype needs --checkpoint_dir (else set --config.model.dtype)")
+  given = [f"--{h.name}" for h in _NOT_SERVED if flags.FLAGS[h.name].present]
+  if given:
+    raise app.UsageError(f"jaxkv.serve takes its prompts from requests: drop {', '.join(given)}")
+  checkpoint = generate.CHECKPOINT_DIR.value or generate.GGUF.value
+  if generate.CHECKPOINT_DIR.value and generate.GGUF.value:
+    raise app.UsageError("give --checkpoint_dir or --gguf, not both")
+  if generate.CHECKPOINT_DTYPE.value and not checkpoint:
+    raise app.UsageError("--checkpoint_dtype needs --checkpoint_dir or --gguf (else set --config.model.dtype)")
+  if generate.IGNORE_EOS.value and not checkpoint:
+    raise app.UsageError("--ignore_eos is for a checkpoint's end-of-sequence ids: give --checkpoint_dir or --gguf")
+  if MAX_BODY_MB.value is not None and MAX_BODY_MB.value <= 0:
+    raise app.UsageError(f"--max_body_mb must be > 0, got {MAX_BODY_MB.value:g}")
   missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "jinja2") if importlib.util.find_spec(m) is None]
   if missing:
     raise preflight.InputError(f"jaxkv.serve needs {', '.join(missing)} (the serve extra)", "pip install -e '.[serve]'")
@@ -79,15 +115,18 @@ def main(argv):
       raise app.UsageError(f"{e}; fix --api_key_file") from e
   if distributed.settings(cli.COORDINATOR_ADDRESS.value, cli.NUM_PROCESSES.value, cli.PROCESS_ID.value):
     raise app.UsageError("serve runs in one process: drop the multi-process flags and JAX_* variables")
-  cd = cli.resolved_config_dict(checkpoint=bool(generate.CHECKPOINT_DIR.value))
-  cli.setup_platform(cli.model_of(cd, generate.CHECKPOINT_DIR.value, dtype=generate.CHECKPOINT_DTYPE.value))
+  cd = cli.resolved_config_dict(checkpoint=bool(checkpoint))
+  cli.setup_platform(
+      cli.model_of(cd, generate.CHECKPOINT_DIR.value, generate.GGUF.value, generate.CHECKPOINT_DTYPE.value)
+  )
   from jaxkv.serving import api as serve_api  # pylint: disable=g-import-not-at-top  (after the platform is set)
 
-  checkpoint = generate.CHECKPOINT_DIR.value
   name = MODEL_NAME.value or (os.path.basename(os.path.normpath(checkpoint)) if checkpoint else "jaxkv-random")
   model = serve_api.build_model(
       cd,
-      checkpoint_dir=checkpoint,
+      checkpoint_dir=generate.CHECKPOINT_DIR.value,
+      gguf=generate.GGUF.value,
+      eos=not generate.IGNORE_EOS.value,
       dtype=generate.CHECKPOINT_DTYPE.value,
       parallel=generate.PARALLEL.value,
       seed=generate.SEED.value,
@@ -96,13 +135,18 @@ def main(argv):
       prefix_cache_bytes=generate.prefix_cache_bytes(),
   )
   logging.info("serving %s on http://%s:%d", name, HOST.value, PORT.value)
-  print(f"serving {name} on http://{HOST.value}:{PORT.value} ({generate.PARALLEL.value} slots)", flush=True)
+  print(
+      f"serving {name} on http://{HOST.value}:{PORT.value} ({generate.PARALLEL.value} slots, capacity "
+      f"{model.capacity} tokens, {'text and token ids' if model.tokenizer else 'token ids'})",
+      flush=True,
+  )
   # uvicorn drains on SIGTERM, then raises it again for the handler it found: let that one return, so that the loop
   # stops and the app exits 0.
   signal.signal(signal.SIGTERM, lambda *_: logging.info("SIGTERM: drained"))
   try:
+    body_mb = serve_api.DEFAULT_MAX_BODY_MB if MAX_BODY_MB.value is None else MAX_BODY_MB.value
     access = access_lib.Access(api_key, tuple(CORS_ORIGINS.value))
-    serve_api.uvicorn_server(serve_api.make_app(model, access), HOST.value, PORT.value).run()
+    serve_api.uvicorn_server(serve_api.make_app(model, body_mb, access), HOST.value, PORT.value).run()
   finally:
     model.loop.stop()
 

@@ -35,13 +35,14 @@ class LoadError(Exception):
     self.hint, self.status = hint, status
 
 
-def _free_port() -> int:
+def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+  """Returns once the server at `url` answers /health; LoadError when `proc` exits first, or after `timeout` s."""
   t0 = time.monotonic()
   while time.monotonic() - t0 < timeout:
     if proc.poll() is not None:
@@ -121,12 +122,12 @@ def run(
     turn_len: int = 0,
 ) -> dict:
   """Starts the server, runs the warm-up and the measured load, stops the server; returns a JSON-ready dict."""
-  port = _free_port()
+  port = free_port()
   url = f"http://127.0.0.1:{port}"
   cmd = [sys.executable, "-m", "jaxkv.serve", f"--port={port}", f"--max_queue={max(requests, 1)}", *server_flags]
   proc = subprocess.Popen(cmd, env=os.environ.copy())
   try:
-    _wait_healthy(url, proc, startup_s)
+    wait_healthy(url, proc, startup_s)
     card = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
     rows = longest_request(prompt_len, max_tokens, turns, turn_len)
     if rows > card["max_model_len"]:

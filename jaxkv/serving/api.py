@@ -10,15 +10,21 @@ and settings gets the tokens `python3 -m jaxkv.generate` prints; penalties, min_
 the head per request (jaxkv.sampling). `stop` strings end a request at the first one and cut the text before it; so
 does a checkpoint's end of sequence id or a `stop_token_ids` id (its id ends `token_ids`), unless "ignore_eos".
 `logprobs` (and chat's `top_logprobs`) give each token's float32 log-probability under the model's logits in the
-OpenAI shapes (jaxkv.serving.logprobs). A field the server does not implement is a 400 naming it (jaxkv.serving.schemas: its
-no-op value is accepted). Bad input is a 400 with a message; a full queue is a 429; the server keeps serving. A
-client that disconnects ends its request at the next decode step, freeing its slot.
+OpenAI shapes (jaxkv.serving.logprobs). A field the server does not implement is a 400 naming it
+(jaxkv.serving.schemas: its no-op value is accepted).
+
+Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`: bad input a 400, an unknown model or route
+a 404, a body over the limit a 413, a full queue a 429 with Retry-After; the server keeps serving. Nothing a client
+sends stalls the others: tokenizing and rendering the chat template run on worker threads, and a text prompt whose
+bytes alone prove it longer than the capacity is refused before it is tokenized. A client that disconnects, streaming
+or not, ends its request at the next decode step, freeing its slot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 import secrets
 import threading
@@ -29,10 +35,11 @@ import fastapi
 import fastapi.exceptions
 import pydantic
 import uvicorn
+from fastapi import concurrency
 from fastapi import responses
+from starlette import exceptions as starlette_exceptions
 
 from jaxkv import chat_template as chat_template_lib
-from jaxkv import checkpoint
 from jaxkv import sampling as sampling_lib
 from jaxkv import tokenizer as tokenizer_lib
 from jaxkv.config import SamplingConfig
@@ -45,7 +52,8 @@ from jaxkv.serving import server as server_lib
 from jaxkv.serving.requests import Request
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's.
-_POLL_S = 0.5  # How often a non-streaming request checks that its client is still there.
+DEFAULT_MAX_BODY_MB = 8.0  # Request bodies past this many MiB are refused with 413.
+RETRY_AFTER_S = 1  # A 429's Retry-After.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +71,13 @@ class Model:
   def capacity(self) -> int:
     return self.loop.server.engine.config.engine.capacity
 
+  @functools.cached_property
+  def max_prompt_bytes(self) -> int | None:
+    """UTF-8 bytes of text past which a prompt cannot fit the capacity (jaxkv.tokenizer's bytes_per_token); None:
+    no such bound is known."""
+    per_token = self.tokenizer.bytes_per_token() if self.tokenizer is not None else None
+    return None if per_token is None else per_token * self.capacity
+
 
 class ApiError(Exception):
 
@@ -71,8 +86,9 @@ class ApiError(Exception):
     self.status, self.message, self.kind = status, message, kind
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> responses.JSONResponse:
-  return responses.JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
+def _error(status: int, message: str, kind: str = "invalid_request_error", headers=None) -> responses.JSONResponse:
+  body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+  return responses.JSONResponse(body, status, headers=headers)
 
 
 class _Output:
@@ -107,19 +123,30 @@ class _Output:
     return piece
 
 
-_FINISH = {"eos": "stop", "length": "length", "cancelled": "stop"}
+# How a request ended (the metrics' reason) -> OpenAI's finish_reason.
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop", "error": None}
 
 
 class _Generation:
-  """One request in the loop, seen from the event loop: its tokens arrive on an asyncio queue."""
+  """One request in the loop, seen from the event loop: its tokens arrive on an asyncio queue. Its end is counted
+  once in the metrics, by reason, with the tokens its client was handed (usage.completion_tokens); `t0`: its arrival
+  (time.perf_counter())."""
 
-  def __init__(self, model: Model, metrics: metrics_lib.Metrics, request: Request, stops: list[str], eos: frozenset):
-    self.model, self.metrics, self.eos = model, metrics, eos
+  def __init__(
+      self,
+      model: Model,
+      metrics: metrics_lib.Metrics,
+      request: Request,
+      stops: list[str],
+      eos: frozenset,
+      t0: float,
+  ):
+    self.model, self.metrics, self.t0 = model, metrics, t0
     self.out = _Output(model.tokenizer, stops, request.rules.min_tokens if request.rules else 0)
     self.logprobs: list = []  # Per token of out.ids, jaxkv.sampling.logprobs's where the request asked.
     self._ends = [0]
-    self.t0 = time.perf_counter()
-    self.first = True
+    self.last_s: float | None = None  # When the last token arrived.
+    self.reason: str | None = None  # How it ended (loop.ENDS, or "stop": a stop string).
     self.finish: str | None = None
     self._events: asyncio.Queue = asyncio.Queue()
     aloop = asyncio.get_running_loop()
@@ -129,7 +156,9 @@ class _Generation:
         aloop.call_soon_threadsafe(self._events.put_nowait, event)
 
     try:
-      self.handle = model.loop.submit(request, lambda *t: put("token", *t), lambda why, err: put("end", why, err))
+      self.handle = model.loop.submit(
+          request, lambda *t: put("token", *t), lambda why, err: put("end", why, err), eos_ids=eos
+      )
     except ValueError as e:
       raise ApiError(400, str(e)) from e
     except loop_lib.QueueFull as e:
@@ -137,23 +166,30 @@ class _Generation:
     except loop_lib.Closed as e:
       raise ApiError(503, str(e), "server_error") from e
 
-  async def next(self, timeout: float | None = None) -> tuple[list[int], str]:
+  async def next(self) -> tuple[list[int], str]:
     """Waits for the next event: (new ids, the text to send); self.finish is set when the request ended."""
-    event = await asyncio.wait_for(self._events.get(), timeout)
+    event = await self._events.get()
     if event[0] == "token":
-      if self.first:
-        self.first = False
-        self.metrics.ttft.observe(time.perf_counter() - self.t0)
+      token, now = event[1], time.perf_counter()
+      if self.last_s is None:
+        self.metrics.ttft.observe(now - self.t0)
+      else:
+        self.metrics.itl.observe(now - self.last_s)
+      self.last_s = now
       self.logprobs.append(event[2])
-      piece = self.out.add([event[1]], final=event[1] in self.eos, eos=event[1] in self.eos)
-      if self.out.stopped or event[1] in self.eos:
+      eos = token in self.handle.eos_ids  # The loop ends the request with it.
+      piece = self.out.add([token], final=eos, eos=eos)
+      if eos:
+        self._end("eos")
+      elif self.out.stopped:
         self.handle.cancel()
         self._end("stop")
-      return [event[1]], piece
+      return [token], piece
     _, why, err = event
     if why == "error":
+      self._end("error")
       raise ApiError(500, f"the engine failed: {err}", "server_error")
-    self._end(_FINISH[why])
+    self._end(why)
     return [], self.out.add([], final=True)
 
   def shaped_logprobs(self, ids: list[int], first: int, chat: bool) -> dict | None:
@@ -168,18 +204,38 @@ class _Generation:
       self._ends.append(self._ends[-1] + logprobs_lib.text_length(tok, self.out.ids[len(self._ends) - 1]))
     return logprobs_lib.completion(tok, ids, entries, self._ends[first])
 
-  def _end(self, finish: str) -> None:
-    self.finish = finish
-    self.metrics.duration.observe(time.perf_counter() - self.t0)
+  def abort(self) -> None:
+    """The client went away: ends the request at the next decode step, and next() with "cancelled"."""
+    self.handle.cancel()
+    self._events.put_nowait(("end", "cancelled", None))
+
+  def close(self) -> None:
+    """Ends the request if it still runs (a no-op once it ended), counting it as cancelled."""
+    self.handle.cancel()
+    if self.reason is None:
+      self._end("cancelled")
+
+  def _end(self, reason: str) -> None:
+    self.reason, self.finish = reason, _FINISH[reason]
+    now, m = time.perf_counter(), self.metrics
+    m.finished.labels(reason).inc()
+    m.generated.inc(len(self.out.ids))
+    m.e2e.observe(now - self.t0)
+    placed = self.handle.placed_s
+    m.queue.observe((now if placed is None else placed) - self.t0)
 
 
-def make_app(model: Model, access: access_lib.Access = access_lib.Access()) -> fastapi.FastAPI:
-  """The FastAPI app (its API key and CORS origins: `access`); starting and stopping the loop is the caller's
-  (jaxkv.serve)."""
+def make_app(
+    model: Model, max_body_mb: float = DEFAULT_MAX_BODY_MB, access: access_lib.Access = access_lib.Access()
+) -> fastapi.FastAPI:
+  """The FastAPI app (request bodies up to `max_body_mb` MiB; its API key and CORS origins: `access`); starting and
+  stopping the loop is the caller's (jaxkv.serve)."""
   app = fastapi.FastAPI(title="jaxkv", docs_url=None, redoc_url=None)
+  app.add_middleware(_BodyLimit, max_bytes=int(max_body_mb * 2**20))
   access.install(app)
   metrics = metrics_lib.Metrics(model.loop)
   created = int(time.time())
+  _ = model.max_prompt_bytes  # Read the vocabulary now, not in the first request.
 
   @app.exception_handler(fastapi.exceptions.RequestValidationError)
   async def invalid(_, exc: fastapi.exceptions.RequestValidationError):
@@ -199,7 +255,24 @@ def make_app(model: Model, access: access_lib.Access = access_lib.Access()) -> f
   @app.exception_handler(ApiError)
   async def api_error(_, exc: ApiError):
     metrics.rejected.labels(str(exc.status)).inc()
-    return _error(exc.status, exc.message, exc.kind)
+    return _error(exc.status, exc.message, exc.kind, {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None)
+
+  @app.exception_handler(starlette_exceptions.HTTPException)
+  async def http_error(http: fastapi.Request, exc: starlette_exceptions.HTTPException):
+    """The framework's own errors (no such route, method, a body past the limit or not UTF-8) in OpenAI's shape."""
+    metrics.rejected.labels(str(exc.status_code)).inc()
+    message = str(exc.detail)
+    if exc.status_code in (404, 405):
+      message = f"{message}: {http.method} {http.url.path}"
+    elif isinstance(exc.__cause__, UnicodeDecodeError):
+      message = f"malformed JSON (not UTF-8: {exc.__cause__.reason} at byte {exc.__cause__.start})"
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return _error(exc.status_code, message, kind, exc.headers)
+
+  @app.exception_handler(Exception)
+  async def crash(_, exc: Exception):  # A bug: the traceback goes to the log, the client gets OpenAI's shape.
+    metrics.rejected.labels("500").inc()
+    return _error(500, f"internal error ({type(exc).__name__}); the server log has the details", "server_error")
 
   @app.get("/health")
   async def health():
@@ -213,8 +286,9 @@ def make_app(model: Model, access: access_lib.Access = access_lib.Access()) -> f
 
   @app.get("/v1/models")
   async def models():
+    vocab = model.loop.server.engine.config.model.vocab_size  # Token-id prompts stay below it.
     card = dict(id=model.name, object="model", created=created, owned_by="jaxkv", max_model_len=model.capacity)
-    card["vocab_size"] = model.loop.server.engine.config.model.vocab_size  # Token-id prompts stay below it.
+    card.update(vocab_size=vocab, meta={"n_ctx": model.capacity, "n_vocab": vocab})  # vLLM's and llama-server's.
     return {"object": "list", "data": [card]}
 
   @app.post("/tokenize")
@@ -242,6 +316,7 @@ def make_app(model: Model, access: access_lib.Access = access_lib.Access()) -> f
 
   @app.post("/v1/completions")
   async def completions(body: schemas.CompletionRequest, http: fastapi.Request):
+    t0 = time.perf_counter()
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
       if len(prompt) != 1:
@@ -250,28 +325,37 @@ def make_app(model: Model, access: access_lib.Access = access_lib.Access()) -> f
     if isinstance(prompt, str):
       if model.tokenizer is None:
         raise ApiError(400, "text prompts need a checkpoint with a tokenizer.json; send token ids (a list of ints)")
-      ids = model.tokenizer.encode(prompt)
+      ids = await _encode(model, prompt)
     else:
       ids = list(prompt)
-    return await _respond(body, ids, body.max_tokens or DEFAULT_MAX_TOKENS, "text_completion", http, body.logprobs)
+    return await _respond(body, ids, body.max_tokens or DEFAULT_MAX_TOKENS, "text_completion", http, t0, body.logprobs)
 
   @app.post("/v1/chat/completions")
   async def chat(body: schemas.ChatRequest, http: fastapi.Request):
+    t0 = time.perf_counter()
     if model.tokenizer is None or model.chat_template is None:
       raise ApiError(400, "chat needs a checkpoint with a tokenizer.json and a chat template; use /v1/completions")
     messages = [_message(m) for m in body.messages]
     try:
-      text = model.chat_template.render(messages, add_generation_prompt=True)
+      text = await concurrency.run_in_threadpool(model.chat_template.render, messages, True)
     except ValueError as e:
       raise ApiError(400, str(e)) from e
-    ids = model.tokenizer.encode(text, add_special_tokens=False)
-    max_tokens = body.max_completion_tokens or body.max_tokens or max(model.capacity - len(ids) + 1, 1)
+    ids = await _encode(model, text, add_special_tokens=False)
+    max_tokens = body.max_completion_tokens or body.max_tokens  # None: until its end or the capacity.
     if body.top_logprobs is not None and not body.logprobs:
       raise ApiError(400, "top_logprobs needs logprobs: true")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return await _respond(body, ids, max_tokens, "chat.completion", http, logprobs)
+    return await _respond(body, ids, max_tokens, "chat.completion", http, t0, logprobs)
 
-  async def _respond(body: schemas.Params, ids: list[int], max_tokens: int, kind: str, http: fastapi.Request, logprobs):
+  async def _respond(
+      body: schemas.Params,
+      ids: list[int],
+      max_tokens: int | None,
+      kind: str,
+      http: fastapi.Request,
+      t0: float,
+      logprobs: int | None,
+  ):
     if body.model is not None and body.model != model.name:
       raise ApiError(404, f"model {body.model!r} is not served here; GET /v1/models lists {model.name!r}")
     if not ids:
@@ -280,27 +364,27 @@ def make_app(model: Model, access: access_lib.Access = access_lib.Access()) -> f
     if stops and model.tokenizer is None:
       raise ApiError(400, "stop strings need a checkpoint with a tokenizer.json")
     eos = (frozenset() if body.ignore_eos else model.eos_ids) | frozenset(_ids(body.stop_token_ids or [], model))
-    if body.min_tokens > max_tokens:
+    if max_tokens is not None and body.min_tokens > max_tokens:
       raise ApiError(400, f"min_tokens ({body.min_tokens}) must be <= max_tokens ({max_tokens})")
     rules = _rules(body, model, eos)
     request = Request(tuple(ids), max_tokens, _seed(body.seed), _sampling(body, model), rules, logprobs)
-    gen = _Generation(model, metrics, request, stops, eos)
+    gen = _Generation(model, metrics, request, stops, eos, t0)
     rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
     head = {"id": rid, "created": int(time.time()), "model": model.name}
     if body.stream:
       include_usage = body.stream_options is not None and body.stream_options.include_usage
       return responses.StreamingResponse(
-          _stream(gen, head, kind, len(ids), include_usage), media_type="text/event-stream"
+          _stream(gen, head, kind, len(ids), include_usage, http), media_type="text/event-stream"
       )
+    watch = asyncio.ensure_future(_watch(http, gen))
     try:
       while gen.finish is None:
-        try:
-          await gen.next(_POLL_S)
-        except asyncio.TimeoutError:
-          if await http.is_disconnected():
-            return responses.Response(status_code=499)
+        await gen.next()
     finally:
-      gen.handle.cancel()  # A no-op once it ended.
+      watch.cancel()
+      gen.close()
+    if gen.reason == "cancelled":
+      return responses.Response(status_code=499)  # Nobody reads it.
     out = gen.out
     choice = {
         "index": 0,
@@ -317,9 +401,11 @@ def make_app(model: Model, access: access_lib.Access = access_lib.Access()) -> f
   return app
 
 
-async def _stream(gen: _Generation, head: dict, kind: str, prompt_tokens: int, include_usage: bool):
+async def _stream(
+    gen: _Generation, head: dict, kind: str, prompt_tokens: int, include_usage: bool, http: fastapi.Request
+):
   """Server-sent events: a chunk per token, the last with finish_reason, usage if asked, then [DONE]. Ends the
-  request when the client goes away (the response task is cancelled)."""
+  request when the client goes away (_watch, or the response task is cancelled)."""
   chat = kind == "chat.completion"
   obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -331,13 +417,16 @@ async def _stream(gen: _Generation, head: dict, kind: str, prompt_tokens: int, i
       choice["text"] = piece
     return _event(dict(head, object=obj, choices=[choice]))
 
+  watch = asyncio.ensure_future(_watch(http, gen))
   try:
     first, sent = True, 0  # sent: the ids sent so far.
     while gen.finish is None:
       try:
         ids, piece = await gen.next()
       except ApiError as e:
-        yield _event({"error": {"message": e.message, "type": e.kind, "param": None, "code": None}})
+        yield _event({"error": {"message": e.message, "type": e.kind, "param": None, "code": e.status}})
+        return
+      if gen.reason == "cancelled":
         return
       if ids or piece or gen.finish is not None:
         yield chunk(ids, piece, gen.finish, first)
@@ -348,7 +437,58 @@ async def _stream(gen: _Generation, head: dict, kind: str, prompt_tokens: int, i
       )
     yield "data: [DONE]\n\n"
   finally:
-    gen.handle.cancel()
+    watch.cancel()
+    gen.close()
+
+
+async def _watch(http: fastapi.Request, gen: _Generation) -> None:
+  """Aborts `gen` when its client disconnects: ASGI's receive, once the body is read, returns only that."""
+  while (await http.receive())["type"] != "http.disconnect":
+    pass
+  gen.abort()
+
+
+async def _encode(model: Model, text: str, add_special_tokens: bool = True) -> list[int]:
+  """The ids of a text prompt, encoded on a worker thread; ApiError (400) for text that is not Unicode (a lone
+  surrogate) or whose bytes alone prove it longer than the capacity (Model.max_prompt_bytes)."""
+  try:
+    size = len(text.encode())
+  except UnicodeEncodeError as e:
+    raise ApiError(400, f"the prompt is not valid Unicode ({e.reason} at character {e.start})") from e
+  limit = model.max_prompt_bytes
+  if limit is not None and size > limit:
+    raise ApiError(
+        400,
+        f"the prompt has {size} bytes of text, longer than the cache capacity {model.capacity} holds (a token covers "
+        f"at most {limit // model.capacity} bytes)",
+    )
+  return await concurrency.run_in_threadpool(model.tokenizer.encode, text, add_special_tokens)
+
+
+class _BodyLimit:
+  """ASGI middleware: a request body of more than `max_bytes` (by its Content-Length, or the bytes that arrive) is a
+  413, raised where the app reads the body (an HTTPException, which the app's handler answers)."""
+
+  def __init__(self, app, max_bytes: int):
+    self.app, self.max_bytes = app, max_bytes
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    declared = dict(scope["headers"]).get(b"content-length", b"")  # The server refuses a malformed one.
+    too_large, seen = declared.isdigit() and int(declared) > self.max_bytes, 0
+
+    async def limited():
+      nonlocal seen
+      if not too_large:
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen <= self.max_bytes or message["type"] != "http.request":
+          return message
+      mib = self.max_bytes / 2**20
+      raise fastapi.HTTPException(413, f"the request body is larger than the server's limit of {mib:g} MiB")
+
+    return await self.app(scope, limited, send)
 
 
 def _event(obj: dict) -> str:
@@ -366,6 +506,8 @@ def _message(m: schemas.Message) -> dict:
   d = m.model_dump(exclude_none=False)
   if isinstance(m.content, list):
     d["content"] = "".join(p.get("text", "") for p in m.content if p.get("type") == "text")
+  elif m.content is None:  # An assistant turn of tool calls only.
+    d["content"] = ""
   return d
 
 
@@ -437,25 +579,36 @@ def build_model(
     max_queue: int,
     name: str,
     prefix_cache_bytes: int = 0,
+    gguf: str | None = None,
+    eos: bool = True,
 ) -> Model:
-  """The engine (a checkpoint's, else seeded random weights), its serving loop (started, its first shapes compiled
-  by one short request) and the checkpoint's tokenizer and chat template where it has them."""
-  from jaxkv import config as config_lib  # pylint: disable=g-import-not-at-top
+  """The engine, its serving loop (started, its first shapes compiled by one short request), and the tokenizer, chat
+  template and end of sequence ids of a checkpoint folder or GGUF file (`gguf`) as `python3 -m jaxkv.generate` reads
+  them (jaxkv.preflight.resolve, jaxkv.run); without either, seeded random weights. A folder without a
+  tokenizer.json serves token ids only. The checkpoint's end ids end a request in the loop unless it asks
+  "ignore_eos" (or `eos` is False); the config's sampling.eos_ids always do. InputError for bad input, before any
+  weight is read."""
+  from jaxkv import preflight  # pylint: disable=g-import-not-at-top
   from jaxkv import run  # pylint: disable=g-import-not-at-top
 
-  config = config_lib.from_config_dict(config_dict)
-  tokenizer = template = None
-  eos: frozenset[int] = frozenset()
-  if checkpoint_dir:
-    if os.path.isfile(os.path.join(checkpoint_dir, tokenizer_lib.TOKENIZER_FILE)):
-      tokenizer = tokenizer_lib.Tokenizer.from_dir(checkpoint_dir)
-      template = tokenizer.chat_template
-    eos = checkpoint.eos_ids(checkpoint_dir)
-    _, _, _, engine = run.build_from_checkpoint(config, checkpoint_dir, dtype)
+  tokenizer = None
+  eos_ids: frozenset[int] = frozenset()
+  if checkpoint_dir or gguf:
+    job = preflight.resolve(config_dict, checkpoint_dir, dtype, gguf, eos=False)
+    preflight.check_host_memory(job, parallel)
+    if gguf or os.path.isfile(os.path.join(checkpoint_dir, tokenizer_lib.TOKENIZER_FILE)):
+      with preflight.input_errors(preflight.FAILURE):
+        tokenizer = run.tokenizer(checkpoint_dir, gguf)
+    if eos:
+      eos_ids = preflight.checkpoint_eos_ids(checkpoint_dir, gguf)
+    engine = run.checkpoint_engine(job, checkpoint_dir, dtype, gguf)
   else:
-    _, _, engine = run.build(config, seed)
+    job = preflight.resolve(config_dict)
+    preflight.check_host_memory(job, parallel)
+    engine = run.random_engine(job, seed)[1]
   loop = loop_lib.ServingLoop(server_lib.Server(engine, parallel, prefix_cache_bytes), max_queue).start()
   done = threading.Event()
   loop.submit(Request((0,), 2), lambda *_: None, lambda why, err: done.set())
   done.wait()
-  return Model(name, loop, tokenizer, template, eos)
+  template = tokenizer.chat_template if tokenizer is not None else None
+  return Model(name, loop, tokenizer, template, eos_ids)

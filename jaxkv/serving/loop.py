@@ -38,12 +38,20 @@ class Closed(Exception):
 
 class Handle:
   """One submitted request. on_token(token, logprob) and on_end(reason, error) run on the engine thread (logprob:
-  jaxkv.sampling.logprobs's where the request asked for them, else None); on_end runs once,
-  last, with a reason from ENDS (error: the exception's text for "error", else None)."""
+  jaxkv.sampling.logprobs's where the request asked for them, else None); on_end runs once, last, with a reason from
+  ENDS (error: the exception's text for "error", else None). A token in `eos_ids` is the request's last (reason
+  "eos"), as the engine's own end ids are; `placed_s` is when it entered a slot (time.perf_counter(); None before)."""
 
-  def __init__(self, request: Request, on_token: Callable[[int, tuple], None], on_end: Callable[[str, str], None]):
-    self.request, self.on_token, self.on_end = request, on_token, on_end
+  def __init__(
+      self,
+      request: Request,
+      on_token: Callable[[int, tuple], None],
+      on_end: Callable[[str, str], None],
+      eos_ids: frozenset[int] = frozenset(),
+  ):
+    self.request, self.on_token, self.on_end, self.eos_ids = request, on_token, on_end, eos_ids
     self.cancelled = False
+    self.placed_s: float | None = None
     self.cached_tokens = 0  # Its prompt tokens taken from the prefix cache (set when it takes a slot).
 
   def cancel(self) -> None:
@@ -91,10 +99,11 @@ class ServingLoop:
     self._thread.start()
     return self
 
-  def submit(self, request: Request, on_token, on_end) -> Handle:
-    """Queues a request; ValueError when it cannot run (empty, past the capacity...), QueueFull, Closed."""
-    self.server.engine.validate([request.prompt], request.max_new_tokens)
-    handle = Handle(request, on_token, on_end)
+  def submit(self, request: Request, on_token, on_end, eos_ids: frozenset[int] = frozenset()) -> Handle:
+    """Queues a request (ending at a token of `eos_ids` too); ValueError when it cannot run (empty, past the
+    capacity...), QueueFull, Closed."""
+    self.server.engine.validate([request.prompt], request.max_new_tokens or 1)
+    handle = Handle(request, on_token, on_end, eos_ids)
     with self._lock:
       if self._closing:
         raise Closed("the server is shutting down")
@@ -176,6 +185,7 @@ class _Feed:
       self.placed.add(r)
       if r in self.handles:
         self.handles[r].cached_tokens = cached
+        self.handles[r].placed_s = time.perf_counter()
       with self.lock:
         self.stats.waiting -= 1
         self.stats.busy += 1
@@ -184,6 +194,9 @@ class _Feed:
         self._token(r, token, end, logprob)
 
   def _token(self, r: int, token: int, end: str | None, logprob: tuple | None) -> None:
+    if self.handles[r].cancelled:  # Since the last take: the token is not handed out.
+      self._end(r, "cancelled")
+      return
     stats, second = self.stats, int(time.monotonic())
     stats.tokens += 1
     if stats.recent and stats.recent[-1][0] == second:
@@ -195,6 +208,8 @@ class _Feed:
     except Exception:  # pylint: disable=broad-except  (a client's callback must not stop the engine)
       logging.exception("serving loop: on_token of request %d failed", r)
       self.handles[r].cancel()
+    if end is None and token in self.handles[r].eos_ids:
+      end = "eos"
     if end is not None:
       self._end(r, end)
 

@@ -1,5 +1,7 @@
-"""The server's Prometheus metrics (prometheus_client; `serve` extra), every name prefixed `jaxkv_`: counters and
-gauges read from the serving loop at each scrape, histograms observed by the HTTP layer."""
+"""The server's Prometheus metrics (prometheus_client; `serve` extra), every name prefixed `jaxkv_`: gauges and
+transport counters read from the serving loop at each scrape; the requests by how they ended, the tokens handed to
+clients and vLLM's latency histograms (time to first token, inter-token latency, queue time, end to end) counted by
+the HTTP layer (jaxkv.serving.api), once per request."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ from jaxkv.serving import loop as loop_lib
 
 # Seconds: first tokens from ~10 ms (tiny model) to a long prompt's prefill on a large one.
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# How a request ended: the loop's ends (jaxkv.serving.loop.ENDS) and "stop", a stop string.
+REASONS = ("eos", "stop", "length", "cancelled", "error")
 
 
 class Metrics:
@@ -26,15 +31,37 @@ class Metrics:
         ["code"],
         registry=self.registry,
     )
+    self.finished = prometheus_client.Counter(
+        "jaxkv_requests", "Requests served, by how they ended.", ["reason"], registry=self.registry
+    )
+    for reason in REASONS:
+      self.finished.labels(reason)  # Every reason is exported, from 0.
+    self.generated = prometheus_client.Counter(
+        "jaxkv_generated_tokens",
+        "Tokens generated and handed to clients (usage.completion_tokens).",
+        registry=self.registry,
+    )
     self.ttft = prometheus_client.Histogram(
         "jaxkv_time_to_first_token_seconds",
         "From a request's arrival to its first token read back.",
         buckets=_TTFT_BUCKETS,
         registry=self.registry,
     )
-    self.duration = prometheus_client.Histogram(
-        "jaxkv_request_duration_seconds",
-        "From a request's arrival to its last token.",
+    self.itl = prometheus_client.Histogram(
+        "jaxkv_inter_token_latency_seconds",
+        "Between two tokens of a request.",
+        buckets=_ITL_BUCKETS,
+        registry=self.registry,
+    )
+    self.queue = prometheus_client.Histogram(
+        "jaxkv_request_queue_time_seconds",
+        "From a request's arrival to its entering a slot (or its end, if it never did).",
+        buckets=_TTFT_BUCKETS,
+        registry=self.registry,
+    )
+    self.e2e = prometheus_client.Histogram(
+        "jaxkv_e2e_request_latency_seconds",
+        "From a request's arrival to its end.",
         buckets=_TTFT_BUCKETS + (120.0, 300.0),
         registry=self.registry,
     )
@@ -54,14 +81,9 @@ class _LoopCollector:
 
   def collect(self):
     stats, transport = self.loop.stats, self.loop.transport()
-    requests = core.CounterMetricFamily("jaxkv_requests", "Requests served, by how they ended.", labels=["reason"])
-    for reason in loop_lib.ENDS:
-      requests.add_metric([reason], stats.requests[reason])
-    yield requests
     yield core.CounterMetricFamily(
         "jaxkv_prompt_tokens", "Prompt tokens of the accepted requests.", stats.prompt_tokens
     )
-    yield core.CounterMetricFamily("jaxkv_generated_tokens", "Tokens generated (read back).", stats.tokens)
     yield core.GaugeMetricFamily(
         "jaxkv_tokens_per_second", "Tokens generated per second over the last 10 s.", self.loop.tokens_per_second()
     )

@@ -2,7 +2,8 @@
 
 Prompts are right-aligned and every slot writes its next row at the same row `end` (jaxkv.cache), so a request of L
 prompt tokens enters a free slot at the current end E with its prompt at rows [E - L, E), which needs L <= E and
-E + max_new_tokens - 1 <= capacity. Requests enter in order (first in, first out): one that does not fit yet (L > E)
+E + max_new_tokens - 1 <= capacity (a request without max_new_tokens, None, runs to the capacity from wherever it
+enters: it needs only L <= E). Requests enter in order (first in, first out): one that does not fit yet (L > E)
 waits while the end moves on, and those behind it wait too; one that cannot fit before the capacity runs out waits
 until every slot is free, and the next epoch starts a fresh cache with the first requests of the queue that fit
 together. The schedule depends on the requests' sizes and ends only, so every delivery mode makes the same choices.
@@ -16,7 +17,8 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
-  """A slot's request and the last row its decode writes (the row of its first token + max_new_tokens - 2)."""
+  """A slot's request and the last row its decode writes (the row of its first token + max_new_tokens - 2; the
+  capacity's last row without max_new_tokens)."""
 
   request: int
   last_row: int
@@ -29,11 +31,11 @@ class Scheduler:
   def __init__(self, capacity: int):
     self.capacity = capacity
     self.queue: collections.deque[int] = collections.deque()
-    self.sizes: dict[int, tuple[int, int]] = {}  # Request -> (prompt length, max_new_tokens), until it ends.
+    self.sizes: dict[int, tuple[int, int | None]] = {}  # Request -> (prompt length, max_new_tokens), until it ends.
     self.slots: list[Slot | None] = []
     self.ended: set[int] = set()  # Ended requests whose slot is not freed yet.
 
-  def submit(self, r: int, prompt_length: int, max_new_tokens: int) -> None:
+  def submit(self, r: int, prompt_length: int, max_new_tokens: int | None) -> None:
     self.sizes[r] = (prompt_length, max_new_tokens)
     self.queue.append(r)
 
@@ -49,7 +51,12 @@ class Scheduler:
     `end`."""
     lengths = [self.sizes[r][0] for r in rs]
     end = max(lengths) if end is None else end
-    return max(lengths) <= end and all(end + self.sizes[r][1] - 1 <= self.capacity for r in rs)
+    return max(lengths) <= end and all(self.last_row(r, end) < self.capacity for r in rs)
+
+  def last_row(self, r: int, end: int) -> int:
+    """The last row that request r's decode writes when it enters at `end`."""
+    n = self.sizes[r][1]
+    return self.capacity - 1 if n is None else end + n - 2
 
   def open_epoch(self, slots: int) -> tuple[list[int | None], int]:
     """A fresh cache of `slots` slots: its first requests (the queue's first one, then those behind it while they
@@ -59,7 +66,7 @@ class Scheduler:
       first.append(self.queue.popleft())
     end = max(self.sizes[r][0] for r in first)
     owners = first + [None] * (slots - len(first))
-    self.slots = [None if r is None else Slot(r, end + self.sizes[r][1] - 2) for r in owners]
+    self.slots = [None if r is None else Slot(r, self.last_row(r, end)) for r in owners]
     self.ended.clear()
     return owners, end
 
@@ -74,7 +81,7 @@ class Scheduler:
     while self.queue and None in self.slots and self._fit([self.queue[0]], end):
       r = self.queue.popleft()
       b = self.slots.index(None)
-      self.slots[b] = Slot(r, end + self.sizes[r][1] - 2)
+      self.slots[b] = Slot(r, self.last_row(r, end))
       entered.append((b, r))
     return entered
 

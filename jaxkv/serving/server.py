@@ -82,7 +82,7 @@ class Server:
     errors = []
     for r in requests:
       try:
-        self.engine.validate([r.prompt], r.max_new_tokens)
+        self.engine.validate([r.prompt], r.max_new_tokens or 1)
         errors.append(None)
       except ValueError as e:
         errors.append(str(e).replace("prompt 0", "its prompt", 1))  # The engine numbers the prompts of a batch.
@@ -129,7 +129,8 @@ class Run:
     """Queues a request (validated); returns its id."""
     r, self._ids = self._ids, self._ids + 1
     self.requests[r] = request
-    self.recorder.add(r, request.max_new_tokens, self.hashed, request.logprobs)
+    capacity = self.scheduler.capacity  # Without max_new_tokens, a bound until it is placed.
+    self.recorder.add(r, request.max_new_tokens or capacity, self.hashed, request.logprobs)
     self.scheduler.submit(r, len(request.prompt), request.max_new_tokens)
     return r
 
@@ -145,7 +146,12 @@ class Run:
     self.recorder.forget(r)
 
   def placed(self, r: int, slot: int, epoch: int, first_row: int) -> None:
+    """Request r entered `slot` with its prompt from `first_row` (before its first token is read)."""
     self.where[r] = (slot, epoch, first_row)
+    request = self.requests[r]
+    if request.max_new_tokens is None:  # Its tokens up to the capacity: the first at row first_row + L.
+      end = first_row + len(request.prompt)
+      self.recorder.records[r].max_new_tokens = self.scheduler.capacity - end + 1
     self.progress.placed.append((r, slot, epoch, first_row, self.cached.pop(r, 0)))
 
   def read(self, loop: decode.DecodeLoop) -> None:
