@@ -117,7 +117,8 @@ def test_top_p_keeps_a_token_whose_mass_reaches_it_exactly_and_no_more(traced):
       draw = jax.jit(jax.vmap(lambda i, p: sampling.sample(logits, p, jnp.full(2, i, jnp.int32)), in_axes=(0, None)))
       toks = np.asarray(draw(jnp.arange(DRAWS), params))
     else:
-      toks = np.stack([np.asarray(sampling.sample(logits, params, jnp.full(2, i, jnp.int32))) for i in range(256)])
+      # Each eager call compiles its conditional's branches anew: few draws (64 per config still see every kept id).
+      toks = np.stack([np.asarray(sampling.sample(logits, params, jnp.full(2, i, jnp.int32))) for i in range(32)])
     assert set(toks.ravel().tolist()) == kept, cfg
 
 
