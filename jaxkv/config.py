@@ -294,6 +294,12 @@ class SamplingConfig:
   temperature: float = field(0.0, "Sampling temperature; 0 = greedy.")
   top_k: int = field(0, "Sample among the k most likely tokens; 0 = off.")
   top_p: float = field(1.0, "Sample among the most likely tokens that hold this much probability; 1 = off.")
+  min_p: float = field(0.0, "Sample among the tokens at least this fraction as likely as the most likely; 0 = off.")
+  presence_penalty: float = field(0.0, "Subtracted from the logit of each token generated so far; 0 = off.")
+  frequency_penalty: float = field(0.0, "Subtracted from each token's logit once per time it was generated; 0 = off.")
+  repetition_penalty: float = field(
+      1.0, "Divides the positive logits (multiplies the negative) of the prompt's and generated tokens; 1 = off."
+  )
   eos_id: int = field(-1, "A token id that ends a sequence (it is kept as its last token); < 0 = none.")
   eos_ids: tuple[int, ...] = field(
       (),
@@ -308,6 +314,10 @@ class SamplingConfig:
       raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+    if not 0.0 <= self.min_p <= 1.0:
+      raise ValueError(f"sampling.min_p must be in [0, 1], got {self.min_p}")
+    if self.repetition_penalty <= 0:
+      raise ValueError(f"sampling.repetition_penalty must be > 0, got {self.repetition_penalty}")
     if any(not isinstance(i, int) or i < 0 for i in self.eos_ids):
       raise ValueError(f"sampling.eos_ids must be token ids >= 0, got {self.eos_ids!r}")
 

@@ -34,6 +34,7 @@ from jaxkv import jitted
 from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
+from jaxkv import sampling as sampling_lib
 from jaxkv import telemetry
 from jaxkv.cache import Issued
 from jaxkv.config import Config
@@ -226,11 +227,17 @@ class Engine:
     """A host value as an array of `dtype`, replicated on the last stage's devices (where the head runs)."""
     return distributed.put_host(np.asarray(value, dtype), self._rep)
 
-  def state(self, x: jax.Array, start: np.ndarray, end: int, sampling: SamplingParams) -> DecodeState:
+  def state(self, x: jax.Array, start: np.ndarray, end: int, sampling: SamplingParams, prompts=None) -> DecodeState:
     """A decode state of B rows (jaxkv.meta.DecodeState) whose next token is their first: x [B, D] (after a prefill,
-    each prompt's last row, at row `end`), meta of start i32[B] and end, sampling (host arrays, SamplingParams.rows)."""
+    each prompt's last row, at row `end`), meta of start i32[B] and end, sampling (host arrays, SamplingParams.rows),
+    prompts: each row's prompt ids or None (what its repetition penalty reads; default none)."""
     put = lambda a: self.put(a, a.dtype)
-    return DecodeState(x, self.meta(start, end), put(np.zeros(len(start), np.int32)), jax.tree.map(put, sampling))
+    b, vocab = len(start), self.config.model.vocab_size
+    seen = sampling_lib.prompt_tokens(prompts or [None] * b, sampling, vocab)
+    counts = put(np.zeros((b, vocab), np.int32))
+    return DecodeState(
+        x, self.meta(start, end), put(np.zeros(b, np.int32)), jax.tree.map(put, sampling), counts, put(seen)
+    )
 
   def sampling(self, batch: int, seed: int) -> SamplingParams:
     """The config's sampling for `batch` rows of one seed, row b its stream b (jaxkv.sampling)."""
@@ -442,7 +449,7 @@ class Engine:
     for b in owners:
       rec.add(b, max_new_tokens, hashed=False)
     loop = decode.DecodeLoop(self, gen, rec)
-    state = loop.first(self.state(x_last, start, longest - 1, self.sampling(batch, seed)), owners)
+    state = loop.first(self.state(x_last, start, longest - 1, self.sampling(batch, seed), prompts), owners)
     finished = self._read(loop, None)  # Waits for the prefill: decode timing starts here.
     t_prefilled = time.perf_counter()
     # Decode: step t writes the token of step t - 1 at row `end` and samples the token of step t; the loop reads each

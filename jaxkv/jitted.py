@@ -100,11 +100,14 @@ def functions(
     return x, out
 
   def head(top, state: DecodeState) -> tuple[HeadOut, DecodeState]:
-    """Logits of state.x [B, D], a token per row sampled with the row's settings and token index, and the next
-    step's state: the tokens' embeddings, meta's end + 1, each row's index + 1."""
+    """Logits of state.x [B, D], shaped and sampled with each row's settings and token index (HeadOut keeps the
+    model's own), and the next step's state: the tokens' embeddings, meta's end + 1, each row's index + 1, the
+    tokens counted."""
+    s = state.sampling
     logits = model.logits(top, state.x, cfg)
-    tokens = sampling.sample(logits, state.sampling, state.index)
-    nxt = DecodeState(model.embed(top, tokens), Meta.advance(state.meta), state.index + 1, state.sampling)
+    tokens = sampling.sample(sampling.shape(logits, s, state.counts, state.prompt, state.index), s, state.index)
+    counts = sampling.count(state.counts, tokens)
+    nxt = DecodeState(model.embed(top, tokens), Meta.advance(state.meta), state.index + 1, s, counts, state.prompt)
     return HeadOut(logits, tokens), nxt
 
   def place(head_rows, open_page, offset, w_rows):

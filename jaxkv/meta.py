@@ -56,12 +56,16 @@ class DecodeState:
     head's output the row the next pass writes.
   index: i32[B], the token index that row b samples next (0: its first generated token).
   sampling: row b's sampling settings (jaxkv.sampling.SamplingParams).
+  counts: i32[B, V], how often row b generated each token (what its penalties read).
+  prompt: bool[B, V], the tokens of row b's prompt (marked where its repetition penalty reads them).
   """
 
   x: jax.Array
   meta: jax.Array
   index: jax.Array
   sampling: SamplingParams
+  counts: jax.Array
+  prompt: jax.Array
 
   def with_row(self, b: jax.Array, row: DecodeState) -> DecodeState:
     """Inside jit: this state with row b replaced by `row`'s only row (a slot taking a request; end stays)."""
@@ -71,6 +75,8 @@ class DecodeState:
         meta=Meta.with_start(self.meta, b, Meta.start(row.meta)[0]),
         index=put(self.index, row.index),
         sampling=jax.tree.map(put, self.sampling, row.sampling),
+        counts=put(self.counts, row.counts),
+        prompt=put(self.prompt, row.prompt),
     )
 
 

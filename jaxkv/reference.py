@@ -3,7 +3,8 @@
 `forward` runs jaxkv.model's own layer functions (qkv, attention, MLP) without the engine: tests check the engine
 (cache, pages, delivery modes, chunked prefill) against it. `forward_numpy` shares no code with jaxkv.model: the
 same decoder written again in numpy float64 after the Hugging Face Llama / Qwen3 definitions, so that the model's
-maths is checked by something other than itself.
+maths is checked by something other than itself. `shaped_logits` writes out the sampler's logit shaping (penalties,
+bias, held ids) in numpy, for jaxkv.sampling.shape.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import model
-from jaxkv.config import ModelConfig, RopeScaling
+from jaxkv import sampling
+from jaxkv.config import ModelConfig, RopeScaling, SamplingConfig
 
 
 def forward(params, tokens, cfg: ModelConfig):
@@ -93,3 +95,19 @@ def forward_numpy(params, tokens, cfg: ModelConfig) -> np.ndarray:
     x = x + (gate / (1 + np.exp(-gate)) * up) @ w["w_down"]
   head = p["embed"].T if cfg.tie_embeddings else p["lm_head"]
   return norm(x, p["final_norm"]) @ head
+
+
+def shaped_logits(logits, counts, prompt, cfg: SamplingConfig, rules: sampling.Rules, index: int) -> np.ndarray:
+  """One row's logits f32[V] shaped as jaxkv.sampling.shape shapes them, written out in numpy (vLLM's rules): counts
+  [V] its generated tokens, prompt bool[V] its prompt's, index the tokens it generated."""
+  x = np.asarray(logits, np.float32).copy()
+  seen = (counts > 0) | prompt
+  rep = np.float32(cfg.repetition_penalty)
+  x[seen] = np.where(x[seen] > 0, x[seen] / rep, x[seen] * rep)
+  c = np.asarray(counts, np.float32)
+  x = x - c * np.float32(cfg.frequency_penalty) - (c > 0).astype(np.float32) * np.float32(cfg.presence_penalty)
+  for i, b in rules.logit_bias.items():
+    x[i] += np.float32(b)
+  if index < rules.min_tokens:
+    x[list(rules.held)] = -np.inf
+  return x

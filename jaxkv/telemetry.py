@@ -12,6 +12,7 @@ import numpy as np
 from absl import logging
 
 from jaxkv import digest
+from jaxkv import sampling
 from jaxkv.cache import Issued
 
 
@@ -82,13 +83,15 @@ class Counters:
 @dataclasses.dataclass
 class Record:
   """One owner's (a sequence's, a request's) tokens up to and including its end, the hash of its logits rows
-  (None: not hashed) and the seconds from the recorder's start to its first token."""
+  (None: not hashed), the seconds from the recorder's start to its first token, and how many most likely tokens its
+  tokens' log-probabilities list (None: none taken)."""
 
   max_new_tokens: int
   hash: object | None
   tokens: list[int] = dataclasses.field(default_factory=list)
   done: bool = False
   ttft_s: float | None = None
+  logprobs: int | None = None
 
 
 class Recorder:
@@ -108,8 +111,8 @@ class Recorder:
     self.steps_read = 0
     self.t_start = time.perf_counter()
 
-  def add(self, owner: int, max_new_tokens: int, hashed: bool = True) -> None:
-    self.records[owner] = Record(max_new_tokens, self.digests.new() if hashed else None)
+  def add(self, owner: int, max_new_tokens: int, hashed: bool = True, logprobs: int | None = None) -> None:
+    self.records[owner] = Record(max_new_tokens, self.digests.new() if hashed else None, logprobs=logprobs)
 
   def end(self, owner: int) -> None:
     """Records nothing more for the owner (cancelled)."""
@@ -118,9 +121,10 @@ class Recorder:
   def forget(self, owner: int) -> Record:
     return self.records.pop(owner)
 
-  def record(self, owners: list[int | None], logits: np.ndarray, tokens: np.ndarray) -> list[tuple[int, int, str]]:
-    """Takes one step (logits f32[B, V], tokens i32[B] on the host); returns (owner, token, end) for every token
-    taken, end "eos" or "length" where it ended its owner, else None."""
+  def record(self, owners: list[int | None], logits: np.ndarray, tokens: np.ndarray) -> list[tuple]:
+    """Takes one step (logits f32[B, V], tokens i32[B] on the host); returns (owner, token, end, logprob) for every
+    token taken: end "eos" or "length" where it ended its owner, else None; logprob its jaxkv.sampling.logprobs where
+    the owner asked for them, else None."""
     self.steps_read += 1
     if self.hash is not None:
       self.digests.update(self.hash, logits)
@@ -139,7 +143,8 @@ class Recorder:
         self.digests.update(rec.hash, logits[b])
       end = "eos" if t in self.stop_ids else "length" if len(rec.tokens) >= rec.max_new_tokens else None
       rec.done = end is not None
-      taken.append((r, t, end))
+      logprob = None if rec.logprobs is None else sampling.logprobs(logits[b], t, rec.logprobs)
+      taken.append((r, t, end, logprob))
     return taken
 
   def all_done(self) -> bool:

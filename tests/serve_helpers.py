@@ -32,13 +32,16 @@ def running(
     eos_ids=frozenset(),
     start_loop: bool = True,
     prefix_cache_bytes: int = 0,
+    access=None,
 ):
-  """Serves `engine` on 127.0.0.1 (a port the OS picks); yields (base url, Model); stops the server and the loop."""
+  """Serves `engine` on 127.0.0.1 (a port the OS picks; access: its API key and CORS origins, default none); yields
+  (base url, Model); stops the server and the loop."""
   loop = serving.ServingLoop(serving.Server(engine, parallel, prefix_cache_bytes), max_queue)
   if start_loop:
     loop.start()
   model = serve_api.Model(name, loop, tokenizer, template, eos_ids)
-  server = serve_api.uvicorn_server(serve_api.make_app(model), "127.0.0.1", 0)
+  app = serve_api.make_app(model) if access is None else serve_api.make_app(model, access)
+  server = serve_api.uvicorn_server(app, "127.0.0.1", 0)
   thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
   thread.start()
   t0 = time.monotonic()

@@ -233,6 +233,12 @@ def _cases(tmp) -> dict:
       "gates_no_arms": (GATES, ["--arms="], "--arms is empty", 2),
       "serve_port": (SERVE, ["--port=99999"], "flag --port=99999: 99999 is not an integer in the range [1, 65535]", 2),
       "serve_bench_requests": (SERVE_BENCH, ["--requests=0"], "flag --requests=0: 0 is not a positive integer", 2),
+      "serve_api_key_file": (
+          SERVE,
+          [f"--port={_free_port()}", "--api_key_file=no_such_key_file"],
+          "cannot read the API key file no_such_key_file (No such file or directory); fix --api_key_file",
+          2,
+      ),
       "serve_prompt": (
           SERVE,
           ["--prompt=hi", "--max_new_tokens=4"],
@@ -321,6 +327,7 @@ CASES = (
     "gates_no_arms",
     "serve_port",
     "serve_bench_requests",
+    "serve_api_key_file",
     "serve_prompt",
     "serve_both",
     "serve_body",

@@ -29,6 +29,7 @@ from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import gguf_loader
 from jaxkv import preflight
+from jaxkv import sampling
 from jaxkv import tokenizer as tokenizer_lib
 from jaxkv.apps import runs
 
@@ -335,6 +336,34 @@ def test_smollm2_greedy_tokens_match_transformers(smollm2, smollm2_params, tenso
     hashes.add((res.tokens_sha256, res.logits_sha256))
   assert len(hashes) == 1  # Every placement and depth: the same bits.
   assert tok.decode(want[0]) == hf_tok.decode(want[0], skip_special_tokens=True)
+
+
+def test_smollm2_logprobs_match_transformers(smollm2, smollm2_params):
+  """The served log-probabilities (jaxkv.sampling.logprobs of the head's logits) of each greedy token and the 5 most
+  likely ones equal transformers' float32 log-softmax on the same file within 1e-4."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  path, _, _, ids, want, _ = smollm2
+  folder, file = os.path.split(path)
+  net = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+  cfg, params = smollm2_params(1)
+  config = config_lib.Config(
+      model=cfg,
+      kv=config_lib.KVConfig(placement="device", block=16, group_layers=1),
+      engine=config_lib.EngineConfig(capacity=512, prefill_chunk=128),
+      mesh=(("tensor", 1),),
+  )
+  res = engine_lib.Engine(config, helpers.mesh(1), params).generate(ids[:2], NEW_TOKENS, keep_logits=True)
+  for b in range(2):
+    assert res.tokens[b] == want[b]
+    with torch.no_grad():
+      seq = torch.tensor([ids[b] + want[b][:-1]])
+      ref = torch.log_softmax(net(seq).logits[0, len(ids[b]) - 1 :].float(), -1).numpy()
+    for t, token in enumerate(want[b]):
+      lp, top = sampling.logprobs(res.logits[t, b], token, 5)
+      np.testing.assert_allclose(lp, ref[t, token], rtol=0, atol=1e-4, err_msg=f"{b} {t}")
+      assert [i for i, _ in top] == np.argsort(-ref[t], kind="stable")[:5].tolist(), (b, t)
+      np.testing.assert_allclose([l for _, l in top], ref[t][[i for i, _ in top]], rtol=0, atol=1e-4)
 
 
 @pytest.fixture(scope="module")

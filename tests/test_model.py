@@ -12,6 +12,7 @@ import pytest
 from jaxkv import config as config_lib
 from jaxkv import model
 from jaxkv import reference
+from jaxkv import sampling
 
 LENGTHS = (5, 12, 1, 9)
 NEW = 12
@@ -147,3 +148,21 @@ def test_blocked_prefill_attention_matches_one_block():
   with mock.patch.object(model, "SCORE_BUDGET_BYTES", b * h * 4 * r * 4):
     blocked = jax.jit(model.blocked_attention)(q, kv, mask)
   np.testing.assert_allclose(blocked, model.attention(q, kv, mask), rtol=1e-6, atol=1e-6)
+
+
+def test_penalties_shape_each_step_by_the_tokens_before_it(one_device_run):
+  """Greedy with penalties: every step's token is the argmax of that step's model logits shaped by the prompt and
+  the tokens generated before it (the head's counts, replayed on the host), and they change the tokens."""
+  s = config_lib.SamplingConfig(presence_penalty=1.5, frequency_penalty=0.75, repetition_penalty=1.3)
+  prompts = helpers.prompts(LENGTHS)
+  res = helpers.engine(1, sampling=s).generate(prompts, NEW, keep_logits=True)
+  for b, prompt in enumerate(prompts):
+    counts = np.zeros(res.logits.shape[-1], np.float32)
+    seen = np.zeros(res.logits.shape[-1], bool)
+    seen[prompt] = True
+    for t, token in enumerate(res.tokens[b]):
+      x = reference.shaped_logits(res.logits[t, b], counts, seen, s, sampling.Rules(), t)
+      assert token == np.argmax(x), (b, t)
+      counts[token] += 1
+  assert res.tokens != one_device_run.tokens
+  np.testing.assert_array_equal(res.logits[0], one_device_run.logits[0])  # The model's logits, before shaping.

@@ -1,11 +1,14 @@
-"""Sampling keeps exactly the tokens that temperature, top-k and top-p leave, and draws them in proportion; each row
-samples with its own settings and keys, so its tokens do not depend on the rows beside it."""
+"""Sampling keeps exactly the tokens that temperature, min-p, top-k and top-p leave (their boundaries included), and
+draws them in proportion; each row samples with its own settings and keys, so its tokens do not depend on the rows
+beside it. Shaping (penalties, logit bias, held ids) equals the rules written out, and leaves alone the rows that ask
+for none; log-probabilities are the float32 log-softmax."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import reference
 from jaxkv import sampling
 from jaxkv.config import SamplingConfig
 
@@ -15,9 +18,9 @@ PROBS = np.array([[0.1, 0.4, 0.05, 0.2, 0.25], [0.25, 0.05, 0.35, 0.15, 0.2]])
 LOGITS = np.log(PROBS).astype(np.float32)
 
 
-def _params(settings, seeds=None, streams=None) -> sampling.SamplingParams:
+def _params(settings, seeds=None, streams=None, rules=None) -> sampling.SamplingParams:
   n = len(settings)
-  return sampling.SamplingParams.rows(settings, seeds or [0] * n, range(n) if streams is None else streams)
+  return sampling.SamplingParams.rows(settings, seeds or [0] * n, range(n) if streams is None else streams, rules)
 
 
 def _draw(cfg: SamplingConfig, logits=LOGITS) -> np.ndarray:
@@ -97,3 +100,87 @@ def test_a_row_without_truncation_draws_the_plain_categorical_of_its_key():
     key = sampling.row_key(jnp.int32(seed), jnp.int32(stream), jnp.int32(index))
     got = sampling.sample_row(logits, key, jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0))
     np.testing.assert_array_equal(got, jax.random.categorical(key, logits), err_msg=str((seed, stream, index)))
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_top_p_keeps_a_token_whose_mass_reaches_it_exactly_and_no_more(traced):
+  """log([0.5, 0.25, 0.25]) with top_p 0.5: token 0's mass reaches top_p, so the next token's mass before it is not
+  below it, and only token 0 is drawn (a `<=` in the rule would let tokens 1 and 2 in); min_p 0.5 keeps tokens whose
+  probability is at least half the largest: all three, exactly at the boundary."""
+  logits = np.log(np.array([[0.5, 0.25, 0.25]] * 2)).astype(np.float32)
+  for cfg, kept in (
+      (SamplingConfig(temperature=1.0, top_p=0.5), {0}),
+      (SamplingConfig(temperature=1.0, min_p=0.5), {0, 1, 2}),
+  ):
+    params = _params([cfg] * 2, seeds=[5, 6])
+    if traced:  # The settings as traced arguments of one compiled call, as the head gets them.
+      draw = jax.jit(jax.vmap(lambda i, p: sampling.sample(logits, p, jnp.full(2, i, jnp.int32)), in_axes=(0, None)))
+      toks = np.asarray(draw(jnp.arange(DRAWS), params))
+    else:
+      # Each eager call compiles its conditional's branches anew: few draws (64 per config still see every kept id).
+      toks = np.stack([np.asarray(sampling.sample(logits, params, jnp.full(2, i, jnp.int32))) for i in range(32)])
+    assert set(toks.ravel().tolist()) == kept, cfg
+
+
+def test_min_p_keeps_the_tokens_at_least_that_fraction_of_the_largest():
+  # Row 0: 0.4 is the largest; min_p 0.6 keeps p >= 0.24: tokens 1 and 4 (0.25). Row 1: 0.35 * 0.6 = 0.21: 0, 2.
+  toks = _draw(SamplingConfig(temperature=1.0, min_p=0.6))
+  assert set(toks[:, 0].tolist()) == {1, 4} and set(toks[:, 1].tolist()) == {0, 2}
+
+
+def test_shaping_applies_penalties_bias_and_held_ids_per_row():
+  v = 64
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(4, v)).astype(np.float32) * 3
+  counts = rng.integers(0, 3, size=(4, v)).astype(np.int32) * (rng.random((4, v)) < 0.2)
+  prompt = rng.random((4, v)) < 0.1
+  settings = [
+      SamplingConfig(),  # No shaping: its logits as they are.
+      SamplingConfig(presence_penalty=0.5, frequency_penalty=-0.25),
+      SamplingConfig(repetition_penalty=1.3),
+      SamplingConfig(temperature=0.7, presence_penalty=1.0),
+  ]
+  rules = [sampling.Rules(), sampling.Rules({3: -100.0, 7: 5.5}), sampling.Rules(min_tokens=2, held=(1, 9)), None]
+  params = _params(settings, rules=rules)
+  seen = sampling.prompt_tokens([[1], [2, 3], [int(i) for i in np.flatnonzero(prompt[2])], [4]], params, v)
+  assert not seen[0].any() and not seen[1].any() and seen[2].sum() == prompt[2].sum()  # Read where repetition is on.
+  index = np.array([0, 0, 1, 5], np.int32)
+  got = np.asarray(jax.jit(sampling.shape)(logits, params, counts, seen, index))
+  for b in range(4):
+    want = reference.shaped_logits(logits[b], counts[b], seen[b], settings[b], rules[b] or sampling.Rules(), index[b])
+    # XLA's CPU division is not correctly rounded (1 ulp off numpy's): the rule is the claim here, not the bits.
+    np.testing.assert_allclose(got[b], want, rtol=2e-7, atol=0, err_msg=str(b))
+  np.testing.assert_array_equal(got[0], logits[0])  # Shaped among others, a row without shaping is untouched.
+  assert got[1, 3] < -90 and got[2, 1] == got[2, 9] == -np.inf
+  # Past min_tokens, the held ids are back.
+  later = np.asarray(sampling.shape(logits, params, counts, seen, np.full(4, 2, np.int32)))
+  assert np.isfinite(later[2, [1, 9]]).all()
+
+
+def test_without_shaping_the_logits_pass_through_bit_for_bit_and_tokens_are_counted():
+  """Rows without shaping, with counts and prompt tokens marked (as beside a row with penalties): their logits as
+  they are, -0.0 and -inf included."""
+  logits = LOGITS.copy()
+  logits[0, 1], logits[1, 3] = -0.0, -np.inf
+  params = _params([SamplingConfig(), SamplingConfig(temperature=1.0, top_k=3)])
+  counts = jnp.array([[0, 2, 0, 1, 0], [1, 0, 0, 3, 0]], jnp.int32)
+  out = np.asarray(sampling.shape(logits, params, counts, np.ones((2, 5), bool), jnp.zeros(2, jnp.int32)))
+  np.testing.assert_array_equal(out.view(np.int32), logits.view(np.int32))
+  np.testing.assert_array_equal(sampling.count(counts, jnp.array([1, 2])), [[0, 3, 0, 1, 0], [1, 0, 1, 3, 0]])
+
+
+def test_rules_are_bounded():
+  with pytest.raises(ValueError, match="at most 300"):
+    sampling.Rules({i: 1.0 for i in range(sampling.MAX_BIAS + 1)})
+  with pytest.raises(ValueError, match="held back"):
+    sampling.Rules(min_tokens=1, held=tuple(range(sampling.MAX_HELD + 1)))
+
+
+def test_logprobs_are_the_float32_log_softmax_and_its_largest():
+  logits = np.array([1.0, 3.0, -2.0, 3.0, 0.5], np.float32)
+  want = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum())
+  lp, top = sampling.logprobs(logits, 2, 3)
+  np.testing.assert_allclose(lp, want[2], rtol=0, atol=1e-6)
+  assert [i for i, _ in top] == [1, 3, 0]  # Ties: the lower id first.
+  np.testing.assert_allclose([l for _, l in top], want[[1, 3, 0]], rtol=0, atol=1e-6)
+  assert sampling.logprobs(logits, 0, 0)[1] == []

@@ -160,6 +160,61 @@ def test_chat_completions_use_the_template(served):
     client.chat.completions.create(model="tiny", messages=messages, max_tokens=500)
 
 
+def test_chat_and_text_logprobs_in_the_openai_shapes(served):
+  client, _, tok, _ = served
+  messages = [{"role": "user", "content": "w50 w51"}]
+  out = client.chat.completions.create(
+      model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+  )
+  choice = out.choices[0]
+  content = choice.logprobs.content
+  assert [c.token for c in content] == [tok.decode([t], skip_special_tokens=False) for t in choice.token_ids]
+  for c in content:
+    assert c.bytes == list(c.token.encode()) and len(c.top_logprobs) == 3
+    assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob  # Greedy.
+    assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob >= c.top_logprobs[2].logprob
+  chunks = list(
+      client.chat.completions.create(
+          model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3, stream=True
+      )
+  )
+  streamed = [c for k in chunks if k.choices and k.choices[0].logprobs for c in k.choices[0].logprobs.content]
+  assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+  text = client.completions.create(model="tiny", prompt="w7 w8", max_tokens=4, temperature=0, logprobs=1).choices[0]
+  pieces = [tok.decode([t], skip_special_tokens=False) for t in text.token_ids]
+  assert text.logprobs.tokens == pieces
+  assert text.logprobs.text_offset == [sum(len(p) for p in pieces[:i]) for i in range(4)]
+  with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, top_logprobs=2)
+
+
+def test_min_tokens_holds_back_the_checkpoint_s_end_of_sequence(served):
+  client, engine, tok, eos = served
+  want = engine.generate([tok.encode(EOS_PROMPT)], 12).tokens[0]
+  at = want.index(eos)
+  out = client.completions.create(
+      model="tiny", prompt=EOS_PROMPT, max_tokens=12, temperature=0, extra_body={"min_tokens": at + 2}
+  ).choices[0]
+  assert out.token_ids[:at] == want[:at] and eos not in out.token_ids[: at + 2]
+
+
+def test_tokenize_and_detokenize_in_llama_server_s_shapes(served):
+  client, _, tok, _ = served
+  url = str(client.base_url).removesuffix("/v1/")
+  ids = httpx.post(url + "/tokenize", json={"content": "w7 w8"}, timeout=TIMEOUT_S).json()["tokens"]
+  assert ids == tok.encode("w7 w8", add_special_tokens=False)
+  with_bos = httpx.post(url + "/tokenize", json={"content": "w7 w8", "add_special": True, "with_pieces": True})
+  assert with_bos.json()["tokens"] == [
+      {"id": 1, "piece": "<bos>"},
+      {"id": ids[0], "piece": "w7"},
+      {"id": ids[1], "piece": "w8"},
+  ]
+  assert httpx.post(url + "/detokenize", json={"tokens": ids}, timeout=TIMEOUT_S).json() == {"content": "w7 w8"}
+  assert httpx.post(url + "/detokenize", json={"tokens": [100000]}, timeout=TIMEOUT_S).status_code == 400
+  props = httpx.get(url + "/props", timeout=TIMEOUT_S).json()
+  assert props["chat_template"] == TEMPLATE
+
+
 def _url(client) -> str:
   return str(client.base_url).removesuffix("/").removesuffix("/v1")
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxkv.apps import generate as generate_app
+from jaxkv import sampling
 from jaxkv import serving
 from jaxkv.config import SamplingConfig
 
@@ -126,6 +127,35 @@ def test_every_serving_run_has_the_fields_its_report_prints(served):
     assert set(serving.TOTALS) <= res.transport.keys(), name
     if reuses is not None:
       assert res.transport["insertions"] == reuses and f"{reuses} slot reuses" in line, (name, line)
+
+
+def test_rules_and_penalties_apply_per_request_and_a_shaped_request_among_others_decodes_as_alone(served):
+  """Requests with a logit bias, held end ids, penalties and min-p, served among plain ones: each gets what it gets
+  alone, the plain ones what they got unshaped, and the rules hold: a -100 bias on the first greedy token keeps it
+  out, +100 on another makes it every token, a held id never comes before min_tokens."""
+  reqs = requests()
+  plain = [served.results[i].tokens for i in range(len(reqs))]
+  banned = plain[0][0]
+  shaped = {
+      0: serving.Request(reqs[0].prompt, reqs[0].max_new_tokens, rules=sampling.Rules({banned: -100.0})),
+      1: serving.Request(reqs[1].prompt, 6, rules=sampling.Rules({7: 100.0})),
+      2: serving.Request(
+          reqs[2].prompt, reqs[2].max_new_tokens, rules=sampling.Rules(min_tokens=8, held=tuple(plain[2][:3]))
+      ),
+      3: dataclasses.replace(reqs[3], sampling=SamplingConfig(frequency_penalty=2.0, presence_penalty=0.5)),
+      6: dataclasses.replace(reqs[6], sampling=SamplingConfig(temperature=1.0, min_p=0.3, repetition_penalty=1.5)),
+  }
+  mixed = [shaped.get(i, r) for i, r in enumerate(reqs)]
+  eng = helpers.engine(2, placement="host", depth=1)
+  out = serving.Server(eng, 4).serve(mixed)
+  alone = helpers.engine(2, placement="device")
+  for i in shaped:
+    assert out.results[i].tokens == serving.Server(alone, 1).serve([mixed[i]]).results[0].tokens, i
+  for i in set(range(len(reqs))) - set(shaped):
+    assert out.results[i].tokens == plain[i], i
+  assert banned not in out.results[0].tokens and out.results[1].tokens == [7] * 6
+  assert not set(out.results[2].tokens[:8]) & set(plain[2][:3])
+  assert out.results[3].tokens != plain[3]  # Its plain tokens repeat one.
 
 
 def test_requests_without_max_new_tokens_share_an_epoch_and_end_at_the_capacity():

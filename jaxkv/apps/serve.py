@@ -38,6 +38,16 @@ MAX_BODY_MB = flags.DEFINE_float(
     "max_body_mb", None, "Request bodies larger than this many MiB are refused with 413 (default: jaxkv.serving.api's)."
 )
 
+API_KEY = flags.DEFINE_string(
+    "api_key", None, "A key every request must send as 'Authorization: Bearer <key>' (/health stays open)."
+)
+API_KEY_FILE = flags.DEFINE_string("api_key_file", None, "A file whose first line is the API key (kept out of ps).")
+CORS_ORIGINS = flags.DEFINE_list(
+    "cors_origins",
+    [],
+    "Origins a browser may call the API from (CORS), e.g. https://a.example,https://b.example; * = any.",
+)
+
 # generate's flags that give its own prompts and outputs: a server takes its prompts from requests.
 _NOT_SERVED = (
     generate.PROMPT,
@@ -59,6 +69,7 @@ HELP_GROUPS = {
         generate.SEED,
     ],
     "server": [HOST, PORT, generate.PARALLEL, MAX_QUEUE, MAX_BODY_MB, MODEL_NAME, generate.PREFIX_CACHE_GIB],
+    "access": [API_KEY, API_KEY_FILE, CORS_ORIGINS],
     "KV cache": cli.KV_GROUP,
     "split": cli.SPLIT_GROUP,
     "multi-host": cli.MULTIHOST_GROUP,
@@ -90,6 +101,18 @@ def main(argv):
       pass
   except OSError as e:
     raise app.UsageError(f"cannot listen on {HOST.value}:{PORT.value} ({e.strerror}); pick another --port") from e
+  if API_KEY.value is not None and API_KEY_FILE.value is not None:
+    raise app.UsageError("give --api_key or --api_key_file, not both")
+  if API_KEY.value == "":
+    raise app.UsageError("--api_key is empty; give a key, or leave the flag out for none")
+  from jaxkv.serving import access as access_lib  # pylint: disable=g-import-not-at-top  (needs the serve extra)
+
+  api_key = API_KEY.value
+  if API_KEY_FILE.value is not None:
+    try:
+      api_key = access_lib.read_key_file(API_KEY_FILE.value)
+    except ValueError as e:
+      raise app.UsageError(f"{e}; fix --api_key_file") from e
   if distributed.settings(cli.COORDINATOR_ADDRESS.value, cli.NUM_PROCESSES.value, cli.PROCESS_ID.value):
     raise app.UsageError("serve runs in one process: drop the multi-process flags and JAX_* variables")
   cd = cli.resolved_config_dict(checkpoint=bool(checkpoint))
@@ -122,7 +145,8 @@ def main(argv):
   signal.signal(signal.SIGTERM, lambda *_: logging.info("SIGTERM: drained"))
   try:
     body_mb = serve_api.DEFAULT_MAX_BODY_MB if MAX_BODY_MB.value is None else MAX_BODY_MB.value
-    serve_api.uvicorn_server(serve_api.make_app(model, body_mb), HOST.value, PORT.value).run()
+    access = access_lib.Access(api_key, tuple(CORS_ORIGINS.value))
+    serve_api.uvicorn_server(serve_api.make_app(model, body_mb, access), HOST.value, PORT.value).run()
   finally:
     model.loop.stop()
 

@@ -6,8 +6,12 @@ jaxkv.chat_template), GET /v1/models, GET /health, GET /metrics (Prometheus text
 chunk) carries its generated ids in `token_ids`; without a tokenizer prompts are token ids and `text` is empty.
 
 Sampling fields left out take the config's sampling section (greedy by default), so a request with the same prompt
-and settings gets the tokens `python3 -m jaxkv.generate` prints. `stop` strings end a request at the first one and
-cut the text before it; so does a checkpoint's end of sequence id (its id ends `token_ids`), unless "ignore_eos".
+and settings gets the tokens `python3 -m jaxkv.generate` prints; penalties, min_p, logit_bias and min_tokens reach
+the head per request (jaxkv.sampling). `stop` strings end a request at the first one and cut the text before it; so
+does a checkpoint's end of sequence id or a `stop_token_ids` id (its id ends `token_ids`), unless "ignore_eos".
+`logprobs` (and chat's `top_logprobs`) give each token's float32 log-probability under the model's logits in the
+OpenAI shapes (jaxkv.serving.logprobs). A field the server does not implement is a 400 naming it
+(jaxkv.serving.schemas: its no-op value is accepted).
 
 Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`: bad input a 400, an unknown model or route
 a 404, a body over the limit a 413, a full queue a 429 with Retry-After; the server keeps serving. Nothing a client
@@ -26,7 +30,6 @@ import secrets
 import threading
 import time
 import uuid
-from typing import Literal
 
 import fastapi
 import fastapi.exceptions
@@ -37,10 +40,14 @@ from fastapi import responses
 from starlette import exceptions as starlette_exceptions
 
 from jaxkv import chat_template as chat_template_lib
+from jaxkv import sampling as sampling_lib
 from jaxkv import tokenizer as tokenizer_lib
 from jaxkv.config import SamplingConfig
+from jaxkv.serving import access as access_lib
+from jaxkv.serving import logprobs as logprobs_lib
 from jaxkv.serving import loop as loop_lib
 from jaxkv.serving import metrics as metrics_lib
+from jaxkv.serving import schemas
 from jaxkv.serving import server as server_lib
 from jaxkv.serving.requests import Request
 
@@ -72,41 +79,6 @@ class Model:
     return None if per_token is None else per_token * self.capacity
 
 
-class _Params(pydantic.BaseModel):
-  """Fields of both endpoints. Unknown fields are ignored (OpenAI clients send more); known ones must have their
-  type (strict: "0.5" is not a number)."""
-
-  model_config = pydantic.ConfigDict(strict=True, extra="ignore")
-
-  model: str | None = None
-  max_tokens: int | None = pydantic.Field(None, ge=1)
-  temperature: float | None = pydantic.Field(None, ge=0.0)
-  top_p: float | None = pydantic.Field(None, gt=0.0, le=1.0)
-  top_k: int | None = pydantic.Field(None, ge=-1)  # -1 or 0: off.
-  seed: int | None = None
-  stop: str | list[str] | None = None
-  stream: bool = False
-  stream_options: dict | None = None
-  n: Literal[1] = 1
-  ignore_eos: bool = False  # As vLLM: run past the checkpoint's end of sequence ids (the config's eos_id still ends).
-
-
-class CompletionRequest(_Params):
-  prompt: str | list[pydantic.StrictInt] | list[str] | list[list[pydantic.StrictInt]]
-
-
-class _Message(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(strict=True, extra="allow")
-
-  role: str
-  content: str | list[dict] | None = None
-
-
-class ChatRequest(_Params):
-  messages: list[_Message] = pydantic.Field(min_length=1)
-  max_completion_tokens: int | None = pydantic.Field(None, ge=1)
-
-
 class ApiError(Exception):
 
   def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
@@ -121,13 +93,15 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", heade
 
 class _Output:
   """A choice's text and ids as tokens arrive: incremental detokenization, `stop` strings (the text is cut before
-  the first; while one could still complete, its possible start is held back)."""
+  the first that starts after the text of its first min_tokens tokens; while one could still complete, its possible
+  start is held back)."""
 
-  def __init__(self, tokenizer, stops: list[str]):
+  def __init__(self, tokenizer, stops: list[str], min_tokens: int = 0):
     self.detok = tokenizer_lib.Detokenizer(tokenizer) if tokenizer else None
     self.stops = [s for s in stops if s]
+    self.min_tokens = min_tokens
     self.ids: list[int] = []
-    self.text, self.sent, self.stopped = "", 0, False
+    self.text, self.sent, self.stopped, self.floor = "", 0, False, 0
 
   def add(self, ids: list[int], final: bool = False, eos: bool = False) -> str:
     """Takes new ids (final: the request ended; eos: with these end of sequence ids, which add no text) and returns
@@ -135,9 +109,11 @@ class _Output:
     self.ids += ids
     if self.detok is not None:
       self.text += self.detok.add([] if eos else ids, final)
+    if len(self.ids) < self.min_tokens:
+      self.floor = len(self.text)
     hold = 0
     if self.stops:
-      cuts = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0]
+      cuts = [i for i in (self.text.find(s, max(self.floor, self.sent - len(s))) for s in self.stops) if i >= 0]
       if cuts:
         self.text, self.stopped = self.text[: min(cuts)], True
       elif not final:
@@ -166,7 +142,9 @@ class _Generation:
       t0: float,
   ):
     self.model, self.metrics, self.t0 = model, metrics, t0
-    self.out = _Output(model.tokenizer, stops)
+    self.out = _Output(model.tokenizer, stops, request.rules.min_tokens if request.rules else 0)
+    self.logprobs: list = []  # Per token of out.ids, jaxkv.sampling.logprobs's where the request asked.
+    self._ends = [0]
     self.last_s: float | None = None  # When the last token arrived.
     self.reason: str | None = None  # How it ended (loop.ENDS, or "stop": a stop string).
     self.finish: str | None = None
@@ -179,7 +157,7 @@ class _Generation:
 
     try:
       self.handle = model.loop.submit(
-          request, lambda t: put("token", t), lambda why, err: put("end", why, err), eos_ids=eos
+          request, lambda *t: put("token", *t), lambda why, err: put("end", why, err), eos_ids=eos
       )
     except ValueError as e:
       raise ApiError(400, str(e)) from e
@@ -198,6 +176,7 @@ class _Generation:
       else:
         self.metrics.itl.observe(now - self.last_s)
       self.last_s = now
+      self.logprobs.append(event[2])
       eos = token in self.handle.eos_ids  # The loop ends the request with it.
       piece = self.out.add([token], final=eos, eos=eos)
       if eos:
@@ -212,6 +191,18 @@ class _Generation:
       raise ApiError(500, f"the engine failed: {err}", "server_error")
     self._end(why)
     return [], self.out.add([], final=True)
+
+  def shaped_logprobs(self, ids: list[int], first: int, chat: bool) -> dict | None:
+    """The OpenAI `logprobs` of ids = out.ids[first:first + len(ids)] (None where the request asked for none)."""
+    entries = self.logprobs[first : first + len(ids)]
+    if not ids or entries[0] is None:
+      return None
+    tok = self.model.tokenizer
+    if chat:
+      return logprobs_lib.chat(tok, ids, entries)
+    while len(self._ends) <= first:  # _ends[k]: where token k's text starts in the token texts joined.
+      self._ends.append(self._ends[-1] + logprobs_lib.text_length(tok, self.out.ids[len(self._ends) - 1]))
+    return logprobs_lib.completion(tok, ids, entries, self._ends[first])
 
   def abort(self) -> None:
     """The client went away: ends the request at the next decode step, and next() with "cancelled"."""
@@ -234,11 +225,14 @@ class _Generation:
     m.queue.observe((now if placed is None else placed) - self.t0)
 
 
-def make_app(model: Model, max_body_mb: float = DEFAULT_MAX_BODY_MB) -> fastapi.FastAPI:
-  """The FastAPI app (request bodies up to `max_body_mb` MiB); starting and stopping the loop is the caller's
-  (jaxkv.serve)."""
+def make_app(
+    model: Model, max_body_mb: float = DEFAULT_MAX_BODY_MB, access: access_lib.Access = access_lib.Access()
+) -> fastapi.FastAPI:
+  """The FastAPI app (request bodies up to `max_body_mb` MiB; its API key and CORS origins: `access`); starting and
+  stopping the loop is the caller's (jaxkv.serve)."""
   app = fastapi.FastAPI(title="jaxkv", docs_url=None, redoc_url=None)
   app.add_middleware(_BodyLimit, max_bytes=int(max_body_mb * 2**20))
+  access.install(app)
   metrics = metrics_lib.Metrics(model.loop)
   created = int(time.time())
   _ = model.max_prompt_bytes  # Read the vocabulary now, not in the first request.
@@ -251,6 +245,9 @@ def make_app(model: Model, max_body_mb: float = DEFAULT_MAX_BODY_MB) -> fastapi.
         parts.append(f"malformed JSON ({e.get('ctx', {}).get('error', e['msg'])} at character {e['loc'][-1]})")
         continue
       where = ".".join(str(x) for x in e["loc"] if x != "body")
+      if e["type"] == "extra_forbidden":
+        parts.append(f"unsupported field {where!r}: jaxkv does not implement it; leave it out")
+        continue
       parts.append(f"{where}: {e['msg']}" if where else e["msg"])
     metrics.rejected.labels("400").inc()
     return _error(400, "invalid request: " + "; ".join(parts))
@@ -294,8 +291,31 @@ def make_app(model: Model, max_body_mb: float = DEFAULT_MAX_BODY_MB) -> fastapi.
     card.update(vocab_size=vocab, meta={"n_ctx": model.capacity, "n_vocab": vocab})  # vLLM's and llama-server's.
     return {"object": "list", "data": [card]}
 
+  @app.post("/tokenize")
+  async def tokenize(body: schemas.TokenizeRequest):
+    ids = _tokenizer(model).encode(body.content, add_special_tokens=body.add_special)
+    if not body.with_pieces:
+      return {"tokens": ids}
+    return {"tokens": [{"id": i, "piece": model.tokenizer.decode([i], skip_special_tokens=False)} for i in ids]}
+
+  @app.post("/detokenize")
+  async def detokenize(body: schemas.DetokenizeRequest):
+    return {"content": _tokenizer(model).decode(_ids(body.tokens, model, "tokens"), skip_special_tokens=False)}
+
+  @app.get("/props")
+  async def props():
+    cfg = model.loop.server.engine.config
+    settings = dict(dataclasses.asdict(cfg.sampling), n_ctx=model.capacity, eos_ids=sorted(model.eos_ids))
+    return {
+        "default_generation_settings": settings,
+        "total_slots": model.loop.parallel,
+        "model_alias": model.name,
+        "vocab_size": cfg.model.vocab_size,
+        "chat_template": None if model.chat_template is None else model.chat_template.source,
+    }
+
   @app.post("/v1/completions")
-  async def completions(body: CompletionRequest, http: fastapi.Request):
+  async def completions(body: schemas.CompletionRequest, http: fastapi.Request):
     t0 = time.perf_counter()
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -308,10 +328,10 @@ def make_app(model: Model, max_body_mb: float = DEFAULT_MAX_BODY_MB) -> fastapi.
       ids = await _encode(model, prompt)
     else:
       ids = list(prompt)
-    return await _respond(body, ids, body.max_tokens or DEFAULT_MAX_TOKENS, "text_completion", http, t0)
+    return await _respond(body, ids, body.max_tokens or DEFAULT_MAX_TOKENS, "text_completion", http, t0, body.logprobs)
 
   @app.post("/v1/chat/completions")
-  async def chat(body: ChatRequest, http: fastapi.Request):
+  async def chat(body: schemas.ChatRequest, http: fastapi.Request):
     t0 = time.perf_counter()
     if model.tokenizer is None or model.chat_template is None:
       raise ApiError(400, "chat needs a checkpoint with a tokenizer.json and a chat template; use /v1/completions")
@@ -322,10 +342,19 @@ def make_app(model: Model, max_body_mb: float = DEFAULT_MAX_BODY_MB) -> fastapi.
       raise ApiError(400, str(e)) from e
     ids = await _encode(model, text, add_special_tokens=False)
     max_tokens = body.max_completion_tokens or body.max_tokens  # None: until its end or the capacity.
-    return await _respond(body, ids, max_tokens, "chat.completion", http, t0)
+    if body.top_logprobs is not None and not body.logprobs:
+      raise ApiError(400, "top_logprobs needs logprobs: true")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return await _respond(body, ids, max_tokens, "chat.completion", http, t0, logprobs)
 
   async def _respond(
-      body: _Params, ids: list[int], max_tokens: int | None, kind: str, http: fastapi.Request, t0: float
+      body: schemas.Params,
+      ids: list[int],
+      max_tokens: int | None,
+      kind: str,
+      http: fastapi.Request,
+      t0: float,
+      logprobs: int | None,
   ):
     if body.model is not None and body.model != model.name:
       raise ApiError(404, f"model {body.model!r} is not served here; GET /v1/models lists {model.name!r}")
@@ -334,12 +363,16 @@ def make_app(model: Model, max_body_mb: float = DEFAULT_MAX_BODY_MB) -> fastapi.
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if stops and model.tokenizer is None:
       raise ApiError(400, "stop strings need a checkpoint with a tokenizer.json")
-    request = Request(tuple(ids), max_tokens, seed=_seed(body.seed), sampling=_sampling(body, model))
-    gen = _Generation(model, metrics, request, stops, frozenset() if body.ignore_eos else model.eos_ids, t0)
+    eos = (frozenset() if body.ignore_eos else model.eos_ids) | frozenset(_ids(body.stop_token_ids or [], model))
+    if max_tokens is not None and body.min_tokens > max_tokens:
+      raise ApiError(400, f"min_tokens ({body.min_tokens}) must be <= max_tokens ({max_tokens})")
+    rules = _rules(body, model, eos)
+    request = Request(tuple(ids), max_tokens, _seed(body.seed), _sampling(body, model), rules, logprobs)
+    gen = _Generation(model, metrics, request, stops, eos, t0)
     rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
     head = {"id": rid, "created": int(time.time()), "model": model.name}
     if body.stream:
-      include_usage = bool((body.stream_options or {}).get("include_usage"))
+      include_usage = body.stream_options is not None and body.stream_options.include_usage
       return responses.StreamingResponse(
           _stream(gen, head, kind, len(ids), include_usage, http), media_type="text/event-stream"
       )
@@ -353,12 +386,17 @@ def make_app(model: Model, max_body_mb: float = DEFAULT_MAX_BODY_MB) -> fastapi.
     if gen.reason == "cancelled":
       return responses.Response(status_code=499)  # Nobody reads it.
     out = gen.out
-    choice = {"index": 0, "token_ids": out.ids, "logprobs": None, "finish_reason": gen.finish}
+    choice = {
+        "index": 0,
+        "token_ids": out.ids,
+        "logprobs": gen.shaped_logprobs(out.ids, 0, kind == "chat.completion"),
+        "finish_reason": gen.finish,
+    }
     if kind == "chat.completion":
       choice["message"] = {"role": "assistant", "content": out.text}
     else:
       choice["text"] = out.text
-    return dict(head, object=kind, choices=[choice], usage=_usage(len(ids), len(out.ids)))
+    return dict(head, object=kind, choices=[choice], usage=_usage(len(ids), len(out.ids), gen.handle.cached_tokens))
 
   return app
 
@@ -372,7 +410,7 @@ async def _stream(
   obj = "chat.completion.chunk" if chat else "text_completion"
 
   def chunk(ids, piece, finish, first=False):
-    choice = {"index": 0, "token_ids": ids, "logprobs": None, "finish_reason": finish}
+    choice = {"index": 0, "token_ids": ids, "logprobs": gen.shaped_logprobs(ids, sent, chat), "finish_reason": finish}
     if chat:
       choice["delta"] = dict({"role": "assistant"} if first else {}, content=piece)
     else:
@@ -381,7 +419,7 @@ async def _stream(
 
   watch = asyncio.ensure_future(_watch(http, gen))
   try:
-    first = True
+    first, sent = True, 0  # sent: the ids sent so far.
     while gen.finish is None:
       try:
         ids, piece = await gen.next()
@@ -392,9 +430,11 @@ async def _stream(
         return
       if ids or piece or gen.finish is not None:
         yield chunk(ids, piece, gen.finish, first)
-        first = False
+        first, sent = False, sent + len(ids)
     if include_usage:
-      yield _event(dict(head, object=obj, choices=[], usage=_usage(prompt_tokens, len(gen.out.ids))))
+      yield _event(
+          dict(head, object=obj, choices=[], usage=_usage(prompt_tokens, len(gen.out.ids), gen.handle.cached_tokens))
+      )
     yield "data: [DONE]\n\n"
   finally:
     watch.cancel()
@@ -455,11 +495,13 @@ def _event(obj: dict) -> str:
   return "data: " + pydantic.TypeAdapter(dict).dump_json(obj).decode() + "\n\n"
 
 
-def _usage(prompt: int, completion: int) -> dict:
-  return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int) -> dict:
+  """OpenAI's usage; cached: the prompt tokens taken from the prefix cache."""
+  usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+  return dict(usage, prompt_tokens_details={"cached_tokens": cached})
 
 
-def _message(m: _Message) -> dict:
+def _message(m: schemas.Message) -> dict:
   """A chat message as the template sees it: content parts of type text joined into one string."""
   d = m.model_dump(exclude_none=False)
   if isinstance(m.content, list):
@@ -474,15 +516,52 @@ def _seed(seed: int | None) -> int:
   return secrets.randbits(31) if seed is None else seed & 0x7FFFFFFF
 
 
-def _sampling(body: _Params, model: Model) -> SamplingConfig:
+def _sampling(body: schemas.Params, model: Model) -> SamplingConfig:
+  """The request's sampling settings: the config's where a field is left out."""
   base = model.loop.server.engine.config.sampling
-  top_k = base.top_k if body.top_k is None else max(body.top_k, 0)
-  return dataclasses.replace(
-      base,
-      temperature=base.temperature if body.temperature is None else body.temperature,
-      top_p=base.top_p if body.top_p is None else body.top_p,
-      top_k=top_k,
+  given = dict(
+      temperature=body.temperature,
+      top_p=body.top_p,
+      top_k=None if body.top_k is None else max(body.top_k, 0),
+      min_p=body.min_p,
+      presence_penalty=body.presence_penalty,
+      frequency_penalty=body.frequency_penalty,
+      repetition_penalty=body.repetition_penalty,
   )
+  return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
+
+
+def _tokenizer(model: Model) -> tokenizer_lib.Tokenizer:
+  if model.tokenizer is None:
+    raise ApiError(400, "this model has no tokenizer.json: serve a checkpoint with one")
+  return model.tokenizer
+
+
+def _ids(ids, model: Model, what: str = "stop_token_ids") -> list[int]:
+  """Token ids of a request field, checked against the vocabulary (a 400 otherwise)."""
+  vocab = model.loop.server.engine.config.model.vocab_size
+  bad = [i for i in ids if not 0 <= i < vocab]
+  if bad:
+    raise ApiError(400, f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+  return list(ids)
+
+
+def _rules(body: schemas.Params, model: Model, eos: frozenset[int]) -> sampling_lib.Rules | None:
+  """The request's logit rules: its logit_bias, and its end ids held back until min_tokens (None: no rule)."""
+  bias = {}
+  for key, value in (body.logit_bias or {}).items():
+    if not key.lstrip("-").isdigit():
+      raise ApiError(400, f"logit_bias: keys are token ids, got {key!r}")
+    if not -100.0 <= value <= 100.0:
+      raise ApiError(400, f"logit_bias: biases are in [-100, 100], got {value} for token {key}")
+    bias[_ids([int(key)], model, "logit_bias")[0]] = value
+  held = tuple(sorted(eos | model.loop.server.engine.config.sampling.stop_ids)) if body.min_tokens else ()
+  if not bias and not held:
+    return None
+  try:
+    return sampling_lib.Rules(bias, body.min_tokens, held)
+  except ValueError as e:
+    raise ApiError(400, str(e)) from e
 
 
 def uvicorn_server(app: fastapi.FastAPI, host: str, port: int, log_level: str = "warning") -> uvicorn.Server:
@@ -529,7 +608,7 @@ def build_model(
     engine = run.random_engine(job, seed)[1]
   loop = loop_lib.ServingLoop(server_lib.Server(engine, parallel, prefix_cache_bytes), max_queue).start()
   done = threading.Event()
-  loop.submit(Request((0,), 2), lambda t: None, lambda why, err: done.set())
+  loop.submit(Request((0,), 2), lambda *_: None, lambda why, err: done.set())
   done.wait()
   template = tokenizer.chat_template if tokenizer is not None else None
   return Model(name, loop, tokenizer, template, eos_ids)

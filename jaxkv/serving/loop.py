@@ -37,21 +37,22 @@ class Closed(Exception):
 
 
 class Handle:
-  """One submitted request. on_token(token) and on_end(reason, error) run on the engine thread; on_end runs once,
-  last, with a reason from ENDS (error: the exception's text for "error", else None). A token in `eos_ids` is the
-  request's last (reason "eos"), as the engine's own end ids are; `placed_s` is when it entered a slot
-  (time.perf_counter(); None before)."""
+  """One submitted request. on_token(token, logprob) and on_end(reason, error) run on the engine thread (logprob:
+  jaxkv.sampling.logprobs's where the request asked for them, else None); on_end runs once, last, with a reason from
+  ENDS (error: the exception's text for "error", else None). A token in `eos_ids` is the request's last (reason
+  "eos"), as the engine's own end ids are; `placed_s` is when it entered a slot (time.perf_counter(); None before)."""
 
   def __init__(
       self,
       request: Request,
-      on_token: Callable[[int], None],
+      on_token: Callable[[int, tuple], None],
       on_end: Callable[[str, str], None],
       eos_ids: frozenset[int] = frozenset(),
   ):
     self.request, self.on_token, self.on_end, self.eos_ids = request, on_token, on_end, eos_ids
     self.cancelled = False
     self.placed_s: float | None = None
+    self.cached_tokens = 0  # Its prompt tokens taken from the prefix cache (set when it takes a slot).
 
   def cancel(self) -> None:
     """Ends the request before the next decode step (safe from any thread, also after it ended)."""
@@ -180,18 +181,19 @@ class _Feed:
 
   def report(self, progress: server_lib.Progress) -> None:
     """Hands out what the run did: requests placed, tokens read (each to its handle, an end ending it)."""
-    for r, *_ in progress.placed:
+    for r, *_, cached in progress.placed:
       self.placed.add(r)
       if r in self.handles:
+        self.handles[r].cached_tokens = cached
         self.handles[r].placed_s = time.perf_counter()
       with self.lock:
         self.stats.waiting -= 1
         self.stats.busy += 1
-    for r, token, end in progress.tokens:
+    for r, token, end, logprob in progress.tokens:
       if r in self.handles:  # Not ended meanwhile.
-        self._token(r, token, end)
+        self._token(r, token, end, logprob)
 
-  def _token(self, r: int, token: int, end: str | None) -> None:
+  def _token(self, r: int, token: int, end: str | None, logprob: tuple | None) -> None:
     if self.handles[r].cancelled:  # Since the last take: the token is not handed out.
       self._end(r, "cancelled")
       return
@@ -202,7 +204,7 @@ class _Feed:
     else:
       stats.recent.append([second, 1])
     try:
-      self.handles[r].on_token(token)
+      self.handles[r].on_token(token, logprob)
     except Exception:  # pylint: disable=broad-except  (a client's callback must not stop the engine)
       logging.exception("serving loop: on_token of request %d failed", r)
       self.handles[r].cancel()

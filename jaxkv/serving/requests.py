@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxkv.config import SamplingConfig
+from jaxkv.sampling import Rules
 
 # The counters summed over a serve(), in ServeResult.transport whatever the run did.
 TOTALS = ("h2d_bytes", "d2h_bytes", "ring_high_water_bytes_per_device", "insertions")
@@ -13,14 +14,18 @@ TOTALS = ("h2d_bytes", "d2h_bytes", "ring_high_water_bytes_per_device", "inserti
 @dataclasses.dataclass(frozen=True)
 class Request:
   """prompt: token ids; max_new_tokens: tokens to generate (EOS ends it earlier; None: until EOS or the capacity,
-  reserving no rows for it: it ends at the capacity, "length", whatever row it entered at); seed: its sampling seed (its
-  tokens draw from stream 0 of it: jaxkv.sampling); sampling: its temperature, top_k and top_p (None = the engine's;
-  the engine's end ids, sampling.stop_ids, apply to all)."""
+  reserving no rows for it: it ends at the capacity, "length", whatever row it entered at); seed: its sampling seed
+  (its tokens draw from stream 0 of it: jaxkv.sampling); sampling: its temperature, top_k, top_p, min_p and
+  penalties (None = the engine's; the engine's end ids, sampling.stop_ids, apply to all); rules: its logit bias and
+  the ids it holds back until min_tokens (None = none); logprobs: how many of the most likely tokens each of its
+  tokens' log-probabilities lists (None = no log-probabilities; jaxkv.sampling.logprobs)."""
 
   prompt: tuple[int, ...]
   max_new_tokens: int | None
   seed: int = 0
   sampling: SamplingConfig | None = None
+  rules: Rules | None = None
+  logprobs: int | None = None
 
 
 @dataclasses.dataclass

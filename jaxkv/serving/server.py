@@ -15,8 +15,9 @@ decode state takes its row (jaxkv.meta.DecodeState.with_row). Tokens are read
 jaxkv.decode.READ_LAG steps late, so a slot frees that many steps after its last token.
 
 Sampling: request r's token i draws with key fold_in(fold_in(key(seed_r), 0), i) (jaxkv.sampling), whatever its
-slot or step, so sampled output does not depend on the neighbours either. Each request has its own temperature,
-top-k and top-p (`Request.sampling`, default the engine's), per-row arguments of the one compiled head.
+slot or step, so sampled output does not depend on the neighbours either. Each request has its own settings
+(`Request.sampling`, default the engine's) and logit rules (`Request.rules`), per-row arguments of the one compiled
+head.
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ from jaxkv.serving.scheduler import Scheduler
 
 @dataclasses.dataclass
 class Progress:
-  """What an epoch did since it last yielded: requests placed (request, slot, epoch, first row), tokens read
-  (request, token, end: "eos", "length" or None), and the indices of the steps read."""
+  """What an epoch did since it last yielded: requests placed (request, slot, epoch, first row, its prompt tokens
+  taken from the prefix cache), tokens read
+  (request, token, end: "eos", "length" or None, logprob: jaxkv.telemetry.Recorder.record's), and the indices of the
+  steps read."""
 
-  placed: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+  placed: list[tuple[int, int, int, int, int]] = dataclasses.field(default_factory=list)
   tokens: list[tuple[int, int, str | None]] = dataclasses.field(default_factory=list)
   steps: list[int] = dataclasses.field(default_factory=list)
 
@@ -66,10 +69,11 @@ class Server:
       self.prefix_cache = prefix_cache_lib.PrefixCache(prefix_cache_bytes, engine.config.engine.prefill_chunk)
 
   def sampling(self, requests: Sequence[Request | None]) -> SamplingParams:
-    """The rows of the head's sampling for slots holding `requests`: each its own seed, stream 0 (an empty slot,
-    None, samples greedily)."""
+    """The rows of the head's sampling for slots holding `requests`: each its own seed, stream 0 and rules (an
+    empty slot, None, samples greedily)."""
     settings = [SamplingConfig() if r is None else r.sampling or self.engine.config.sampling for r in requests]
-    return SamplingParams.rows(settings, [0 if r is None else r.seed for r in requests], [0] * len(requests))
+    seeds, rules = [0 if r is None else r.seed for r in requests], [None if r is None else r.rules for r in requests]
+    return SamplingParams.rows(settings, seeds, [0] * len(requests), rules)
 
   def validate(self, requests: Sequence[Request]) -> list[str | None]:
     """Why each request cannot run (None: it can). ValueError when there is none to run."""
@@ -114,6 +118,7 @@ class Run:
     self.recorder = telemetry.Recorder(server.engine.config.sampling.stop_ids)
     self.requests: dict[int, Request] = {}
     self.where: dict[int, tuple[int, int, int]] = {}  # Request -> (slot, epoch, first row).
+    self.cached: dict[int, int] = {}  # Request -> its prompt tokens taken from the prefix cache, once placed.
     self.counters, self.shapes = telemetry.Counters(), set()
     self.insertions = self.steps = self.epochs = 0
     self.summary: dict = {}
@@ -125,7 +130,7 @@ class Run:
     r, self._ids = self._ids, self._ids + 1
     self.requests[r] = request
     capacity = self.scheduler.capacity  # Without max_new_tokens, a bound until it is placed.
-    self.recorder.add(r, request.max_new_tokens or capacity, self.hashed)
+    self.recorder.add(r, request.max_new_tokens or capacity, self.hashed, request.logprobs)
     self.scheduler.submit(r, len(request.prompt), request.max_new_tokens)
     return r
 
@@ -147,12 +152,12 @@ class Run:
     if request.max_new_tokens is None:  # Its tokens up to the capacity: the first at row first_row + L.
       end = first_row + len(request.prompt)
       self.recorder.records[r].max_new_tokens = self.scheduler.capacity - end + 1
-    self.progress.placed.append((r, slot, epoch, first_row))
+    self.progress.placed.append((r, slot, epoch, first_row, self.cached.pop(r, 0)))
 
   def read(self, loop: decode.DecodeLoop) -> None:
     """Reads the oldest step in flight and ends the requests it ended."""
     step, taken = loop.read()
-    for r, _, end in taken:
+    for r, _, end, _ in taken:
       if end is not None:
         self.scheduler.end(r)
     self.progress.tokens += taken
@@ -261,9 +266,11 @@ class Epoch:
   def _enter(self, gen, loop: decode.DecodeLoop, filler: slots_lib.SlotFiller, state, b: int, r: int):
     """Request r prefilled alone into slot b at the current end; its first token's read queued; returns the state
     with its row."""
-    eng, req, end = self.engine, self.run.requests[r], gen.end
+    eng, req, end, pc = self.engine, self.run.requests[r], gen.end, self.run.server.prefix_cache
+    hits = pc.stats["hit_tokens"] if pc is not None else 0
     x_new = filler.fill(gen.cache, b, req.prompt, end)
+    self.run.cached[r] = pc.stats["hit_tokens"] - hits if pc is not None else 0
     gen.start[b] = end - len(req.prompt)
-    row = eng.state(x_new, gen.start[b : b + 1], end - 1, self.run.server.sampling([req]))
+    row = eng.state(x_new, gen.start[b : b + 1], end - 1, self.run.server.sampling([req]), [req.prompt])
     row = loop.first(row, [r])
     return eng.fns.enter(state, eng.put(b, np.int32), row)

@@ -1,0 +1,221 @@
+"""The OpenAI request fields of the HTTP server (jaxkv.serving.api) on the tiny model, through the openai client and
+httpx: a field the server does not implement is a 400 naming it (its no-op value is accepted), logprobs are the
+float32 log-softmax of the model's logits in the OpenAI shape (streamed too), penalties and logit_bias reach the
+head per request, stop_token_ids and min_tokens, usage in a stream's last chunk; an API key and CORS origins guard
+the endpoints; /props."""
+
+import json
+
+import helpers
+import numpy as np
+import pytest
+
+for _extra in ("fastapi", "uvicorn", "prometheus_client", "httpx", "openai"):
+  pytest.importorskip(_extra, reason="the serve extra: pip install -e '.[serve]'")
+
+# pylint: disable=g-import-not-at-top,g-bad-import-order
+import httpx
+import openai
+import serve_helpers
+
+from jaxkv.config import SamplingConfig
+from jaxkv.serving import access as access_lib
+
+# pylint: enable=g-import-not-at-top,g-bad-import-order
+
+TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def server():
+  with serve_helpers.running(helpers.engine(2, placement="host", depth=1), parallel=4) as (url, model):
+    yield url, model
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """generate's run of one prompt (tokens and logits f32[steps, 1, V]), greedy with `sampling`."""
+  engines = {}
+
+  def run(prompt, n, sampling=SamplingConfig()):
+    if sampling not in engines:
+      engines[sampling] = helpers.engine(2, placement="device", sampling=sampling)
+    return engines[sampling].generate([list(prompt)], n, keep_logits=True)
+
+  return run
+
+
+def _post(url, body):
+  return httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT_S)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("frobnicate", 1),
+        ("suffix", "x"),
+        ("echo", True),
+        ("best_of", 2),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("response_format", {"type": "json_object"}),
+    ],
+)
+def test_a_field_the_server_does_not_implement_is_a_400_naming_it(server, field, value):
+  r = _post(server[0], {"prompt": [1, 2], "max_tokens": 2, field: value})
+  assert r.status_code == 400, r.text
+  assert r.json()["error"]["message"].startswith(f"invalid request: unsupported field '{field}'"), r.text
+
+
+def test_nested_unknown_fields_are_refused_and_no_op_values_accepted(server, client):
+  r = _post(server[0], {"prompt": [1], "stream": True, "stream_options": {"include_usage": True, "extra": 1}})
+  assert r.status_code == 400 and "unsupported field 'stream_options.extra'" in r.json()["error"]["message"]
+  out = client.completions.create(
+      model="tiny", prompt=[1, 2], max_tokens=2, echo=False, best_of=1, user="someone", extra_body={"tools": []}
+  )
+  assert len(out.choices[0].token_ids) == 2
+
+
+def test_completion_logprobs_are_the_model_s_log_softmax_streamed_or_not(client, reference):
+  prompt = helpers.prompts([11], seed=21)[0]
+  ref = reference(prompt, 7)
+  out = client.completions.create(model="tiny", prompt=prompt, max_tokens=7, temperature=0, logprobs=5)
+  choice = out.choices[0]
+  assert choice.token_ids == ref.tokens[0]
+  lp = choice.logprobs
+  assert lp.tokens == [f"token_id:{t}" for t in choice.token_ids] and lp.text_offset == [0] * 7  # No text.
+  x = ref.logits[:, 0].astype(np.float64)
+  want = x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
+  for t, token in enumerate(choice.token_ids):
+    np.testing.assert_allclose(lp.token_logprobs[t], want[t, token], rtol=0, atol=1e-5)
+    top = np.argsort(-want[t], kind="stable")[:5]
+    assert list(lp.top_logprobs[t]) == [f"token_id:{i}" for i in top]
+    np.testing.assert_allclose(list(lp.top_logprobs[t].values()), want[t, top], rtol=0, atol=1e-5)
+    assert lp.top_logprobs[t][f"token_id:{token}"] == lp.token_logprobs[t]  # Greedy: the top one.
+  chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=7, logprobs=5, stream=True))
+  streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+  assert streamed == lp.token_logprobs
+  plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+  assert plain.choices[0].logprobs is None
+
+
+def test_penalties_and_min_p_equal_generate_with_them(client, reference):
+  prompt = helpers.prompts([9], seed=22)[0]
+  sampling = SamplingConfig(presence_penalty=0.5, frequency_penalty=1.25, repetition_penalty=1.2)
+  want = reference(prompt, 12, sampling).tokens[0]
+  out = client.completions.create(
+      model="tiny",
+      prompt=prompt,
+      max_tokens=12,
+      temperature=0,
+      presence_penalty=0.5,
+      frequency_penalty=1.25,
+      extra_body={"repetition_penalty": 1.2, "min_p": 0.9},  # Greedy: min-p keeps the largest.
+  )
+  assert out.choices[0].token_ids == want != reference(prompt, 12).tokens[0]
+
+
+def test_logit_bias_bans_and_forces_tokens(client, reference):
+  prompt = helpers.prompts([7], seed=23)[0]
+  plain = reference(prompt, 8).tokens[0]
+  banned = client.completions.create(
+      model="tiny", prompt=prompt, max_tokens=8, temperature=0, logit_bias={str(t): -100 for t in set(plain)}
+  )
+  assert not set(banned.choices[0].token_ids) & set(plain)
+  forced = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0.9, logit_bias={"17": 100})
+  assert forced.choices[0].token_ids == [17] * 4
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"logit_bias": {"x": 1}}, "keys are token ids"),
+        ({"logit_bias": {"3": 101}}, "[-100, 100]"),
+        ({"logit_bias": {"999": 1}}, "outside the vocabulary"),
+        ({"stop_token_ids": [1000]}, "outside the vocabulary"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+    ],
+)
+def test_bad_sampling_fields_are_a_400(server, body, message):
+  r = _post(server[0], dict({"prompt": [1, 2], "max_tokens": 4}, **body))
+  assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+def test_stop_token_ids_end_a_request_and_min_tokens_holds_them_back(client, reference):
+  prompt = helpers.prompts([10], seed=24)[0]
+  plain = reference(prompt, 10).tokens[0]
+  stop = plain[3]
+  out = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, extra_body={"stop_token_ids": [stop]})
+  assert out.choices[0].token_ids == plain[: plain.index(stop) + 1] and out.choices[0].finish_reason == "stop"
+  held = client.completions.create(
+      model="tiny", prompt=prompt, max_tokens=10, extra_body={"stop_token_ids": [stop], "min_tokens": 6}
+  )
+  ids = held.choices[0].token_ids
+  assert stop not in ids[:6] and ids[: plain.index(stop)] == plain[: plain.index(stop)]
+
+
+def test_a_stream_with_include_usage_ends_with_a_usage_chunk(server):
+  body = {"prompt": [4, 5, 6], "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+  with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=TIMEOUT_S) as r:
+    events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+  assert events[-1] == "[DONE]"
+  last = json.loads(events[-2])
+  usage = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 0}}
+  assert last["choices"] == [] and last["usage"] == usage
+  assert all("usage" not in json.loads(e) for e in events[:-2])
+
+
+def test_an_api_key_guards_every_endpoint_but_health_and_cors_answers_browsers():
+  access = access_lib.Access(api_key="s3cret", cors_origins=("https://app.example",))
+  with serve_helpers.running(helpers.engine(1), parallel=2, access=access) as (url, _):
+    assert httpx.get(url + "/health", timeout=TIMEOUT_S).status_code == 200
+    client = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0, timeout=TIMEOUT_S)
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+      client.completions.create(model="tiny", prompt=[1], max_tokens=1)
+    assert _post(url, {"prompt": [1], "max_tokens": 1}).status_code == 401  # No key.
+    assert httpx.get(url + "/metrics", timeout=TIMEOUT_S).status_code == 401
+    client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0, timeout=TIMEOUT_S)
+    assert len(client.completions.create(model="tiny", prompt=[1], max_tokens=2).choices[0].token_ids) == 2
+    preflight = httpx.options(
+        url + "/v1/completions",
+        headers={"origin": "https://app.example", "access-control-request-method": "POST"},
+        timeout=TIMEOUT_S,
+    )
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+    other = httpx.options(
+        url + "/v1/completions",
+        headers={"origin": "https://evil.example", "access-control-request-method": "POST"},
+        timeout=TIMEOUT_S,
+    )
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_props_and_tokenize_without_a_tokenizer(server):
+  url, model = server
+  props = httpx.get(url + "/props", timeout=TIMEOUT_S).json()
+  assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == model.capacity
+  assert props["default_generation_settings"]["temperature"] == 0.0 and props["chat_template"] is None
+  r = httpx.post(url + "/tokenize", json={"content": "hi"}, timeout=TIMEOUT_S)
+  assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
+
+
+def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache():
+  prompt = helpers.prompts([40], seed=25)[0]
+  with serve_helpers.running(helpers.engine(1), parallel=2, prefix_cache_bytes=2**24) as (url, _):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+    cold, warm = (client.completions.create(model="tiny", prompt=prompt, max_tokens=2) for _ in range(2))
+    follow = client.completions.create(
+        model="tiny", prompt=prompt[:20] + [3] * 5, max_tokens=2, stream=True, stream_options={"include_usage": True}
+    )
+    last = list(follow)[-1]
+  assert cold.usage.prompt_tokens_details.cached_tokens == 0
+  assert warm.usage.prompt_tokens_details.cached_tokens == 32  # Its whole blocks (16 rows) before its last token.
+  assert last.usage.prompt_tokens_details.cached_tokens == 16 and last.usage.prompt_tokens == 25
+  assert warm.choices[0].token_ids == cold.choices[0].token_ids
