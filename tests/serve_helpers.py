@@ -40,7 +40,7 @@ def running(
   if start_loop:
     loop.start()
   model = serve_api.Model(name, loop, tokenizer, template, eos_ids)
-  app = serve_api.make_app(model) if access is None else serve_api.make_app(model, access)
+  app = serve_api.make_app(model) if access is None else serve_api.make_app(model, access=access)
   server = serve_api.uvicorn_server(app, "127.0.0.1", 0)
   thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
   thread.start()
