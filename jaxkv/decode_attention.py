@@ -336,17 +336,31 @@ def resolve(choice: str, cfg: ModelConfig, fmt: KVFormat, device) -> str:
     missing.append(f"KV values in {', '.join(KERNEL_DTYPES)} (kv.dtype {fmt.name} holds {values})")
   if cfg.head_dim < MIN_QUERY_ROWS or cfg.head_dim & (cfg.head_dim - 1):
     missing.append(f"head_dim a power of two of at least {MIN_QUERY_ROWS} (it is {cfg.head_dim})")
+  return choose_kernel(
+      "engine.decode_attention",
+      choice,
+      "pallas",
+      missing,
+      lambda: pallas_check(device, values, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+      f"the Pallas decode kernel to run and match the XLA leaves on {device}",
+      "decode attention: the XLA leaves, not the Pallas kernel",
+  )
+
+
+def choose_kernel(field: str, choice: str, kernel: str, missing: list[str], check, needs: str, fallback: str) -> str:
+  """The last step of choosing an attention (this module's `resolve`, jaxkv.model.prefill_attention_impl): `kernel`
+  where nothing is `missing` and check() returns None (else its error joins `missing` as `needs`: error); otherwise
+  "xla", where a ValueError naming what is missing if the config `field` asked for the kernel, and a warning
+  (`fallback`, which needs ...) where a CUDA GPU is there but cannot run it."""
   if not missing:
-    error = pallas_check(device, values, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    error = check()
     if error is None:
-      return "pallas"
-    missing.append(f"the Pallas decode kernel to run and match the XLA leaves on {device}: {error}")
-  if choice == "pallas":
-    raise ValueError(
-        f"engine.decode_attention pallas needs {'; '.join(missing)}; use engine.decode_attention auto or xla"
-    )
+      return kernel
+    missing.append(f"{needs}: {error}")
+  if choice == kernel:
+    raise ValueError(f"{field} {kernel} needs {'; '.join(missing)}; use {field} auto or xla")
   if not missing[0].startswith("a CUDA GPU"):
-    logging.warning("decode attention: the XLA leaves, not the Pallas kernel, which needs %s", "; ".join(missing))
+    logging.warning("%s, which needs %s", fallback, "; ".join(missing))
   return "xla"
 
 

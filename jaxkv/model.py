@@ -21,7 +21,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 
 from jaxkv import decode_attention
 from jaxkv import mesh as mesh_lib
@@ -306,18 +305,15 @@ def prefill_attention_impl(choice: str, cfg: ModelConfig, fmt: KVFormat, device)
     missing.append(f"KV values in the model dtype (kv.dtype {fmt.name} holds {fmt.values_dtype})")
   if cfg.head_dim % 8 or cfg.head_dim > max_head_dim:
     missing.append(f"head_dim a multiple of 8 up to {max_head_dim} (it is {cfg.head_dim})")
-  if not missing:
-    error = cudnn_check(device, cfg.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    if error is None:
-      return "cudnn"
-    missing.append(f"cuDNN's flash attention to run and match the XLA attention on {device}: {error}")
-  if choice == "cudnn":
-    raise ValueError(
-        f"engine.prefill_attention cudnn needs {'; '.join(missing)}; use engine.prefill_attention auto or xla"
-    )
-  if not missing[0].startswith("a CUDA GPU"):
-    logging.warning("prefill attention: plain XLA, not cuDNN, which needs %s", "; ".join(missing))
-  return "xla"
+  return decode_attention.choose_kernel(
+      "engine.prefill_attention",
+      choice,
+      "cudnn",
+      missing,
+      lambda: cudnn_check(device, cfg.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+      f"cuDNN's flash attention to run and match the XLA attention on {device}",
+      "prefill attention: plain XLA, not cuDNN",
+  )
 
 
 CUDNN_CHECK_TOLERANCE = 2e-2  # Relative error (Frobenius) of the fused prefill attention vs `attention`, bf16/f16.
