@@ -247,7 +247,15 @@ def misconfigured_tests(root: pathlib.Path) -> list[str]:
   return problems
 
 
-CHECKS = (missing_targets, dangling_deps, missing_files, wrong_deps, misconfigured_tests)
+def unseen_by_test_build(root: pathlib.Path) -> list[str]:
+  """Modules and test files that test_build's own runfiles lack: under Bazel these checks read only those files, and
+  conftest imports jaxkv from them."""
+  target = load_build(root).get("test_build", {})
+  seen = set(target.get("srcs", [])) | set(target.get("data", []))
+  return [f"test_build: data does not cover {path}" for path in modules(root) + pytest_files(root) if path not in seen]
+
+
+CHECKS = (missing_targets, dangling_deps, missing_files, wrong_deps, misconfigured_tests, unseen_by_test_build)
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
