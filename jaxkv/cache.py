@@ -8,7 +8,9 @@ host-attention kernel's views of the rows, belong to the objects that use it (ja
 
 Layout, per layer l (B = batch, K = kv heads, P = kv block rows, E = stored values per head row):
 
-  window[l]: [2, B, K, W, E]  rows [0, W) of K (index 0) and V (index 1), W = n * P (None while W = 0).
+  window[l]: [2, B, K, A, E]  rows [W - A, W) of K (index 0) and V (index 1), W = n * P, A = window_rows(W) >= W
+             (None while W = 0): with kv.window_buckets a power of two of blocks, rows below 0 zeros (a start
+             padding that decode masks: every row of a sequence is >= its start >= 0); otherwise A = W.
              Lives in the placement's memory: "device" or "pinned_host" (with "auto", per layer:
              jaxkv.residency). Sharded on K over the `tensor`
              mesh axis, so each device's shard (host or device) holds only that device's heads.
@@ -27,6 +29,12 @@ arrays split at r1 = split_row(W) = floor(f W / P) P, f = head_share(the window'
 [2, B, K, r1, E] rows [0, r1), attended on the host CPU during decode (jaxkv.host), and window[l] [2, B, K, W - r1, E]
 rows [r1, W) (the tail), the only rows delivered.
 head[l] is None while r1 = 0, and always for resident layers.
+
+Decode compiles a program per window shape A: with buckets O(log(capacity / P)) of them, not capacity / P. The
+padding costs memory and delivered bytes (A / W < 2, about 1.4 on average over W) and changes no bits: decode
+attention's leaves are anchored at `end` and mask rows before start (jaxkv.decode_attention), so the rows a leaf
+holds and its bits do not depend on A. A prefill's windows, and the rows it yields, are exact (A = W): prefill
+attention reduces over every row of its window, so its bits would.
 
 Row r of sequence b is valid when start[b] <= r < end. A decode step writes row `end` into the open page
 (on device); when the open page is full, `grow` appends it to the window, which is stored back in its
@@ -47,12 +55,34 @@ import jax.numpy as jnp
 from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
 from jaxkv.config import KVConfig, ModelConfig
+from jaxkv.decode_attention import LEAF_ROWS
 from jaxkv.kv_quant import KVFormat
 
 
-def grow(window, rows):
-  """window [2, B, K, W, E] or None; rows [2, B, K, N, E] -> [2, B, K, W + N, E]."""
-  return rows if window is None else jnp.concatenate([window, rows], axis=3)
+def grow(window, rows, to: int | None = None):
+  """window [2, B, K, A, E] or None; rows [2, B, K, N, E] -> [2, B, K, A + N, E], or with `to` its last `to` rows
+  (zero rows in front where to > A + N; the rows dropped where to < A + N must be the window's start padding)."""
+  full = rows if window is None else jnp.concatenate([window, rows], axis=3)
+  if to is None:
+    return full
+  return pad_front(full[:, :, :, max(full.shape[3] - to, 0) :], to)
+
+
+def pad_front(window, rows: int):
+  """window [2, B, K, W, E] -> [2, B, K, rows, E]: rows - W zero rows in front (rows >= W)."""
+  return jnp.pad(window, ((0, 0),) * 3 + ((rows - window.shape[3], 0), (0, 0)))
+
+
+MIN_BUCKET_ROWS = LEAF_ROWS  # The smallest window bucket: one decode leaf.
+
+
+def window_rows(rows: int, block: int, capacity: int, buckets: bool) -> int:
+  """A, the rows allocated for a window of `rows` rows (whole blocks): `rows` itself without buckets; with them the
+  next power of two of blocks, at least MIN_BUCKET_ROWS, at most the capacity rounded up to a block."""
+  if not buckets or not rows:
+    return rows
+  blocks = max(-(-rows // block), -(-MIN_BUCKET_ROWS // block))
+  return min(block << (blocks - 1).bit_length(), rows_bound(capacity, block) - block)
 
 
 def split_prefilled(window, chunk, *, w_rows: int, block: int):
@@ -106,6 +136,11 @@ def _grow_fn(sharding: jax.sharding.Sharding):
 
 
 @functools.lru_cache(maxsize=None)
+def _pad_fn(sharding: jax.sharding.Sharding):
+  return jax.jit(pad_front, static_argnums=1, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
 def _zeros_fn(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
   return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
@@ -148,12 +183,17 @@ class KVCache:
       *,
       placement,
       head_share: Callable[[int], float] | None = None,
+      buckets: bool = False,
   ):
     """layout (jaxkv.layout.Layout): the mesh of each layer. placement (jaxkv.residency.Placement, from
     residency.place with the same arguments): where each window lives, the decode groups and the auto plan.
     head_share: with host attention, the host's share f of a streamed window of that many bytes per device
-    (jaxkv.host.split.Split.share); None without."""
+    (jaxkv.host.split.Split.share); None without. buckets: windows allocated in buckets (window_rows); not with
+    head_share."""
+    if buckets and head_share is not None:
+      raise ValueError("window buckets need a cache without host attention")
     self.model, self.kv, self.layout = model, kv, layout
+    self.buckets = buckets
     self.batch, self.capacity, self.block = batch, capacity, kv.block
     self.format = KVFormat.of(model, kv.dtype)
     meshes = [layout.mesh(l) for l in range(model.num_layers)]
@@ -195,6 +235,10 @@ class KVCache:
   def rows_bound(self) -> int:
     return rows_bound(self.capacity, self.block)
 
+  def window_rows(self, rows: int) -> int:
+    """A, the rows allocated for a window of `rows` rows (module docstring)."""
+    return window_rows(rows, self.block, self.capacity, self.buckets)
+
   def row_bytes(self, devices: int = 1) -> int:
     return row_bytes(self.model, self.kv.dtype, self.batch, devices)
 
@@ -227,14 +271,20 @@ class KVCache:
 
   def store_empty_slots(self, rows: int) -> None:
     """A cache of `rows` rows (whole blocks) whose slots are then inserted one by one (insert_slot, jaxkv.serving):
-    zeros as every slot's rows [0, rows) and open page. With one slot the window is left for its insert to store
-    whole."""
+    zeros as every slot's window (window_rows(rows) rows) and open page. With one slot the window is left for its
+    insert to store whole."""
     if rows and self.batch > 1:
-      self.store_zeros(rows)
+      self.store_zeros(self.window_rows(rows))
     shape = (2, self.batch, self.model.num_kv_heads, self.block, self.row_width)
     for l in range(self.model.num_layers):
       self.opens[l] = _zeros_fn(shape, self.dtype, self.device_shardings[l])()
     self.rows = rows
+
+  def store_prefilled(self, layer: int, window_device: jax.Array | None) -> Issued:
+    """store() of a window of exactly its rows [0, W) (a prefill's), allocated at window_rows(W) rows."""
+    if window_device is not None and self.window_rows(window_device.shape[3]) != window_device.shape[3]:
+      window_device = _pad_fn(self.device_shardings[layer])(window_device, self.window_rows(window_device.shape[3]))
+    return self.store(layer, window_device)
 
   def store(self, layer: int, window_device: jax.Array | None) -> Issued:
     """Places layer `layer`'s window (a device array) in the cache's memory."""
@@ -305,8 +355,8 @@ class KVCache:
     return Issued(0, 2) + self.store(layer, self.full_window(layer, tail))
 
   def insert_slot(self, layer: int, slot: int, window: jax.Array | None, open_page: jax.Array) -> Issued:
-    """Replaces slot `slot` of layer `layer`: its rows [0, W) (window [2, 1, K, W, E] on the devices, None while
-    W = 0) and its open page [2, 1, K, P, E], each by one donated `dynamic_update_slice` where it lives (in place in
+    """Replaces slot `slot` of layer `layer`: its window (window [2, 1, K, A, E] on the devices, A = window_rows(W),
+    None while W = 0) and its open page [2, 1, K, P, E], each by one donated `dynamic_update_slice` where it lives (in place in
     pinned host memory for a streamed layer; a split layer's rows [0, r1) into its head). Nothing may read or write
     the layer's arrays meanwhile (jaxkv.engine.Generation.drop_pending); the other slots are not touched. Returns
     what it issued (the window's bytes copied to host memory, the calls)."""

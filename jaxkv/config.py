@@ -151,8 +151,12 @@ class KVConfig:
       "0 = ordered; D >= 1 = deliver decode group g + D before computing group g (a ring of D + 2 groups' windows per "
       "device), capped at the streamed groups - 1 and lowered where the ring does not fit (fallback_reason).",
   )
-  block: int = field(
-      256, "Rows per KV page: the window a layer receives is whole blocks; also the granularity of compiled shapes."
+  block: int = field(256, "Rows per KV page: the window a layer receives is whole blocks.")
+  window_buckets: bool = field(
+      True,
+      "Allocate each decode window at a power of two of blocks (at least a decode leaf), padded at its start, so that "
+      "decode compiles O(log capacity) shapes; the same bits as exact windows (false: a shape per block). Off with "
+      "host_attention and with engine.decode_attention legacy (jaxkv.cache.window_rows).",
   )
   budget_mib: int = field(0, "Cap on the delivery ring per device, MiB (0 = none).")
   headroom_mib: int = field(512, "Device memory kept free when sizing the ring, MiB.")

@@ -62,7 +62,8 @@ class Runner(Protocol):
 
 class GroupRunner:
   """Consecutive layers of one stage as one jitted call (jitted.Fns.decode_group); where the open pages fill, the
-  same call also returns the grown windows, which one transfer stores."""
+  same call also returns the grown windows (at their allocation, jaxkv.cache.window_rows), which one transfer
+  stores."""
 
   def __init__(self, engine, cache):
     self.engine, self.cache = engine, cache
@@ -78,7 +79,7 @@ class GroupRunner:
     args = (ps, moved, windows, [cache.opens[l] for l in layers], ctx.meta(layers[0]))
     fns = eng.layer_fns(layers[0])
     if ctx.full:
-      x, grown, opens = fns.decode_group_full(*args)
+      x, grown, opens = fns.decode_group_full(*args, grow_to=cache.window_rows(cache.rows + cache.block))
     else:
       x, opens = fns.decode_group(*args)
     for l, open_page in zip(layers, opens):

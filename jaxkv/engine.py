@@ -284,7 +284,11 @@ class Engine:
       if not kv.host_attention:  # Turned off: the placement of streaming (its decode groups).
         placement = place(kv)
     share = split.share if kv.host_attention and split is not None and any(placement.streamed) else None
-    cache = cache_lib.KVCache(m, kv, self.layout, batch, capacity, placement=placement, head_share=share)
+    # Window buckets change no bits of the leaves' decode attention; legacy's would change (jaxkv.cache).
+    buckets = kv.window_buckets and share is None and all(f.decode_attention != "legacy" for f in self.stage_fns)
+    cache = cache_lib.KVCache(
+        m, kv, self.layout, batch, capacity, placement=placement, head_share=share, buckets=buckets
+    )
     host = None if share is None else host_decode.HostDecode(self, cache, split)
     transport = Transport(cache, kv.pipeline_depth, kv.transport_debug)
     counters = telemetry.Counters() if counters is None else counters
@@ -386,7 +390,7 @@ class Engine:
       )
       for layer in run:
         gen.cache.opens[layer.layer] = layer.open_page
-        issued += gen.cache.store(layer.layer, layer.window)
+        issued += gen.cache.store_prefilled(layer.layer, layer.window)
       gen.add_counters("prefill", issued, run.rows)
       gen.cache.rows = longest // block * block
       return run.x, gen.start, longest
@@ -434,7 +438,8 @@ class Engine:
     w_rows, issued = end // self.config.kv.block * self.config.kv.block, Issued()
     for layer in run:
       fns = self.layer_fns(layer.layer)
-      window, open_page = fns.place(layer.window, layer.open_page, np.int32(offset), w_rows=w_rows)
+      a_rows = cache.window_rows(w_rows)  # The window's buffer holds rows [w_rows - a_rows, w_rows).
+      window, open_page = fns.place(layer.window, layer.open_page, np.int32(offset + a_rows - w_rows), a_rows=a_rows)
       issued += cache.insert_slot(layer.layer, slot, window if w_rows else None, open_page)
       yield layer
     own.add_counters("prefill", issued, run.rows)

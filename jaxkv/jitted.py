@@ -34,7 +34,7 @@ class Fns:
 
   prefill: object  # (p, x, window, meta) -> x, the chunk's rows.
   decode_group: object  # (ps, x, windows, opens, meta) -> x, opens.
-  decode_group_full: object  # The same when the open pages fill: -> x, grown windows, zero open pages.
+  decode_group_full: object  # The same when the open pages fill (static grow_to): -> x, grown windows, zero pages.
   grow: object
   split: object  # After the last prefill chunk: the window and the open page (cache.split_prefilled).
   join: object  # Blocks of rows on the devices, concatenated (a prompt's rows from the prefix cache).
@@ -83,18 +83,19 @@ def functions(
         mesh=mesh,
     )
 
-  def decode_group(ps, x, windows, opens, meta, full=False):
-    """Consecutive layers (weights ps, windows [2, B, K, W, E] or None, open pages [2, B, K, P, E]) in one call.
+  def decode_group(ps, x, windows, opens, meta, full=False, grow_to=None):
+    """Consecutive layers (weights ps, windows [2, B, K, A, E] or None, open pages [2, B, K, P, E]) in one call.
     Each layer is `decode`, its output x behind an optimization barrier, so that no fusion crosses a layer boundary:
     a layer compiles to the same computation in a group of any size, and the bits do not depend on the grouping
     (the windows and open pages are each layer's own arguments and need no barrier).
-    full (the open pages fill at this step): also grows each window by its open page and returns x, the grown
-    windows and fresh zero open pages; else x and the open pages."""
+    full (the open pages fill at this step): also grows each window by its open page to grow_to rows (its
+    allocation for W + P rows: jaxkv.cache.grow) and returns x, the grown windows and fresh zero open pages; else x
+    and the open pages."""
     out = []
     for p, window, open_page in zip(ps, windows, opens):
       x, open_page = decode(p, x, window, open_page, meta)
       x = jax.lax.optimization_barrier(x)
-      out.append(cache_lib.grow(window, open_page) if full else open_page)
+      out.append(cache_lib.grow(window, open_page, grow_to) if full else open_page)
     if full:
       return x, out, [jnp.zeros_like(o) for o in opens]
     return x, out
@@ -110,15 +111,17 @@ def functions(
     nxt = DecodeState(model.embed(top, tokens), Meta.advance(state.meta), state.index + 1, s, counts, state.prompt)
     return HeadOut(logits, tokens), nxt
 
-  def place(head_rows, open_page, offset, w_rows):
+  def place(head_rows, open_page, at, a_rows):
     """A prompt prefilled at rows [0, L) (head_rows [2, 1, K, H, E] or None, open_page [2, 1, K, P, E] after it) ->
-    its rows at [offset, offset + L) of a slot's window [2, 1, K, w_rows, E] and open page (rows after the prompt's
-    are those after it in the prefilled ones, and decode masks them until it writes them)."""
+    a slot's window [2, 1, K, a_rows, E] and open page [2, 1, K, P, E] (laid out as jaxkv.cache's: the window's
+    a_rows rows, then the page's) with the prompt's rows at their positions [at, at + L) (i32[]; so the program
+    depends on a_rows, not on where the slot's rows end). Rows after the prompt's are those after it in the
+    prefilled ones, and decode masks them until it writes them."""
     full = open_page if head_rows is None else jnp.concatenate([head_rows, open_page], axis=3)
     p = open_page.shape[3]
-    dest = jnp.zeros(full.shape[:3] + (w_rows + p + full.shape[3], full.shape[4]), full.dtype)
-    dest = jax.lax.dynamic_update_slice(dest, full, (0, 0, 0, offset, 0))
-    return dest[:, :, :, :w_rows], dest[:, :, :, w_rows : w_rows + p]
+    dest = jnp.zeros(full.shape[:3] + (a_rows + p + full.shape[3], full.shape[4]), full.dtype)
+    dest = jax.lax.dynamic_update_slice(dest, full, (0, 0, 0, at, 0))
+    return dest[:, :, :, :a_rows], dest[:, :, :, a_rows : a_rows + p]
 
   def block(rows, first, size):
     """rows [2, 1, K, R, E] on the devices -> rows [first, first + size), in pinned host memory."""
@@ -128,12 +131,15 @@ def functions(
       prefill=jax.jit(prefill, out_shardings=(rep, kv)),
       decode_group=jax.jit(decode_group, out_shardings=(rep, kv), donate_argnums=(3,)),
       decode_group_full=jax.jit(
-          functools.partial(decode_group, full=True), out_shardings=(rep, kv, kv), donate_argnums=(3,)
+          functools.partial(decode_group, full=True),
+          static_argnames="grow_to",
+          out_shardings=(rep, kv, kv),
+          donate_argnums=(3,),
       ),
       grow=jax.jit(cache_lib.grow, out_shardings=kv),
       split=jax.jit(cache_lib.split_prefilled, static_argnames=("w_rows", "block"), out_shardings=kv),
       join=jax.jit(lambda blocks: jnp.concatenate(blocks, axis=3), out_shardings=kv),
-      place=jax.jit(place, static_argnames="w_rows", out_shardings=kv),
+      place=jax.jit(place, static_argnames="a_rows", out_shardings=kv),
       block=jax.jit(block, static_argnames="size", out_shardings=kv_host),
       head=jax.jit(head, out_shardings=rep),
       enter=jax.jit(DecodeState.with_row, out_shardings=rep, donate_argnums=(0,)),

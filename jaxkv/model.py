@@ -430,8 +430,10 @@ def decode_layer(
 ):
   """One layer for one new token per sequence, written at row `end` of every sequence.
 
-  x [B, D]; window stored [2, B, K, W, E] rows [0, W), or None while W = 0; open_page stored [2, B, K, P, E]
-  rows [W, W + P), on device; start i32[B]; end i32[] with W <= end < W + P; kv_format: how rows are stored
+  x [B, D]; window stored [2, B, K, A, E] rows [W - A, W) (A >= W: rows below 0 are a start padding, jaxkv.cache),
+  or None while W = 0; open_page stored [2, B, K, P, E] rows [W, W + P), on device; start i32[B]; end i32[] with
+  W <= end < W + P and W a multiple of P (so W = end - end % P: a traced value, the program depends on A only);
+  kv_format: how rows are stored
   (default: the model dtype); attention_impl: "xla" or "pallas" (jaxkv.decode_attention: end-anchored leaves over
   the window and the open page, read where they are, folded in a fixed tree; a sequence's bits do not depend on W
   or on the batch around it) or "legacy" (`legacy_decode_attention`); mesh: the devices the kv heads are sharded
@@ -439,35 +441,37 @@ def decode_layer(
   Returns x [B, D] and the open page with the new row written (packed).
   """
   fmt = kv_format or KVFormat.of(cfg)
-  w_rows = 0 if window is None else window.shape[3]
-  q, open_page = query_and_write(p, x, open_page, start, end, end - w_rows, cfg, fmt)
+  a_rows, page = (0 if window is None else window.shape[3]), open_page.shape[3]
+  q, open_page = query_and_write(p, x, open_page, start, end, end % page, cfg, fmt)
+  first_row = end - end % page - a_rows  # The window's first row: W - A.
   b, _, h, dh = q.shape
   k = open_page.shape[2]
   page_kv = fmt.unpack(open_page)
   qg = q[:, 0].reshape(b, k, h // k, dh).astype(page_kv.dtype)
   parts = (page_kv,) if window is None else (fmt.unpack(window), page_kv)
   if attention_impl == "legacy":
-    o = legacy_decode_attention(qg, parts, start, end)
+    o = legacy_decode_attention(qg, parts, start, end, first_row)
   else:
     # Fenced: no fusion joins the attention (whose fold has more levels at a longer W) to the projections around it,
     # so that they compile to the same fusions, and the GPU autotuner's picks, at every W.
     qg = jax.lax.optimization_barrier(qg)
-    o, _ = decode_attention.attend(qg, parts, jnp.int32(0), start, end, impl=attention_impl, mesh=mesh)
+    o, _ = decode_attention.attend(qg, parts, first_row, start, end, impl=attention_impl, mesh=mesh)
     o = jax.lax.optimization_barrier(o)
   return attn_out_and_mlp(p, x[:, None, :], o.reshape(b, 1, h, dh).astype(x.dtype), cfg)[:, 0, :], open_page
 
 
-def legacy_decode_attention(q, parts, start, end):
+def legacy_decode_attention(q, parts, start, end, first_row=0):
   """The decode attention before jaxkv.decode_attention (engine.decode_attention "legacy", kept for A/B): the
   window and the open page each reduced whole (partial_attention) and their partials merged, so that a row's bits
-  depend on the window's length W. q [B, K, G, Dh]; parts: ([window values [2, B, K, W, Dh],] open page values
-  [2, B, K, P, Dh]) -> o f32[B, K, G, Dh]."""
+  depend on the window's length A (so it runs without window buckets). q [B, K, G, Dh]; parts: ([window values
+  [2, B, K, A, Dh] rows [first_row, first_row + A),] open page values [2, B, K, P, Dh]) -> o f32[B, K, G, Dh]."""
   *window, page_kv = parts
-  w_rows = 0 if not window else window[0].shape[3]
+  a_rows = 0 if not window else window[0].shape[3]
   valid = lambda rows: (rows[None, :] >= start[:, None]) & (rows[None, :] <= end)  # [B, R]
-  o, lse = partial_attention(q, page_kv, valid(w_rows + jnp.arange(page_kv.shape[3], dtype=jnp.int32)))
+  page_rows = first_row + a_rows + jnp.arange(page_kv.shape[3], dtype=jnp.int32)
+  o, lse = partial_attention(q, page_kv, valid(page_rows))
   if window:
-    o_w, lse_w = partial_attention(q, window[0], valid(jnp.arange(w_rows, dtype=jnp.int32)))
+    o_w, lse_w = partial_attention(q, window[0], valid(first_row + jnp.arange(a_rows, dtype=jnp.int32)))
     o, _ = merge_partials(o_w, lse_w, o, lse)
   return o
 

@@ -84,6 +84,7 @@ SHORTHANDS = {
     "kv_dtype": ("kv", "dtype"),
     "kv_pipeline_depth": ("kv", "pipeline_depth"),
     "kv_block": ("kv", "block"),
+    "kv_window_buckets": ("kv", "window_buckets"),
     "kv_pipeline_budget_mib": ("kv", "budget_mib"),
     "kv_headroom_mib": ("kv", "headroom_mib"),
     "kv_device_budget_gib": ("kv", "device_budget_gib"),
