@@ -31,10 +31,10 @@ rows [r1, W) (the tail), the only rows delivered.
 head[l] is None while r1 = 0, and always for resident layers.
 
 Decode compiles a program per window shape A: with buckets O(log(capacity / P)) of them, not capacity / P. The
-padding costs memory and delivered bytes (A / W < 2, about 1.4 on average over W) and changes no bits: decode
-attention's leaves are anchored at `end` and mask rows before start (jaxkv.decode_attention), so the rows a leaf
-holds and its bits do not depend on A. A prefill's windows, and the rows it yields, are exact (A = W): prefill
-attention reduces over every row of its window, so its bits would.
+padding costs memory and delivered bytes (past the smallest bucket A / W < 2, 1.39 on average over W) and changes
+no bits: decode attention's leaves are anchored at `end` and mask rows before start (jaxkv.decode_attention), so the
+rows a leaf holds and its bits do not depend on A. A prefill's windows, and the rows it yields, are exact (A = W):
+prefill attention reduces over every row of its window, so its bits would.
 
 Row r of sequence b is valid when start[b] <= r < end. A decode step writes row `end` into the open page
 (on device); when the open page is full, `grow` appends it to the window, which is stored back in its
@@ -356,10 +356,10 @@ class KVCache:
 
   def insert_slot(self, layer: int, slot: int, window: jax.Array | None, open_page: jax.Array) -> Issued:
     """Replaces slot `slot` of layer `layer`: its window (window [2, 1, K, A, E] on the devices, A = window_rows(W),
-    None while W = 0) and its open page [2, 1, K, P, E], each by one donated `dynamic_update_slice` where it lives (in place in
-    pinned host memory for a streamed layer; a split layer's rows [0, r1) into its head). Nothing may read or write
-    the layer's arrays meanwhile (jaxkv.engine.Generation.drop_pending); the other slots are not touched. Returns
-    what it issued (the window's bytes copied to host memory, the calls)."""
+    None while W = 0) and its open page [2, 1, K, P, E], each by one donated `dynamic_update_slice` where it lives
+    (in place in pinned host memory for a streamed layer; a split layer's rows [0, r1) into its head). Nothing may
+    read or write the layer's arrays meanwhile (jaxkv.engine.Generation.drop_pending); the other slots are not
+    touched. Returns what it issued (the window's bytes copied to host memory, the calls)."""
     issued = Issued(calls=1)  # The open page's.
     if window is not None and self.windows[layer] is None:  # One slot and no rows yet: the whole window.
       issued += self.store(layer, window)

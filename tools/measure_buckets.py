@@ -27,7 +27,9 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxkv.apps import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jaxkv.apps import generate  # pylint: disable=g-import-not-at-top,wrong-import-position  (--gguf, --seed, --json_out)
+
+# --gguf, --seed, --json_out:
+from jaxkv.apps import generate  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jaxkv.apps import launch  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 LENGTHS = flags.DEFINE_list("lengths", ["2000", "1500"], "Prompt tokens of each request, served one after another.")

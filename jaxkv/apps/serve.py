@@ -38,6 +38,13 @@ MAX_BODY_MB = flags.DEFINE_float(
     "max_body_mb", None, "Request bodies larger than this many MiB are refused with 413 (default: jaxkv.serving.api's)."
 )
 
+WARMUP = flags.DEFINE_bool(
+    "warmup",
+    False,
+    "Before listening, compile the decode programs of every window bucket of the capacity (jaxkv.warmup), a line "
+    "per bucket, so that no request waits for them.",
+)
+
 API_KEY = flags.DEFINE_string(
     "api_key", None, "A key every request must send as 'Authorization: Bearer <key>' (/health stays open)."
 )
@@ -68,7 +75,7 @@ HELP_GROUPS = {
         generate.IGNORE_EOS,
         generate.SEED,
     ],
-    "server": [HOST, PORT, generate.PARALLEL, MAX_QUEUE, MAX_BODY_MB, MODEL_NAME, generate.PREFIX_CACHE_GIB],
+    "server": [HOST, PORT, generate.PARALLEL, MAX_QUEUE, MAX_BODY_MB, MODEL_NAME, generate.PREFIX_CACHE_GIB, WARMUP],
     "access": [API_KEY, API_KEY_FILE, CORS_ORIGINS],
     "KV cache": cli.KV_GROUP,
     "split": cli.SPLIT_GROUP,
@@ -133,6 +140,7 @@ def main(argv):
       max_queue=MAX_QUEUE.value,
       name=name,
       prefix_cache_bytes=generate.prefix_cache_bytes(),
+      warmup=(lambda line: print(line, flush=True)) if WARMUP.value else None,
   )
   logging.info("serving %s on http://%s:%d", name, HOST.value, PORT.value)
   print(

@@ -30,6 +30,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import fastapi
 import fastapi.exceptions
@@ -42,6 +43,7 @@ from starlette import exceptions as starlette_exceptions
 from jaxkv import chat_template as chat_template_lib
 from jaxkv import sampling as sampling_lib
 from jaxkv import tokenizer as tokenizer_lib
+from jaxkv import warmup as warmup_lib
 from jaxkv.config import SamplingConfig
 from jaxkv.serving import access as access_lib
 from jaxkv.serving import logprobs as logprobs_lib
@@ -581,13 +583,15 @@ def build_model(
     prefix_cache_bytes: int = 0,
     gguf: str | None = None,
     eos: bool = True,
+    warmup: Callable[[str], None] | None = None,
 ) -> Model:
   """The engine, its serving loop (started, its first shapes compiled by one short request), and the tokenizer, chat
   template and end of sequence ids of a checkpoint folder or GGUF file (`gguf`) as `python3 -m jaxkv.generate` reads
   them (jaxkv.preflight.resolve, jaxkv.run); without either, seeded random weights. A folder without a
   tokenizer.json serves token ids only. The checkpoint's end ids end a request in the loop unless it asks
   "ignore_eos" (or `eos` is False); the config's sampling.eos_ids always do. InputError for bad input, before any
-  weight is read."""
+  weight is read. warmup: when given, every window bucket's decode programs are compiled for the capacity before the
+  loop starts (jaxkv.warmup), and each bucket's progress line is passed to it."""
   from jaxkv import preflight  # pylint: disable=g-import-not-at-top
   from jaxkv import run  # pylint: disable=g-import-not-at-top
 
@@ -606,6 +610,8 @@ def build_model(
     job = preflight.resolve(config_dict)
     preflight.check_host_memory(job, parallel)
     engine = run.random_engine(job, seed)[1]
+  if warmup is not None:
+    warmup_lib.warm_up(engine, parallel, warmup)
   loop = loop_lib.ServingLoop(server_lib.Server(engine, parallel, prefix_cache_bytes), max_queue).start()
   done = threading.Event()
   loop.submit(Request((0,), 2), lambda *_: None, lambda why, err: done.set())
