@@ -2,8 +2,9 @@
 compiles (kv.window_buckets: decode windows in power-of-two buckets of blocks, jaxkv.cache.window_rows).
 
 Loads --gguf (or random weights of --config) into a server of one slot (jaxkv.serving.Server) with an empty
-compilation cache (a fresh temporary folder unless --compilation_cache_dir is given), optionally warms it up
-(--warmup: jaxkv.warmup, as `python3 -m jaxkv.serve --warmup` does before it binds), then serves one request of
+compilation cache (a fresh temporary folder unless --compilation_cache_dir is given), starts it as `python3 -m
+jaxkv.serve` does (one request of one token, which compiles the head; with --warmup first every window bucket's
+decode programs, jaxkv.warmup), then serves one request of
 each of --lengths random prompt tokens with --new_tokens greedy tokens, one after another, timing each request and
 counting the programs compiled meanwhile (jaxkv.compile_cache.CompileCounter). Prints a table last and writes JSON to
 --json_out (default $OUT/buckets.json when $OUT is set). The issue's case (real SmolLM2, capacity 4096, 2 CPU
@@ -73,10 +74,11 @@ def main(argv):
   rng = np.random.default_rng(generate.SEED.value)
   rows = []
   with compile_cache.CompileCounter() as counter:
+    t0 = time.perf_counter()
     if WARMUP.value:
-      t0 = time.perf_counter()
       warmup.warm_up(engine, 1, lambda line: print(line, flush=True))
-      rows.append(dict(what="warm-up", seconds=time.perf_counter() - t0, **counter.counts(since=t0)))
+    server.serve([serving.Request((0,), 2)])  # As jaxkv.serving.api.build_model starts a server.
+    rows.append(dict(what="start-up", seconds=time.perf_counter() - t0, **counter.counts(since=t0)))
     for n in lengths:
       prompt = tuple(rng.integers(0, config.model.vocab_size, n).tolist())
       t0 = time.perf_counter()
