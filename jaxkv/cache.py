@@ -9,8 +9,8 @@ host-attention kernel's views of the rows, belong to the objects that use it (ja
 Layout, per layer l (B = batch, K = kv heads, P = kv block rows, E = stored values per head row):
 
   window[l]: [2, B, K, A, E]  rows [W - A, W) of K (index 0) and V (index 1), W = n * P, A = window_rows(W) >= W
-             (None while W = 0): with kv.window_buckets a power of two of blocks, rows below 0 zeros (a start
-             padding that decode masks: every row of a sequence is >= its start >= 0); otherwise A = W.
+             (None while W = 0): with kv.window_buckets = k, m * 2^s blocks (m in [k, 2k)), rows below 0 zeros (a
+             start padding that decode masks: every row of a sequence is >= its start >= 0); with 0, A = W.
              Lives in the placement's memory: "device" or "pinned_host" (with "auto", per layer:
              jaxkv.residency). Sharded on K over the `tensor`
              mesh axis, so each device's shard (host or device) holds only that device's heads.
@@ -30,9 +30,9 @@ arrays split at r1 = split_row(W) = floor(f W / P) P, f = head_share(the window'
 rows [r1, W) (the tail), the only rows delivered.
 head[l] is None while r1 = 0, and always for resident layers.
 
-Decode compiles a program per window shape A: with buckets O(log(capacity / P)) of them, not capacity / P. The
-padding costs memory and delivered bytes (past the smallest bucket A / W < 2, 1.39 on average over W) and changes
-no bits: decode attention's leaves are anchored at `end` and mask rows before start (jaxkv.decode_attention), so the
+Decode compiles a program per window shape A: with buckets O(k log(capacity / P)) of them, not capacity / P. The
+padding costs memory and delivered bytes (past the smallest bucket A / W < (k + 1) / k: 2x with k = 1, 1.25x with
+k = 4) and changes no bits: decode attention's leaves are anchored at `end` and mask rows before start (jaxkv.decode_attention), so the
 rows a leaf holds and its bits do not depend on A. A prefill's windows, and the rows it yields, are exact (A = W):
 prefill attention reduces over every row of its window, so its bits would.
 
@@ -76,13 +76,16 @@ def pad_front(window, rows: int):
 MIN_BUCKET_ROWS = LEAF_ROWS  # The smallest window bucket: one decode leaf.
 
 
-def window_rows(rows: int, block: int, capacity: int, buckets: bool) -> int:
-  """A, the rows allocated for a window of `rows` rows (whole blocks): `rows` itself without buckets; with them the
-  next power of two of blocks, at least MIN_BUCKET_ROWS, at most the capacity rounded up to a block."""
+def window_rows(rows: int, block: int, capacity: int, buckets: int) -> int:
+  """A, the rows allocated for a window of `rows` rows (whole blocks): `rows` itself with buckets = 0; else the
+  fewest blocks of the form m * 2^s, m in [buckets, 2 buckets), that hold it and MIN_BUCKET_ROWS, at most the
+  capacity rounded up to a block (buckets = 1: powers of two of blocks)."""
   if not buckets or not rows:
     return rows
-  blocks = max(-(-rows // block), -(-MIN_BUCKET_ROWS // block))
-  return min(block << (blocks - 1).bit_length(), rows_bound(capacity, block) - block)
+  blocks, shift = max(-(-rows // block), -(-MIN_BUCKET_ROWS // block)), 0
+  while -(-blocks >> shift) >= 2 * buckets:  # ceil(blocks / 2^shift), the multiple m of 2^shift blocks.
+    shift += 1
+  return min((-(-blocks >> shift) << shift) * block, rows_bound(capacity, block) - block)
 
 
 def split_prefilled(window, chunk, *, w_rows: int, block: int):
@@ -183,13 +186,13 @@ class KVCache:
       *,
       placement,
       head_share: Callable[[int], float] | None = None,
-      buckets: bool = False,
+      buckets: int = 0,
   ):
     """layout (jaxkv.layout.Layout): the mesh of each layer. placement (jaxkv.residency.Placement, from
     residency.place with the same arguments): where each window lives, the decode groups and the auto plan.
     head_share: with host attention, the host's share f of a streamed window of that many bytes per device
-    (jaxkv.host.split.Split.share); None without. buckets: windows allocated in buckets (window_rows); not with
-    head_share."""
+    (jaxkv.host.split.Split.share); None without. buckets: window sizes per doubling (window_rows; 0 = exact
+    windows); not with head_share."""
     if buckets and head_share is not None:
       raise ValueError("window buckets need a cache without host attention")
     self.model, self.kv, self.layout = model, kv, layout

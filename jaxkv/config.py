@@ -152,11 +152,12 @@ class KVConfig:
       "device), capped at the streamed groups - 1 and lowered where the ring does not fit (fallback_reason).",
   )
   block: int = field(256, "Rows per KV page: the window a layer receives is whole blocks.")
-  window_buckets: bool = field(
-      True,
-      "Allocate each decode window at a power of two of blocks (at least a decode leaf), padded at its start, so that "
-      "decode compiles O(log capacity) shapes; the same bits as exact windows (false: a shape per block). Off with "
-      "host_attention and with engine.decode_attention legacy (jaxkv.cache.window_rows).",
+  window_buckets: int = field(
+      4,
+      "Decode window sizes per doubling: n >= 1 allocates each window at m * 2^s blocks, m in [n, 2n) (at least a "
+      "decode leaf), padded at its start: decode compiles O(n log capacity) shapes and a window holds (and a streamed "
+      "one delivers) at most (n + 1) / n of its rows, with the same bits; 0 = exact windows, a shape per block. "
+      "Exact with host_attention and with engine.decode_attention legacy (jaxkv.cache.window_rows).",
   )
   budget_mib: int = field(0, "Cap on the delivery ring per device, MiB (0 = none).")
   headroom_mib: int = field(512, "Device memory kept free when sizing the ring, MiB.")
@@ -231,6 +232,8 @@ class KVConfig:
       raise ValueError(
           f"kv.host_attention_wait must be one of {HOST_ATTENTION_WAITS}, got {self.host_attention_wait!r}"
       )
+    if self.window_buckets < 0:
+      raise ValueError(f"kv.window_buckets must be >= 0 (0 = exact windows), got {self.window_buckets}")
     if self.group_layers < 0:
       raise ValueError(f"kv.group_layers must be >= 0 (0 = automatic), got {self.group_layers}")
     if self.host_attention and self.placement == "device":

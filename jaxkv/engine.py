@@ -285,7 +285,8 @@ class Engine:
         placement = place(kv)
     share = split.share if kv.host_attention and split is not None and any(placement.streamed) else None
     # Window buckets change no bits of the leaves' decode attention; legacy's would change (jaxkv.cache).
-    buckets = kv.window_buckets and share is None and all(f.decode_attention != "legacy" for f in self.stage_fns)
+    exact = share is not None or any(f.decode_attention == "legacy" for f in self.stage_fns)
+    buckets = 0 if exact else kv.window_buckets
     cache = cache_lib.KVCache(
         m, kv, self.layout, batch, capacity, placement=placement, head_share=share, buckets=buckets
     )

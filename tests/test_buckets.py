@@ -1,7 +1,6 @@
-"""Window buckets (kv.window_buckets, jaxkv.cache.window_rows): decode windows allocated at powers of two of blocks,
-padded at their start, give the bits of exact windows; a sequence that crosses many blocks compiles a decode program
-per bucket, not per block; and a server warmed up for its capacity (jaxkv.warmup) compiles no decode program while it
-serves."""
+"""Window buckets (kv.window_buckets, jaxkv.cache.window_rows): decode windows allocated at m * 2^s blocks, padded at
+their start, give the bits of exact windows; a sequence that crosses many blocks compiles decode programs per bucket,
+not per block; and a server warmed up for its capacity (jaxkv.warmup) compiles no decode program while it serves."""
 
 import dataclasses
 
@@ -15,26 +14,30 @@ from jaxkv import serving
 from jaxkv import warmup
 
 
-def test_window_rows_are_powers_of_two_of_blocks_from_a_leaf_to_the_capacity():
-  rows = lambda w, block=8, capacity=2048: cache_lib.window_rows(w, block, capacity, True)
-  assert [rows(w) for w in (0, 8, 256, 264, 512, 520, 1024, 1032, 2048)] == [0, 256, 256, 512, 512, 1024, 1024] + [
-      2048
-  ] * 2
+def test_window_rows_are_m_times_powers_of_two_of_blocks_from_a_leaf_to_the_capacity():
+  rows = lambda w, k=1, block=8, capacity=2048: cache_lib.window_rows(w, block, capacity, k)
+  powers = [0, 256, 256, 512, 512, 1024, 1024, 2048, 2048]
+  assert [rows(w) for w in (0, 8, 256, 264, 512, 520, 1024, 1032, 2048)] == powers
   assert rows(1032, capacity=1100) == 1104  # Capped at the capacity rounded up to a block.
   assert rows(768, block=384) == 768 and rows(1152, block=384) == 1536  # Blocks of any size: powers of two of them.
-  assert cache_lib.window_rows(264, 8, 2048, False) == 264
+  # Four sizes per doubling: 32, 40, 48, 56, 64, 80, ... blocks of 8 rows (at most 1.25x the rows past the first).
+  assert [rows(w, 4) for w in (8, 256, 264, 320, 328, 520, 1032, 1700)] == [256, 256, 320, 320, 384, 640, 1280, 1792]
+  quarters = [1, 2, 3, 4, 5, 6, 7, 8, 10, 10, 12, 12, 14, 14, 16, 16]  # Blocks of 256 rows: exact up to 8 blocks.
+  assert [rows(w, 4, 256, 4096) // 256 for w in range(256, 4097, 256)] == quarters
+  assert rows(264, 0) == 264  # Exact windows.
 
 
 @pytest.fixture(scope="module")
 def wide_blocks():
-  """The tiny model with 64-row blocks at capacity 1024: a sequence of 600 rows crosses 9 blocks and 3 buckets."""
+  """The tiny model with 64-row blocks at capacity 1024: sequences of up to 449 rows cross 5 blocks and 4 buckets
+  (4 to 7 blocks: the first holds windows of 2 to 4 blocks)."""
   return helpers.engine(2, placement="host", depth=1, block=64, chunk=64, capacity=1024)
 
 
 def test_buckets_give_the_bits_of_exact_windows(wide_blocks):
   prompts = helpers.prompts([150, 37, 90], seed=3)
-  exact = helpers.with_kv(wide_blocks, window_buckets=False).generate(prompts, 420, keep_logits=True)
-  bucketed = wide_blocks.generate(prompts, 420, keep_logits=True)
+  exact = helpers.with_kv(wide_blocks, window_buckets=0).generate(prompts, 300, keep_logits=True)
+  bucketed = wide_blocks.generate(prompts, 300, keep_logits=True)
   assert bucketed.tokens == exact.tokens
   np.testing.assert_array_equal(bucketed.logits, exact.logits)
   decode_shapes = lambda res: res.transport["compiled_shapes"]
@@ -51,20 +54,21 @@ def test_legacy_attention_and_host_attention_keep_exact_windows(wide_blocks):
   assert not host.start(1).cache.buckets
 
 
-def test_a_sequence_across_many_blocks_compiles_a_decode_program_per_bucket():
-  """Blocks of 8 rows: 20 prompt rows and 600 new ones cross 77 blocks, and 3 buckets (256, 512, 1024 rows)."""
-  eng = helpers.engine(2, placement="device", capacity=2048)
+def test_a_sequence_across_many_blocks_compiles_decode_programs_per_bucket():
+  """Blocks of 8 rows: 250 prompt rows (one prefill chunk) and 300 new ones cross 38 blocks, and 3 buckets of powers
+  of two (256, 512 and 1024 rows)."""
+  eng = helpers.with_kv(helpers.engine(1, placement="device", capacity=2048, chunk=256), window_buckets=1)
   fns = eng.layer_fns(0)
-  before = fns.decode_group._cache_size() + fns.decode_group_full._cache_size()
-  res = eng.generate(helpers.prompts([20], seed=1), 600)
-  assert res.transport["compiled_shapes"] == 3 + 2  # 3 decode windows, 2 prefill chunks.
-  added = fns.decode_group._cache_size() + fns.decode_group_full._cache_size() - before
+  programs = lambda: fns.decode_group._cache_size() + fns.decode_group_full._cache_size()
+  before = programs()
+  res = eng.generate(helpers.prompts([250], seed=1), 300)
+  assert res.transport["compiled_shapes"] == 3 + 1  # 3 decode windows, 1 prefill chunk.
   # Each bucket: a pass (decode_group), a pass that fills the pages inside it and one that grows into the next.
-  assert added <= 3 * 3
+  assert programs() - before <= 3 * 3
 
 
 def test_a_warm_server_compiles_no_decode_program():
-  eng = helpers.engine(2, placement="host", depth=1, capacity=600)
+  eng = helpers.with_kv(helpers.engine(2, placement="host", depth=1, capacity=600), window_buckets=1)
   lines = []
   done = warmup.warm_up(eng, 2, lines.append)
   assert [d["rows"] for d in done] == [0, 256, 512, 600] == [int(l.split()[2]) for l in lines]

@@ -1,5 +1,5 @@
 """Measure (CPU or GPU): how long a fresh server takes to answer requests of new lengths, and how many programs it
-compiles (kv.window_buckets: decode windows in power-of-two buckets of blocks, jaxkv.cache.window_rows).
+compiles (kv.window_buckets: decode windows in buckets of m * 2^s blocks, jaxkv.cache.window_rows).
 
 Loads --gguf (or random weights of --config) into a server of one slot (jaxkv.serving.Server) with an empty
 compilation cache (a fresh temporary folder unless --compilation_cache_dir is given), starts it as `python3 -m
@@ -12,7 +12,7 @@ cores), with and without buckets:
 
   python3 tools/measure_buckets.py --gguf=SmolLM2-135M-Instruct.Q4_1.gguf --capacity=4096 --lengths=2000,1500
   python3 tools/measure_buckets.py --gguf=SmolLM2-135M-Instruct.Q4_1.gguf --capacity=4096 --lengths=2000,1500 \\
-      --kv_window_buckets=false
+      --kv_window_buckets=0
 """
 
 from __future__ import annotations
