@@ -134,7 +134,8 @@ def test_json_has_every_field(bench):
   assert [(c["context"], c["batch"]) for c in out["cells"]] == [(16, 2), (40, 2)]
   for cell in out["cells"]:
     assert CELL_FIELDS <= set(cell)
-    assert cell["ceilings"]["window_rows"] == cell["context"]  # Both are multiples of kv.block (8).
+    # The window decode delivers: its allocation (kv.window_buckets), in these cells below a leaf: the capacity.
+    assert cell["ceilings"]["window_rows"] == cell["decode_window_rows"][0] == cell["capacity"] > cell["context"]
     assert cell["ceilings"]["h2d_layer"]["gbps_median"] > 0
     assert cell["ceilings"]["transfer_only"]["ms_median"] > 0
     assert cell["tokens_match_across_arms"] is True
@@ -487,7 +488,7 @@ def test_the_link_test_is_sized_to_the_run():
   assert benchmark.link_test_bytes(config, mesh, small) == benchmark.LINK_TEST_BYTES[0]  # Tiny: the floor.
   big = _spec(contexts=(20_000,), batches=(4,))
   cfg = benchmark.cell_config(config, 20_000, big.new_tokens)
-  rows = benchmark.decode_window_rows(20_000, big.new_tokens - 1, cfg.kv.block)[-1:]
+  rows = benchmark.decode_window_rows(cfg, 20_000, big.new_tokens - 1)[-1:]
   step = benchmark.kv_step_bytes(cfg, run_lib.make_layout(cfg, mesh), 4, rows)["per_device"]
   assert benchmark.LINK_TEST_BYTES[0] < step < benchmark.LINK_TEST_BYTES[1]
   assert benchmark.link_test_bytes(config, mesh, big) == step
