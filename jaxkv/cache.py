@@ -32,9 +32,9 @@ head[l] is None while r1 = 0, and always for resident layers.
 
 Decode compiles a program per window shape A: with buckets O(k log(capacity / P)) of them, not capacity / P. The
 padding costs memory and delivered bytes (past the smallest bucket A / W < (k + 1) / k: 2x with k = 1, 1.25x with
-k = 4) and changes no bits: decode attention's leaves are anchored at `end` and mask rows before start (jaxkv.decode_attention), so the
-rows a leaf holds and its bits do not depend on A. A prefill's windows, and the rows it yields, are exact (A = W):
-prefill attention reduces over every row of its window, so its bits would.
+k = 4) and changes no bits: decode attention's leaves are anchored at `end` and mask rows before start
+(jaxkv.decode_attention), so the rows a leaf holds and its bits do not depend on A. A prefill's windows, and the
+rows it yields, are exact (A = W): prefill attention reduces over every row of its window, so its bits would.
 
 Row r of sequence b is valid when start[b] <= r < end. A decode step writes row `end` into the open page
 (on device); when the open page is full, `grow` appends it to the window, which is stored back in its

@@ -29,9 +29,10 @@ def test_window_rows_are_m_times_powers_of_two_of_blocks_from_a_leaf_to_the_capa
 
 @pytest.fixture(scope="module")
 def wide_blocks():
-  """The tiny model with 64-row blocks at capacity 1024: sequences of up to 449 rows cross 5 blocks and 4 buckets
-  (4 to 7 blocks: the first holds windows of 2 to 4 blocks)."""
-  return helpers.engine(2, placement="host", depth=1, block=64, chunk=64, capacity=1024)
+  """The tiny model with 64-row blocks at capacity 1024 and 4 window sizes per doubling: sequences of up to 449 rows
+  cross 5 blocks and 4 buckets (4 to 7 blocks: the first holds windows of 2 to 4 blocks)."""
+  eng = helpers.engine(2, placement="host", depth=1, block=64, chunk=64, capacity=1024)
+  return helpers.with_kv(eng, window_buckets=4)
 
 
 def test_buckets_give_the_bits_of_exact_windows(wide_blocks):
@@ -57,7 +58,8 @@ def test_legacy_attention_and_host_attention_keep_exact_windows(wide_blocks):
 def test_a_sequence_across_many_blocks_compiles_decode_programs_per_bucket():
   """Blocks of 8 rows: 250 prompt rows (one prefill chunk) and 300 new ones cross 38 blocks, and 3 buckets of powers
   of two (256, 512 and 1024 rows)."""
-  eng = helpers.with_kv(helpers.engine(1, placement="device", capacity=2048, chunk=256), window_buckets=1)
+  eng = helpers.engine(1, placement="device", capacity=2048, chunk=256)
+  assert eng.config.kv.window_buckets == 1  # The default.
   fns = eng.layer_fns(0)
   programs = lambda: fns.decode_group._cache_size() + fns.decode_group_full._cache_size()
   before = programs()
@@ -68,7 +70,7 @@ def test_a_sequence_across_many_blocks_compiles_decode_programs_per_bucket():
 
 
 def test_a_warm_server_compiles_no_decode_program():
-  eng = helpers.with_kv(helpers.engine(2, placement="host", depth=1, capacity=600), window_buckets=1)
+  eng = helpers.engine(2, placement="host", depth=1, capacity=600)
   lines = []
   done = warmup.warm_up(eng, 2, lines.append)
   assert [d["rows"] for d in done] == [0, 256, 512, 600] == [int(l.split()[2]) for l in lines]
