@@ -154,11 +154,8 @@ class KVConfig:
   block: int = field(256, "Rows per KV page: the window a layer receives is whole blocks.")
   window_buckets: int = field(
       1,
-      "Decode window sizes per doubling: n >= 1 allocates each window at m * 2^s blocks, m in [n, 2n) (at least a "
-      "decode leaf), padded at its start: decode compiles O(n log capacity) shapes and a window holds (and a streamed "
-      "one delivers) at most (n + 1) / n of its rows (n = 1: powers of two, 2x; n = 4: 1.25x), with the same bits; "
-      "0 = exact windows, a shape per block. Exact with host_attention and with engine.decode_attention legacy "
-      "(jaxkv.cache.window_rows).",
+      "Decode window sizes per doubling: n allocates m * 2^s blocks (n <= m < 2n, >= a leaf), padded at the start: "
+      "O(n log capacity) shapes, <= (n + 1) / n of the rows, same bits; 0 = exact.",
   )
   budget_mib: int = field(0, "Cap on the delivery ring per device, MiB (0 = none).")
   headroom_mib: int = field(512, "Device memory kept free when sizing the ring, MiB.")

@@ -237,8 +237,9 @@ def test_markdown_and_plot(bench):
     assert f"| 40 | 2 | {name} |" in md
   row = next(l for l in md.splitlines() if l.startswith("| 40 | 2 | host_d2 |")).split(" | ")
   assert float(row[7]) == round(out["cells"][1]["arms"]["host_d2"]["prefill_s"]["median"], 3)  # The prefill s column.
-  assert f"| 16 | 2 | {arms.PEER_ARM} | 0.2 | skipped" in md  # KV MiB/step/device, then the reason.
-  assert "| 40 | 2 | int8 | 40 |" in md and "| 40 | 2 | int4 | 40 |" in md  # The packed arms' transfer ceilings.
+  # KV MiB/step/device, then the reason: windows allocated at the cells' capacity, 24 rows (kv.window_buckets).
+  assert f"| 16 | 2 | {arms.PEER_ARM} | 0.3 | skipped" in md
+  assert "| 40 | 2 | int8 | 48 |" in md and "| 40 | 2 | int4 | 48 |" in md  # The packed arms' transfer ceilings.
   assert "| 40 | 2 | host_d1_ha | " in md.split("## Host attention")[1]
   helpers.import_extra("matplotlib", "plot")
   assert out["plot"] == dict(status="ok", path=paths["png"])
