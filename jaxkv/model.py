@@ -433,11 +433,10 @@ def decode_layer(
   x [B, D]; window stored [2, B, K, A, E] rows [W - A, W) (A >= W: rows below 0 are a start padding, jaxkv.cache),
   or None while W = 0; open_page stored [2, B, K, P, E] rows [W, W + P), on device; start i32[B]; end i32[] with
   W <= end < W + P and W a multiple of P (so W = end - end % P: a traced value, the program depends on A only);
-  kv_format: how rows are stored
-  (default: the model dtype); attention_impl: "xla" or "pallas" (jaxkv.decode_attention: end-anchored leaves over
-  the window and the open page, read where they are, folded in a fixed tree; a sequence's bits do not depend on W
-  or on the batch around it) or "legacy" (`legacy_decode_attention`); mesh: the devices the kv heads are sharded
-  over (the Pallas kernel runs per shard).
+  kv_format: how rows are stored (default: the model dtype); attention_impl: "xla" or "pallas"
+  (jaxkv.decode_attention: end-anchored leaves over the window and the open page, read where they are, folded in a
+  fixed tree; a sequence's bits do not depend on A, W or the batch around it) or "legacy"
+  (`legacy_decode_attention`); mesh: the devices the kv heads are sharded over (the Pallas kernel runs per shard).
   Returns x [B, D] and the open page with the new row written (packed).
   """
   fmt = kv_format or KVFormat.of(cfg)
