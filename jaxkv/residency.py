@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from absl import logging
 
 from jaxkv import cache as cache_lib
+from jaxkv import chunked
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv.config import KVConfig, ModelConfig
@@ -108,11 +109,13 @@ class Plan:
 @dataclasses.dataclass(frozen=True)
 class Placement:
   """A cache's placement (jaxkv.cache.KVCache): streamed[l], layer l's window in pinned host memory (else device
-  memory); the decode groups (decode_groups); plan, auto's Plan (None for "device" and "host")."""
+  memory); the decode groups (decode_groups); plan, auto's Plan (None for "device" and "host"); chunk_rows, the rows
+  of a delivery chunk of a streamed layer's window in decode (jaxkv.chunked; 0: whole windows)."""
 
   streamed: tuple[bool, ...]
   groups: tuple[tuple[int, ...], ...]
   plan: Plan | None
+  chunk_rows: int = 0
 
 
 def place(
@@ -128,12 +131,14 @@ def place(
   layer_bytes = cache_lib.row_bytes(model_config, kv.dtype, batch, tensor) * rows
   group = group_layers(kv.group_layers, kv.host_attention, layer_bytes)
   groups = decode_groups(layout.stage_of, group)
+  row = cache_lib.row_bytes(model_config, kv.dtype, batch, tensor)
+  c_rows = delivery_chunk_rows(kv, group, row)
   auto = None
   if kv.placement == "auto" and len({id(m) for m in meshes}) > 1:
     raise ValueError("kv.placement auto plans one mesh for every layer; use split mode tensor or none with it")
   if kv.placement == "auto":
     free = free_device_bytes(meshes[0].local_devices)
-    ring = ring_bytes(kv.pipeline_depth, min(group, num_layers) * layer_bytes)
+    ring = ring_bytes(kv.pipeline_depth, chunked.slot_bytes(min(group, num_layers) * layer_bytes, c_rows, row))
     workspace = workspace_bytes(model_config, kv.dtype, batch, rows, prefill_chunk, group, tensor)
     budget, source = device_budget(free, kv.device_budget_gib, ring, workspace, kv.headroom_mib)
     auto = plan(groups, layer_bytes, budget, source)
@@ -144,7 +149,15 @@ def place(
     needed = cache_lib.host_bytes_per_process(meshes[0], layer_bytes, sum(streamed))
     fmt = KVFormat.of(model_config, kv.dtype)
     memory.RESERVED.reserve(needed, sum(streamed), model_config, fmt, batch, rows)
-  return Placement(streamed, groups, auto)
+  return Placement(streamed, groups, auto, c_rows)
+
+
+def delivery_chunk_rows(kv: KVConfig, group: int, row_bytes: int) -> int:
+  """The rows of a delivery chunk (jaxkv.chunked.chunk_rows of kv.delivery_chunk_mib, row_bytes a row per device):
+  0 (whole windows) with host attention, in decode groups of several layers, or kv.delivery_chunk_mib 0."""
+  if kv.host_attention or group > 1 or not kv.delivery_chunk_mib:
+    return 0
+  return chunked.chunk_rows(kv.delivery_chunk_mib, row_bytes, kv.block)
 
 
 def free_device_bytes(devices) -> int | None:
