@@ -84,12 +84,17 @@ def ring_bytes(depth: int, slot_bytes: int) -> int:
 class Plan:
   """streamed[l]: layer l's window lives in pinned host memory (else device memory).
   layer_bytes: one layer's KV per device at full capacity; budget_bytes: device bytes the KV may take;
-  budget_source: "kv.device_budget_gib", "free device memory" or "no device memory limit"."""
+  budget_source: "kv.device_budget_gib", "free device memory" or "no device memory limit"; what the budget left
+  out of the free memory (per device): free_bytes (None: unknown), ring_bytes (the delivery ring at the depth asked,
+  in chunks where windows are chunked) and workspace_bytes (workspace_bytes)."""
 
   streamed: tuple[bool, ...]
   layer_bytes: int
   budget_bytes: int | None
   budget_source: str
+  free_bytes: int | None = None
+  ring_bytes: int = 0
+  workspace_bytes: int = 0
 
   @property
   def resident_layers(self) -> int:
@@ -102,6 +107,9 @@ class Plan:
         layer_bytes_per_device=self.layer_bytes,
         device_budget_bytes=self.budget_bytes,
         budget_source=self.budget_source,
+        free_bytes_per_device=self.free_bytes,
+        ring_bytes_per_device=self.ring_bytes,
+        workspace_bytes_per_device=self.workspace_bytes,
         streamed=[l for l, s in enumerate(self.streamed) if s],
     )
 
@@ -141,7 +149,8 @@ def place(
     ring = ring_bytes(kv.pipeline_depth, chunked.slot_bytes(min(group, num_layers) * layer_bytes, c_rows, row))
     workspace = workspace_bytes(model_config, kv.dtype, batch, rows, prefill_chunk, group, tensor)
     budget, source = device_budget(free, kv.device_budget_gib, ring, workspace, kv.headroom_mib)
-    auto = plan(groups, layer_bytes, budget, source)
+    auto = dataclasses.replace(plan(groups, layer_bytes, budget, source), free_bytes=free, ring_bytes=ring)
+    auto = dataclasses.replace(auto, workspace_bytes=workspace)
     streamed = auto.streamed
   else:
     streamed = (kv.placement == "host",) * num_layers

@@ -10,10 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import llama3_8b
+from jaxkv import cache as cache_lib
 from jaxkv import chunked
 from jaxkv import config as config_lib
 from jaxkv import decode_attention as da
 from jaxkv import residency
+from jaxkv.host import memory
 from jaxkv.kv_quant import KVFormat
 
 S = da.LEAF_ROWS
@@ -102,3 +105,19 @@ def test_decode_with_chunked_windows_is_the_device_placements_bit_for_bit(refere
   assert t["ring_bytes_per_device_configured"] == (t["depth"] + 2) * 2 * S * row
   if placement == "auto":
     assert t["residency"]["resident_layers"] == 2
+
+
+def test_startup_env_sizes_jax_and_the_pinned_pool_for_a_1m_cache():
+  """Before the backend starts: the memory fraction for auto, and the pinned pool's cap to the 8B geometry's whole
+  1M bf16 cache (128 GiB and a layer in flight, over the 64 GiB default); what the user set is kept."""
+  cfg = config_lib.from_config_dict(llama3_8b.get_config()).model
+  auto = memory.CacheNeed(config_lib.KVConfig(placement="auto"), 1, 2**20)
+  assert auto.host_bytes(cfg) == 33 * 4 * 2**30 + 33 * cache_lib.row_bytes(cfg, "model", 1) * 256
+  env = {}
+  assert memory.startup_env(cfg, [auto], env) == {memory.MEM_FRACTION_ENV: "0.95", memory.POOL_ENV: "134"} == env
+  env = {memory.MEM_FRACTION_ENV: "0.9"}
+  assert memory.startup_env(cfg, [auto], env) == {memory.POOL_ENV: "134"}
+  assert env[memory.MEM_FRACTION_ENV] == "0.9"
+  device = memory.CacheNeed(config_lib.KVConfig(), 1, 2**20)
+  small = memory.CacheNeed(config_lib.KVConfig(placement="host"), 1, 2**15)
+  assert memory.startup_env(cfg, [device, small], {}) == {}  # Nothing streamed; a pool under the default.
