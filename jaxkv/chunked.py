@@ -81,21 +81,26 @@ def chunk_partials(
   return da.leaf_partials(qg, (kv,), first_row, start, end, num_leaves, **kw)
 
 
-def chunked_attention(q, last, open_page, older, start, end, *, c_rows: int, impl: str, mesh=None, interpret=False):
-  """Attention over a chunked window and the open page: the leaves of the newest chunk and the open page, the older
-  chunks' partials placed at their leaves, one fold. q [B, K, G, Dh] in the values' dtype; last [2, B, K, R, Dh]
-  values (unpacked), the newest chunk's buffer, rows [W - R, W); open_page values [2, B, K, P, Dh] rows [W, W + P);
-  older: chunk_partials of chunks 0 .. n - 2, C = c_rows rows each; start i32[B]; end i32[]. Returns o f32[B, K, G,
-  Dh] and lse f32[B, K, G], those of jaxkv.decode_attention.attend over the whole window and the open page."""
-  w_rows = len(older) * c_rows + last.shape[3] - da.LEAF_ROWS
+def chunked_attention(
+    q, last, open_page, older, start, end, origin=0, *, c_rows: int, impl: str, mesh=None, interpret=False
+):
+  """Attention over a chunked window (or a host-attention tail) and the open page: the leaves of the newest chunk and
+  the open page, the older chunks' partials placed at their leaves, one fold. q [B, K, G, Dh] in the values' dtype;
+  the chunked rows are [origin, W) (origin i32[]: 0, or a tail's first row r1), T = W - origin; last [2, B, K, R,
+  Dh] values (unpacked), the newest chunk's buffer, rows [W - R, W); open_page values [2, B, K, P, Dh] rows [W,
+  W + P); older: chunk_partials of chunks 0 .. n - 2, C = c_rows rows each; start i32[B]; end i32[]. Returns o
+  f32[B, K, G, Dh] and lse f32[B, K, G], those of jaxkv.decode_attention.attend over the rows [origin, W) and the
+  open page (rows before origin masked)."""
+  t_rows = len(older) * c_rows + last.shape[3] - da.LEAF_ROWS
   newest_leaves = da.leaf_count(last.shape[3] + open_page.shape[3])
-  first_row = jnp.int32(w_rows - last.shape[3])
+  first_row = jnp.asarray(origin, jnp.int32) + t_rows - last.shape[3]
   kw = dict(impl=impl, mesh=mesh, interpret=interpret)
   newest = da.leaf_partials(q, (last, open_page), first_row, start, end, newest_leaves, **kw)
-  # Chunk i's first leaf is the one whose newest row is its last, (i + 1) C - 1; later pieces overwrite earlier ones.
-  first_leaf = lambda i: (end - (i + 1) * c_rows) // da.LEAF_ROWS + 1
+  # Chunk i's first leaf is the one whose newest row is its last, origin + (i + 1) C - 1; later pieces overwrite
+  # earlier ones.
+  first_leaf = lambda i: (end - origin - (i + 1) * c_rows) // da.LEAF_ROWS + 1
   pieces = [(newest, 0)] + [(older[i], first_leaf(i)) for i in reversed(range(len(older)))]
-  return da.normalized(da.fold(da.placed(da.leaf_count(w_rows + open_page.shape[3]), pieces)))
+  return da.normalized(da.fold(da.placed(da.leaf_count(t_rows + open_page.shape[3]), pieces)))
 
 
 def chunked_out(p, x, q, last, open_page, older, start, end, *, c_rows: int, cfg: ModelConfig, kv_format, impl, mesh):
@@ -118,6 +123,7 @@ class Calls:
   query: object  # (p, x, open_page, meta) -> q f32[B, K, G, Dh], open_page with the new row.
   partials: object  # (q, chunk, first_row, meta, num_leaves=) -> Partials of the chunk's leaves.
   out: object  # (p, x, q, last, open_page, older, meta, c_rows=) -> x.
+  tail: object  # (q, last, open_page, older, origin, meta, c_rows=) -> o f32[B, K, G, Dh], lse f32[B, K, G].
   flush: object  # (window, open_page) -> the grown window, a zero open page.
 
 
@@ -128,6 +134,7 @@ def calls(cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, decode_atten
   rep = mesh_lib.replicated(mesh)
   kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
   heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None))
+  lse_heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None))
   stats = mesh_lib.sharding(mesh, (None, mesh_lib.BATCH, mesh_lib.KV_HEADS, None))
   leaves = da.Partials(stats, stats, mesh_lib.sharding(mesh, (None, mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None)))
   fmt = KVFormat.of(cfg, kv_dtype)
@@ -146,6 +153,14 @@ def calls(cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, decode_atten
     kw = dict(c_rows=c_rows, cfg=cfg, kv_format=fmt, impl=impl, mesh=mesh)
     return chunked_out(p, x, q, last, open_page, older, Meta.start(meta), Meta.end(meta), **kw)
 
+  def tail(q, last, open_page, older, origin, meta, c_rows):
+    """A host-attention layer's device partial over its chunked tail (rows [origin, W)) and the open page: that of
+    jaxkv.host.calls' tail_partial."""
+    page_kv = fmt.unpack(open_page)
+    kw = dict(c_rows=c_rows, impl=impl, mesh=mesh)
+    q = q.astype(page_kv.dtype)
+    return chunked_attention(q, fmt.unpack(last), page_kv, older, Meta.start(meta), Meta.end(meta), origin, **kw)
+
   def flush(window, open_page):
     return cache_lib.grow(window, open_page), jnp.zeros_like(open_page)
 
@@ -153,5 +168,6 @@ def calls(cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, decode_atten
       query=jax.jit(query, out_shardings=(heads, kv), donate_argnums=(2,)),
       partials=jax.jit(partials, out_shardings=leaves, static_argnames="num_leaves"),
       out=jax.jit(out, out_shardings=rep, static_argnames="c_rows"),
+      tail=jax.jit(tail, out_shardings=(heads, lse_heads), static_argnames="c_rows"),
       flush=jax.jit(flush, out_shardings=kv, donate_argnums=(1,)),
   )

@@ -202,9 +202,7 @@ class KVConfig:
 
   delivery_chunk_mib: float = field(
       512.0,
-      "A streamed layer's window larger than this (MiB per device) is delivered in chunks of about this size, each "
-      "attended on arrival (jaxkv.chunked; the same bits): the ring holds chunks, not windows. 0 = whole windows. "
-      "Not for layers with host attention, nor in decode groups of several layers.",
+      "Decode takes a streamed window in chunks of this many MiB per device, each attended on arrival; 0 = whole.",
   )
 
   def __post_init__(self):

@@ -163,8 +163,8 @@ def place(
 
 def delivery_chunk_rows(kv: KVConfig, group: int, row_bytes: int) -> int:
   """The rows of a delivery chunk (jaxkv.chunked.chunk_rows of kv.delivery_chunk_mib, row_bytes a row per device):
-  0 (whole windows) with host attention, in decode groups of several layers, or kv.delivery_chunk_mib 0."""
-  if kv.host_attention or group > 1 or not kv.delivery_chunk_mib:
+  0 (whole windows) in decode groups of several layers, or with kv.delivery_chunk_mib 0."""
+  if group > 1 or not kv.delivery_chunk_mib:
     return 0
   return chunked.chunk_rows(kv.delivery_chunk_mib, row_bytes, kv.block)
 

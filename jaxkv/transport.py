@@ -175,11 +175,7 @@ class Transport:
         self._ready.put((_BARRIER, None, None, 0, 0, 0.0))
         continue
       layers = self.groups[group]
-      try:
-        pieces = self._chunks(group, whole)
-      except BaseException as e:  # Handed to the main thread, which raises it.
-        self._error, pieces = e, [None]
-      for chunk in pieces:
+      for chunk in self._chunks(group, whole):
         self._slots.acquire()
         windows, nbytes, calls = [None] * len(layers), 0, 0
         try:

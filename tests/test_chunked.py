@@ -121,3 +121,21 @@ def test_startup_env_sizes_jax_and_the_pinned_pool_for_a_1m_cache():
   device = memory.CacheNeed(config_lib.KVConfig(), 1, 2**20)
   small = memory.CacheNeed(config_lib.KVConfig(placement="host"), 1, 2**15)
   assert memory.startup_env(cfg, [device, small], {}) == {}  # Nothing streamed; a pool under the default.
+
+
+def test_host_attention_with_chunked_tails_gives_the_bits_of_whole_tails():
+  """Host attention on a quarter of each window: the delivered tail (about 600 rows) in chunks of S rows gives the
+  bits of the tail delivered whole, with a ring of chunks."""
+  eng = helpers.engine(
+      2, placement="host", depth=2, capacity=832, chunk=256, host_attention=True, host_attention_fraction=0.25
+  )
+  row = helpers.layer_bytes(eng, len(LENGTHS)) // (832 + 8)
+  run = lambda mib: helpers.with_kv(eng, delivery_chunk_mib=mib).generate(
+      helpers.prompts(LENGTHS), NEW, keep_logits=True, zero_rows=ZERO_ROWS
+  )
+  whole, chunks = run(0.0), run(S * row / 2**20)
+  np.testing.assert_array_equal(chunks.logits, whole.logits)
+  assert chunks.tokens == whole.tokens
+  assert (whole.transport["delivery_chunk_rows"], chunks.transport["delivery_chunk_rows"]) == (0, S)
+  assert chunks.transport["ring_high_water_bytes_per_device"] <= 4 * 2 * S * row
+  assert whole.transport["ring_high_water_bytes_per_device"] > 4 * 2 * S * row

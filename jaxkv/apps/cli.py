@@ -93,6 +93,7 @@ SHORTHANDS = {
     "kv_host_attention_threads": ("kv", "host_attention_threads"),
     "kv_host_attention_wait": ("kv", "host_attention_wait"),
     "kv_transport_debug": ("kv", "transport_debug"),
+    "kv_delivery_chunk_mib": ("kv", "delivery_chunk_mib"),
     "split_mode": ("split", "mode"),
     "layer_split": ("split", "layer_split"),
 }
