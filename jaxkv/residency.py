@@ -11,7 +11,8 @@ concatenation that copies the resident rows through HBM each step). A group hold
 (GROUP_TARGET_BYTES) or one layer where a layer is larger: 1-3% of the KV with 32-80 layers at long contexts.
 
 Budget (per device, at the cache's full capacity): free memory of the fullest device when the cache is
-allocated (after the weights), minus the delivery ring (`ring_bytes`: depth + 2 groups of streamed layers), minus a
+allocated (after the weights), minus the delivery ring (`ring_bytes`: depth + 2 groups of streamed layers, or of
+their chunks where decode delivers windows in chunks, jaxkv.chunked), minus a
 workspace (`workspace_bytes`: a decode group's windows unpacked and grown at a page boundary, two groups' windows;
 a prefill call's temporaries; one layer's window more, for the holes that grown windows leave; the prefill scores,
 WORKSPACE_SCORE_BLOCKS x jaxkv.model.SCORE_BUDGET_BYTES), minus kv.headroom_mib. kv.device_budget_gib replaces the
@@ -136,10 +137,10 @@ def place(
   num_layers = model_config.num_layers
   meshes = [layout.mesh(l) for l in range(num_layers)]
   rows, tensor = cache_lib.rows_bound(capacity, kv.block), mesh_lib.tensor_size(meshes[0])
-  layer_bytes = cache_lib.row_bytes(model_config, kv.dtype, batch, tensor) * rows
+  row = cache_lib.row_bytes(model_config, kv.dtype, batch, tensor)
+  layer_bytes = row * rows
   group = group_layers(kv.group_layers, kv.host_attention, layer_bytes)
   groups = decode_groups(layout.stage_of, group)
-  row = cache_lib.row_bytes(model_config, kv.dtype, batch, tensor)
   c_rows = delivery_chunk_rows(kv, group, row)
   auto = None
   if kv.placement == "auto" and len({id(m) for m in meshes}) > 1:
@@ -149,8 +150,8 @@ def place(
     ring = ring_bytes(kv.pipeline_depth, chunked.slot_bytes(min(group, num_layers) * layer_bytes, c_rows, row))
     workspace = workspace_bytes(model_config, kv.dtype, batch, rows, prefill_chunk, group, tensor)
     budget, source = device_budget(free, kv.device_budget_gib, ring, workspace, kv.headroom_mib)
-    auto = dataclasses.replace(plan(groups, layer_bytes, budget, source), free_bytes=free, ring_bytes=ring)
-    auto = dataclasses.replace(auto, workspace_bytes=workspace)
+    auto = plan(groups, layer_bytes, budget, source)
+    auto = dataclasses.replace(auto, free_bytes=free, ring_bytes=ring, workspace_bytes=workspace)
     streamed = auto.streamed
   else:
     streamed = (kv.placement == "host",) * num_layers

@@ -64,7 +64,8 @@ _CAPS_LOGGED: set[str] = set()  # The depth caps logged so far.
 def choose_depth(
     requested: int, streamed_groups: int, slot_bytes: int, budget_mib: int, headroom_mib: int, free_bytes: int | None
 ) -> DepthChoice:
-  """Largest depth <= requested whose ring (depth + 2 slots of `slot_bytes` per device: a group's windows) fits both
+  """Largest depth <= requested whose ring (depth + 2 slots of `slot_bytes` per device: a group's windows, or a
+  chunk's buffer where windows are chunked) fits both
   the budget (budget_mib, 0 = none) and the free memory of the fullest device minus the headroom."""
   reasons = []
   depth = requested
