@@ -82,20 +82,24 @@ ZERO_ROWS = 768  # A synthetic context: windows of 784-800 rows, 4 chunks of 256
 NEW = 10  # Crosses a block boundary (block 8): the chunked windows grow.
 
 
-@pytest.fixture(scope="module")
-def reference():
-  eng = helpers.engine(2, placement="device", capacity=832, chunk=256, group_layers=1)
+@functools.lru_cache(maxsize=None)
+def _reference(kv_dtype: str):
+  cfg = helpers.tiny_config(head_dim=32) if kv_dtype == "int8" else None
+  eng = helpers.engine(2, placement="device", capacity=832, chunk=256, group_layers=1, kv_dtype=kv_dtype, cfg=cfg)
   return eng.generate(helpers.prompts(LENGTHS), NEW, keep_logits=True, zero_rows=ZERO_ROWS)
 
 
-@pytest.mark.parametrize("placement,depth", [("host", 2), ("auto", 1)])
-def test_decode_with_chunked_windows_is_the_device_placements_bit_for_bit(reference, placement, depth):
-  eng = helpers.engine(2, placement=placement, depth=depth, capacity=832, chunk=256, group_layers=1)
+@pytest.mark.parametrize("placement,depth,kv_dtype", [("host", 2, "model"), ("auto", 1, "model"), ("host", 1, "int8")])
+def test_decode_with_chunked_windows_is_the_device_placements_bit_for_bit(placement, depth, kv_dtype):
+  cfg = helpers.tiny_config(head_dim=32) if kv_dtype == "int8" else None
+  kw = dict(capacity=832, chunk=256, group_layers=1, kv_dtype=kv_dtype, cfg=cfg)
+  eng = helpers.engine(2, placement=placement, depth=depth, **kw)
   layer = helpers.layer_bytes(eng, len(LENGTHS))
   budget = dict(device_budget_gib=(2 * layer + layer // 2) / 2**30) if placement == "auto" else {}
   row = layer // (832 + 8)  # Rows bound: capacity plus a block.
   eng = helpers.with_kv(eng, delivery_chunk_mib=S * row / 2**20, **budget)
   res = eng.generate(helpers.prompts(LENGTHS), NEW, keep_logits=True, zero_rows=ZERO_ROWS)
+  reference = _reference(kv_dtype)
   np.testing.assert_array_equal(res.logits, reference.logits)
   assert res.tokens == reference.tokens
   t = res.transport
@@ -105,22 +109,6 @@ def test_decode_with_chunked_windows_is_the_device_placements_bit_for_bit(refere
   assert t["ring_bytes_per_device_configured"] == (t["depth"] + 2) * 2 * S * row
   if placement == "auto":
     assert t["residency"]["resident_layers"] == 2
-
-
-def test_startup_env_sizes_jax_and_the_pinned_pool_for_a_1m_cache():
-  """Before the backend starts: the memory fraction for auto, and the pinned pool's cap to the 8B geometry's whole
-  1M bf16 cache (128 GiB and a layer in flight, over the 64 GiB default); what the user set is kept."""
-  cfg = config_lib.from_config_dict(llama3_8b.get_config()).model
-  auto = memory.CacheNeed(config_lib.KVConfig(placement="auto"), 1, 2**20)
-  assert auto.host_bytes(cfg) == 33 * 4 * 2**30 + 33 * cache_lib.row_bytes(cfg, "model", 1) * 256
-  env = {}
-  assert memory.startup_env(cfg, [auto], env) == {memory.MEM_FRACTION_ENV: "0.95", memory.POOL_ENV: "134"} == env
-  env = {memory.MEM_FRACTION_ENV: "0.9"}
-  assert memory.startup_env(cfg, [auto], env) == {memory.POOL_ENV: "134"}
-  assert env[memory.MEM_FRACTION_ENV] == "0.9"
-  device = memory.CacheNeed(config_lib.KVConfig(), 1, 2**20)
-  small = memory.CacheNeed(config_lib.KVConfig(placement="host"), 1, 2**15)
-  assert memory.startup_env(cfg, [device, small], {}) == {}  # Nothing streamed; a pool under the default.
 
 
 def test_host_attention_with_chunked_tails_gives_the_bits_of_whole_tails():
@@ -139,3 +127,19 @@ def test_host_attention_with_chunked_tails_gives_the_bits_of_whole_tails():
   assert (whole.transport["delivery_chunk_rows"], chunks.transport["delivery_chunk_rows"]) == (0, S)
   assert chunks.transport["ring_high_water_bytes_per_device"] <= 4 * 2 * S * row
   assert whole.transport["ring_high_water_bytes_per_device"] > 4 * 2 * S * row
+
+
+def test_startup_env_sizes_jax_and_the_pinned_pool_for_a_1m_cache():
+  """Before the backend starts: the memory fraction for auto, and the pinned pool's cap to the 8B geometry's whole
+  1M bf16 cache (128 GiB and a layer in flight, over the 64 GiB default); what the user set is kept."""
+  cfg = config_lib.from_config_dict(llama3_8b.get_config()).model
+  auto = memory.CacheNeed(config_lib.KVConfig(placement="auto"), 1, 2**20)
+  assert auto.host_bytes(cfg) == 33 * 4 * 2**30 + 33 * cache_lib.row_bytes(cfg, "model", 1) * 256
+  env = {}
+  assert memory.startup_env(cfg, [auto], env) == {memory.MEM_FRACTION_ENV: "0.95", memory.POOL_ENV: "134"} == env
+  env = {memory.MEM_FRACTION_ENV: "0.9"}
+  assert memory.startup_env(cfg, [auto], env) == {memory.POOL_ENV: "134"}
+  assert env[memory.MEM_FRACTION_ENV] == "0.9"
+  device = memory.CacheNeed(config_lib.KVConfig(), 1, 2**20)
+  small = memory.CacheNeed(config_lib.KVConfig(placement="host"), 1, 2**15)
+  assert memory.startup_env(cfg, [device, small], {}) == {}  # Nothing streamed; a pool under the default.
