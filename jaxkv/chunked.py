@@ -8,7 +8,9 @@ page), the partials of each older chunk's leaves (`chunk_partials`: the leaves w
 wholly in its buffer), and the end of the layer (`chunked_out`) with the newest chunk and the open page: their leaves,
 every chunk's partials placed at their leaves (jaxkv.decode_attention.placed), one fold, then the rest of the layer.
 The leaves and the fold are the unchunked window's, so the bits are too (tests/test_chunked.py checks them against
-every placement). The ring then holds chunks, not windows (jaxkv.transport, jaxkv.residency.ring_bytes).
+every placement). With host attention the delivered tail, rows [r1, W), is chunked the same way from r1, and its
+last call (`Calls.tail`) returns the device's partial that the host's is merged with (jaxkv.host.decode). The ring
+then holds chunks, not windows (jaxkv.transport, jaxkv.residency.ring_bytes).
 
 Where the open page fills, the whole window is moved to the devices once more and grown there (`Calls.flush`), one
 step in kv.block: the workspace's two windows of a group (jaxkv.residency.workspace_bytes).
