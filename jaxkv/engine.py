@@ -358,7 +358,8 @@ class Engine:
   def _delivered(gen: Generation, last: bool, next_pass: bool, plan: dict) -> Iterator[tuple[int, jax.Array | None]]:
     """Each layer's window [0, W) on the devices, through the transport (its ring slot held until the layers of its
     group are computed)."""
-    with contextlib.closing(gen.transport.deliveries(next_pass if last else not plan["keep"])) as deliveries:
+    run = gen.transport.deliveries(next_pass if last else not plan["keep"], whole=True, next_whole=not last)
+    with contextlib.closing(run) as deliveries:
       for d in deliveries:
         for l, tail in zip(d.layers, d.windows):
           yield l, gen.cache.full_window(l, tail)
