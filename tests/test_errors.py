@@ -265,6 +265,12 @@ def _cases(tmp) -> dict:
       "gates_no_arms": (GATES, ["--arms="], "--arms is empty", 2),
       "serve_port": (SERVE, ["--port=99999"], "flag --port=99999: 99999 is not an integer in the range [1, 65535]", 2),
       "serve_bench_requests": (SERVE_BENCH, ["--requests=0"], "flag --requests=0: 0 is not a positive integer", 2),
+      "serve_bench_url": (
+          SERVE_BENCH,
+          ["--url=http://127.0.0.1:1", "--server_flags=--parallel=2"],
+          "--server_flags starts a server and --url drives a running one: give one of them",
+          2,
+      ),
       "serve_api_key_file": (
           SERVE,
           [f"--port={_free_port()}", "--api_key_file=no_such_key_file"],
@@ -387,6 +393,7 @@ CASES = (
     "gates_no_arms",
     "serve_port",
     "serve_bench_requests",
+    "serve_bench_url",
     "serve_api_key_file",
     "serve_prompt",
     "serve_both",
