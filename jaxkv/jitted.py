@@ -43,6 +43,7 @@ class Fns:
   head: object  # (top, DecodeState) -> HeadOut, the next step's DecodeState.
   enter: object  # (state, b, row) -> state with row b replaced (DecodeState.with_row).
   embed: object
+  logits: object  # (top, x [..., D]) -> f32 logits [..., V]: a prefill's rows through the head (prompt logprobs).
   last_row: object
   prefill_attention: str  # The prefill attention that runs: "xla" or "cudnn" (model.prefill_attention_impl).
   decode_attention: str  # The decode attention that runs: "xla", "pallas" or "legacy" (decode_attention.resolve).
@@ -138,6 +139,7 @@ def functions(
       head=jax.jit(head, out_shardings=rep),
       enter=jax.jit(DecodeState.with_row, out_shardings=rep, donate_argnums=(0,)),
       embed=jax.jit(model.embed, out_shardings=rep),
+      logits=jax.jit(functools.partial(model.logits, cfg=cfg), out_shardings=rep),
       last_row=jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), out_shardings=rep),
       prefill_attention=attention_impl,
       decode_attention=decode_impl,

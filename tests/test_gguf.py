@@ -518,3 +518,43 @@ def test_folder_chat_template(tmp_path):
   assert tokenizer_lib.Tokenizer.from_dir(str(tmp_path)).encode_chat(messages) == [1, 2]
   (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }} {{ messages[0]['content'] }}")
   assert tokenizer_lib.Tokenizer.from_dir(str(tmp_path)).encode_chat(messages) == [2, 2]
+
+
+def test_smollm2_echoed_prompt_logprobs_match_transformers(smollm2, smollm2_params):
+  """lm-eval's loglikelihood request through the openai client (echo, logprobs, max_tokens 0) on a text prompt of
+  three prefill chunks: its text comes back, each prompt token's logprob (the first null) and its 5 most likely ones
+  equal transformers' float32 log-softmax on the same file within 1e-4."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  openai = pytest.importorskip("openai", reason="the serve extra: pip install -e '.[serve]'")
+  import serve_helpers  # pylint: disable=g-import-not-at-top  (needs the serve extra)
+
+  path, tok, prompts, ids, _, _ = smollm2
+  folder, file = os.path.split(path)
+  net = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+  with torch.no_grad():
+    ref = torch.log_softmax(net(torch.tensor([ids[2]])).logits[0].float(), -1).numpy()
+  cfg, params = smollm2_params(1)
+  config = config_lib.Config(
+      model=cfg,
+      kv=config_lib.KVConfig(placement="device", block=16, group_layers=1),
+      engine=config_lib.EngineConfig(capacity=512, prefill_chunk=128),
+      mesh=(("tensor", 1),),
+  )
+  with serve_helpers.running(engine_lib.Engine(config, helpers.mesh(1), params), parallel=1, tokenizer=tok) as (
+      url,
+      _,
+  ):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600.0)
+    out = client.completions.create(model="tiny", prompt=prompts[2], max_tokens=0, echo=True, logprobs=5)
+  choice, n = out.choices[0], len(ids[2])
+  assert choice.text == prompts[2] and choice.token_ids == [] and out.usage.prompt_tokens == n > 2 * 128
+  lp = choice.logprobs
+  assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ids[2]]
+  assert lp.token_logprobs[0] is None
+  np.testing.assert_allclose(lp.token_logprobs[1:], ref[np.arange(n - 1), ids[2][1:]], rtol=0, atol=1e-4)
+  for i in range(1, n):
+    top = [tok.decode([t], skip_special_tokens=False) for t in np.argsort(-ref[i - 1], kind="stable")[:5]]
+    values = ref[i - 1][np.argsort(-ref[i - 1], kind="stable")[:5]]
+    assert list(lp.top_logprobs[i]) == top, i
+    np.testing.assert_allclose(list(lp.top_logprobs[i].values()), values, rtol=0, atol=1e-4)

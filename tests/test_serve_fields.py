@@ -18,6 +18,7 @@ import httpx
 import openai
 import serve_helpers
 
+from jaxkv import reference as reference_lib
 from jaxkv.config import SamplingConfig
 from jaxkv.serving import access as access_lib
 
@@ -59,7 +60,6 @@ def _post(url, body):
     [
         ("frobnicate", 1),
         ("suffix", "x"),
-        ("echo", True),
         ("best_of", 2),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("response_format", {"type": "json_object"}),
@@ -101,6 +101,55 @@ def test_completion_logprobs_are_the_model_s_log_softmax_streamed_or_not(client,
   assert streamed == lp.token_logprobs
   plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
   assert plain.choices[0].logprobs is None
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+  x = x.astype(np.float64)
+  m = x.max(-1, keepdims=True)
+  return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs_of_the_reference(server, client):
+  """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0) over a prompt of three prefill chunks: each
+  prompt token's logprob under the tokens before it (the first null) equals the no-cache reference's log-softmax;
+  with generated tokens after it, streamed or not, the prompt's entries are the same and the generated ones are a
+  plain request's."""
+  eng = server[1].loop.server.engine
+  prompt = helpers.prompts([37], seed=26)[0]
+  want = _log_softmax(np.asarray(reference_lib.forward(eng.params, np.array([prompt]), eng.config.model))[0])
+  only = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=3)
+  choice, usage = only.choices[0], only.usage
+  assert choice.token_ids == [] and choice.finish_reason == "length"
+  assert (usage.prompt_tokens, usage.completion_tokens) == (37, 0)
+  lp = choice.logprobs
+  assert lp.tokens == [f"token_id:{t}" for t in prompt] and lp.text_offset == [0] * 37
+  assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+  np.testing.assert_allclose(lp.token_logprobs[1:], want[np.arange(36), prompt[1:]], rtol=0, atol=1e-4)
+  for i in range(1, 37):
+    top = np.argsort(-want[i - 1], kind="stable")[:3]
+    assert list(lp.top_logprobs[i]) == [f"token_id:{t}" for t in top], i
+    np.testing.assert_allclose(list(lp.top_logprobs[i].values()), want[i - 1, top], rtol=0, atol=1e-4)
+  plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, logprobs=3).choices[0]
+  echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, logprobs=3, echo=True).choices[0]
+  assert echoed.token_ids == plain.token_ids
+  assert echoed.logprobs.token_logprobs == lp.token_logprobs + plain.logprobs.token_logprobs
+  assert echoed.logprobs.top_logprobs == lp.top_logprobs + plain.logprobs.top_logprobs
+  chunks = list(
+      client.completions.create(model="tiny", prompt=prompt, max_tokens=4, logprobs=3, echo=True, stream=True)
+  )
+  streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+  assert streamed == echoed.logprobs.token_logprobs
+
+
+def test_max_tokens_0_needs_echo_and_chat_does_not_echo(server):
+  r = _post(server[0], {"prompt": [1, 2], "max_tokens": 0})
+  assert r.status_code == 400 and "needs echo: true" in r.json()["error"]["message"], r.text
+  r = httpx.post(
+      server[0] + "/v1/chat/completions",
+      json={"messages": [{"role": "user", "content": "hi"}], "echo": True},
+      timeout=TIMEOUT_S,
+  )
+  assert r.status_code == 400 and "unsupported field 'echo'" in r.json()["error"]["message"], r.text
 
 
 def test_penalties_and_min_p_equal_generate_with_them(client, reference):

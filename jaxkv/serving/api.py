@@ -123,6 +123,16 @@ class _Output:
     return piece
 
 
+@dataclasses.dataclass(frozen=True)
+class _Echo:
+  """A completion's prompt echoed before its text (`echo`): its ids and text; only: max_tokens 0, the prompt alone
+  (the one token its request generates is dropped)."""
+
+  ids: list[int]
+  text: str
+  only: bool
+
+
 # How a request ended (the metrics' reason) -> OpenAI's finish_reason.
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop", "error": None}
 
@@ -140,11 +150,12 @@ class _Generation:
       stops: list[str],
       eos: frozenset,
       t0: float,
+      echo: _Echo | None = None,
   ):
-    self.model, self.metrics, self.t0 = model, metrics, t0
+    self.model, self.metrics, self.t0, self.echo = model, metrics, t0, echo
     self.out = _Output(model.tokenizer, stops, request.rules.min_tokens if request.rules else 0)
     self.logprobs: list = []  # Per token of out.ids, jaxkv.sampling.logprobs's where the request asked.
-    self._ends = [0]
+    self._ends = [0]  # _ends[k]: where token k's text starts in the token texts joined (after an echoed prompt's).
     self.last_s: float | None = None  # When the last token arrived.
     self.reason: str | None = None  # How it ended (loop.ENDS, or "stop": a stop string).
     self.finish: str | None = None
@@ -170,6 +181,8 @@ class _Generation:
     """Waits for the next event: (new ids, the text to send); self.finish is set when the request ended."""
     event = await self._events.get()
     if event[0] == "token":
+      if self.echo is not None and self.echo.only:  # max_tokens 0: the token is not the client's.
+        return [], ""
       token, now = event[1], time.perf_counter()
       if self.last_s is None:
         self.metrics.ttft.observe(now - self.t0)
@@ -192,15 +205,22 @@ class _Generation:
     self._end(why)
     return [], self.out.add([], final=True)
 
-  def shaped_logprobs(self, ids: list[int], first: int, chat: bool) -> dict | None:
-    """The OpenAI `logprobs` of ids = out.ids[first:first + len(ids)] (None where the request asked for none)."""
+  def shaped_logprobs(self, ids: list[int], first: int, chat: bool, echoed: bool = False) -> dict | None:
+    """The OpenAI `logprobs` of ids = out.ids[first:first + len(ids)] (None where the request asked for none);
+    echoed: after the echoed prompt's, where the request echoes its prompt with logprobs."""
+    tok, prompt = self.model.tokenizer, self.handle.prompt_logprobs
+    if echoed and self.echo is not None and prompt is not None:
+      if len(self._ends) == 1:
+        self._ends[0] = sum(logprobs_lib.text_length(tok, t) for t in self.echo.ids)
+      shaped = logprobs_lib.completion(tok, self.echo.ids, prompt, 0)
+      generated = self.shaped_logprobs(ids, first, chat)
+      return shaped if generated is None else {k: v + generated[k] for k, v in shaped.items()}
     entries = self.logprobs[first : first + len(ids)]
     if not ids or entries[0] is None:
       return None
-    tok = self.model.tokenizer
     if chat:
       return logprobs_lib.chat(tok, ids, entries)
-    while len(self._ends) <= first:  # _ends[k]: where token k's text starts in the token texts joined.
+    while len(self._ends) <= first:
       self._ends.append(self._ends[-1] + logprobs_lib.text_length(tok, self.out.ids[len(self._ends) - 1]))
     return logprobs_lib.completion(tok, ids, entries, self._ends[first])
 
@@ -328,7 +348,14 @@ def make_app(
       ids = await _encode(model, prompt)
     else:
       ids = list(prompt)
-    return await _respond(body, ids, body.max_tokens or DEFAULT_MAX_TOKENS, "text_completion", http, t0, body.logprobs)
+    if body.max_tokens == 0 and not body.echo:
+      raise ApiError(400, "max_tokens: 0 asks for the prompt only, which needs echo: true; send max_tokens >= 1")
+    echo = None
+    if body.echo:
+      text = prompt if isinstance(prompt, str) or model.tokenizer is None else model.tokenizer.decode(ids)
+      echo = _Echo(ids, text if isinstance(text, str) else "", body.max_tokens == 0)
+    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    return await _respond(body, ids, max_tokens, "text_completion", http, t0, body.logprobs, echo)
 
   @app.post("/v1/chat/completions")
   async def chat(body: schemas.ChatRequest, http: fastapi.Request):
@@ -355,6 +382,7 @@ def make_app(
       http: fastapi.Request,
       t0: float,
       logprobs: int | None,
+      echo: _Echo | None = None,
   ):
     if body.model is not None and body.model != model.name:
       raise ApiError(404, f"model {body.model!r} is not served here; GET /v1/models lists {model.name!r}")
@@ -367,8 +395,13 @@ def make_app(
     if max_tokens is not None and body.min_tokens > max_tokens:
       raise ApiError(400, f"min_tokens ({body.min_tokens}) must be <= max_tokens ({max_tokens})")
     rules = _rules(body, model, eos)
-    request = Request(tuple(ids), max_tokens, _seed(body.seed), _sampling(body, model), rules, logprobs)
-    gen = _Generation(model, metrics, request, stops, eos, t0)
+    if echo is not None and echo.only:
+      max_tokens = 1  # Its token is dropped (_Generation): prefill and head run as for any request.
+    prompt_logprobs = logprobs if echo is not None else None
+    request = Request(
+        tuple(ids), max_tokens, _seed(body.seed), _sampling(body, model), rules, logprobs, prompt_logprobs
+    )
+    gen = _Generation(model, metrics, request, stops, eos, t0, echo)
     rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
     head = {"id": rid, "created": int(time.time()), "model": model.name}
     if body.stream:
@@ -389,13 +422,13 @@ def make_app(
     choice = {
         "index": 0,
         "token_ids": out.ids,
-        "logprobs": gen.shaped_logprobs(out.ids, 0, kind == "chat.completion"),
+        "logprobs": gen.shaped_logprobs(out.ids, 0, kind == "chat.completion", echoed=True),
         "finish_reason": gen.finish,
     }
     if kind == "chat.completion":
       choice["message"] = {"role": "assistant", "content": out.text}
     else:
-      choice["text"] = out.text
+      choice["text"] = ("" if echo is None else echo.text) + out.text
     return dict(head, object=kind, choices=[choice], usage=_usage(len(ids), len(out.ids), gen.handle.cached_tokens))
 
   return app
@@ -410,11 +443,12 @@ async def _stream(
   obj = "chat.completion.chunk" if chat else "text_completion"
 
   def chunk(ids, piece, finish, first=False):
-    choice = {"index": 0, "token_ids": ids, "logprobs": gen.shaped_logprobs(ids, sent, chat), "finish_reason": finish}
+    logprobs = gen.shaped_logprobs(ids, sent, chat, echoed=first)
+    choice = {"index": 0, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish}
     if chat:
       choice["delta"] = dict({"role": "assistant"} if first else {}, content=piece)
     else:
-      choice["text"] = piece
+      choice["text"] = (gen.echo.text if first and gen.echo is not None else "") + piece
     return _event(dict(head, object=obj, choices=[choice]))
 
   watch = asyncio.ensure_future(_watch(http, gen))

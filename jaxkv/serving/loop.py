@@ -53,6 +53,7 @@ class Handle:
     self.cancelled = False
     self.placed_s: float | None = None
     self.cached_tokens = 0  # Its prompt tokens taken from the prefix cache (set when it takes a slot).
+    self.prompt_logprobs: list | None = None  # Where it asked: set when it takes a slot, before its first token.
 
   def cancel(self) -> None:
     """Ends the request before the next decode step (safe from any thread, also after it ended)."""
@@ -189,6 +190,9 @@ class _Feed:
       with self.lock:
         self.stats.waiting -= 1
         self.stats.busy += 1
+    for r, entries in progress.prompt_logprobs:
+      if r in self.handles:
+        self.handles[r].prompt_logprobs = entries
     for r, token, end, logprob in progress.tokens:
       if r in self.handles:  # Not ended meanwhile.
         self._token(r, token, end, logprob)

@@ -6,7 +6,7 @@ asks for nothing."""
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import ClassVar, Literal
 
 import pydantic
 import pydantic_core
@@ -41,6 +41,7 @@ class Params(pydantic.BaseModel):
   ones must have their type (strict: "0.5" is not a number). Sampling fields left out take the config's."""
 
   model_config = pydantic.ConfigDict(strict=True, extra="forbid")
+  no_ops: ClassVar[dict] = _NO_OPS
 
   model: str | None = None
   max_tokens: int | None = pydantic.Field(None, ge=1)
@@ -68,7 +69,7 @@ class Params(pydantic.BaseModel):
     """Drops the fields of _NO_OPS that ask for nothing; refuses the others."""
     if not isinstance(data, dict):
       return data
-    for name, accepted in _NO_OPS.items():
+    for name, accepted in cls.no_ops.items():
       if name in data:
         value = data[name]
         if not any(value is a or (type(value) is type(a) and value == a) for a in accepted):
@@ -76,12 +77,16 @@ class Params(pydantic.BaseModel):
           raise pydantic_core.PydanticCustomError(
               "unsupported", f"unsupported field {name!r}: jaxkv does not implement it (it takes only {shown})"
           )
-    return {k: v for k, v in data.items() if k not in _NO_OPS}
+    return {k: v for k, v in data.items() if k not in cls.no_ops}
 
 
 class CompletionRequest(Params):
+  no_ops: ClassVar[dict] = {k: v for k, v in _NO_OPS.items() if k != "echo"}
+
   prompt: str | list[pydantic.StrictInt] | list[str] | list[list[pydantic.StrictInt]]
+  max_tokens: int | None = pydantic.Field(None, ge=0)  # 0: the prompt only, with echo (as vLLM).
   logprobs: int | None = pydantic.Field(None, ge=0, le=sampling.MAX_TOP_LOGPROBS)  # The top entries per token.
+  echo: bool = False  # The prompt before the text; with logprobs, its tokens' logprobs (the first null) before.
 
 
 class Message(pydantic.BaseModel):

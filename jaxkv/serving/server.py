@@ -46,12 +46,14 @@ from jaxkv.serving.scheduler import Scheduler
 class Progress:
   """What an epoch did since it last yielded: requests placed (request, slot, epoch, first row, its prompt tokens
   taken from the prefix cache), tokens read
-  (request, token, end: "eos", "length" or None, logprob: jaxkv.telemetry.Recorder.record's), and the indices of the
-  steps read."""
+  (request, token, end: "eos", "length" or None, logprob: jaxkv.telemetry.Recorder.record's), the indices of the
+  steps read, and the prompt logprobs of the requests placed that asked (request, SlotFiller.prompt_logprobs's).
+  """
 
   placed: list[tuple[int, int, int, int, int]] = dataclasses.field(default_factory=list)
   tokens: list[tuple[int, int, str | None]] = dataclasses.field(default_factory=list)
   steps: list[int] = dataclasses.field(default_factory=list)
+  prompt_logprobs: list[tuple[int, list]] = dataclasses.field(default_factory=list)
 
 
 class Server:
@@ -268,8 +270,11 @@ class Epoch:
     with its row."""
     eng, req, end, pc = self.engine, self.run.requests[r], gen.end, self.run.server.prefix_cache
     hits = pc.stats["hit_tokens"] if pc is not None else 0
-    x_new = filler.fill(gen.cache, b, req.prompt, end)
+    hidden = None if req.prompt_logprobs is None else []
+    x_new = filler.fill(gen.cache, b, req.prompt, end, hidden)
     self.run.cached[r] = pc.stats["hit_tokens"] - hits if pc is not None else 0
+    if hidden is not None:
+      self.run.progress.prompt_logprobs.append((r, filler.prompt_logprobs(req.prompt, hidden, req.prompt_logprobs)))
     gen.start[b] = end - len(req.prompt)
     row = eng.state(x_new, gen.start[b : b + 1], end - 1, self.run.server.sampling([req]), [req.prompt])
     row = loop.first(row, [r])

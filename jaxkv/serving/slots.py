@@ -17,6 +17,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from jaxkv import sampling
 from jaxkv.host import memory
 from jaxkv.serving import prefix_cache as prefix_cache_lib
 
@@ -56,12 +57,14 @@ class SlotFiller:
     self._scratch.cache.clear()
     return self._scratch
 
-  def fill(self, cache, slot: int, prompt, end: int) -> jax.Array:
+  def fill(self, cache, slot: int, prompt, end: int, hidden: list | None = None) -> jax.Array:
     """Prefills `prompt` alone from row 0 and puts its rows at [end - L, end) of slot `slot` of `cache`
-    (jaxkv.cache.KVCache) and into its open page; returns the hidden state of its last row [1, D]."""
+    (jaxkv.cache.KVCache) and into its open page; returns the hidden state of its last row [1, D]. hidden: a list
+    that gets every row's (Engine.prefill's; the prefix cache is then neither read nor written: every row is
+    computed)."""
     eng, pc = self.engine, self.prefix_cache
-    if pc is None:
-      run = eng.prefill_slot(self.scratch(), cache, slot, prompt, end)
+    if pc is None or hidden is not None:
+      run = eng.prefill_slot(self.scratch(), cache, slot, prompt, end, hidden=hidden)
       for _ in run:
         pass
       return run.x
@@ -83,6 +86,14 @@ class SlotFiller:
     finally:
       pc.release(hit)
     return run.x
+
+  def prompt_logprobs(self, prompt, hidden: list, top: int) -> list:
+    """The log-probability of each prompt token after the ones before it (None for the first) and the `top` most
+    likely tokens there (jaxkv.sampling.logprobs's), from `hidden` (fill's: the chunks' rows [1, C, D]) through the
+    head, one call and one read per chunk."""
+    eng = self.engine
+    logits = np.concatenate([jax.device_get(eng.fns.logits(eng.top_last, x))[0] for x in hidden])
+    return [None] + [sampling.logprobs(logits[i], prompt[i + 1], top) for i in range(len(prompt) - 1)]
 
   def close(self) -> None:
     if self._scratch is not None:
