@@ -430,6 +430,21 @@ class Engine:
     )
     return Prefill(self._fill_slot(own, run, cache, slot, end - length, end), run.rows)
 
+  def refill_slot(
+      self, own: Generation, cache: cache_lib.KVCache, slot: int, run: Prefill, layers, length: int, end: int
+  ) -> jax.Array:
+    """Puts a prompt of `length` tokens prefilled before (its prefill_slot `run`, iterated, and the layers it
+    yielded) at [end - length, end) of slot `slot` of `cache` as prefill_slot does, without computing it again
+    (several samples of one prompt); returns its x [1, D]."""
+
+    def replay():
+      yield from layers
+      return run.x
+
+    for _ in self._fill_slot(own, Prefill(replay(), run.rows), cache, slot, end - length, end):
+      pass
+    return run.x
+
   def _tokens(self, prompt) -> np.ndarray:
     """i32[1, n * chunk]: the prompt at rows [0, L), zeros after."""
     chunk = self.config.engine.prefill_chunk

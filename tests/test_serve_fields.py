@@ -141,6 +141,30 @@ def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs_of_the_reference(se
   assert streamed == echoed.logprobs.token_logprobs
 
 
+def test_n_samples_share_one_prefill_and_sample_i_draws_with_seed_plus_i(server, client, monkeypatch):
+  eng = server[1].loop.server.engine
+  prefills = []
+  prefill_slot = eng.prefill_slot
+  monkeypatch.setattr(eng, "prefill_slot", lambda *a, **k: prefills.append(1) or prefill_slot(*a, **k))
+  prompt = helpers.prompts([21], seed=27)[0]
+  sampled = dict(model="tiny", prompt=prompt, max_tokens=8, temperature=0.9, seed=5)
+  out = client.completions.create(n=3, **sampled)
+  assert len(prefills) == 1  # The other two samples took its rows.
+  assert [c.index for c in out.choices] == [0, 1, 2]
+  alone = [client.completions.create(**dict(sampled, seed=5 + i)).choices[0].token_ids for i in range(3)]
+  assert [c.token_ids for c in out.choices] == alone and len({tuple(a) for a in alone}) == 3
+  assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (21, 24)
+  chunks = list(client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **sampled))
+  streamed, finished = [[], [], []], [None] * 3
+  for c in chunks[:-1]:
+    (choice,) = c.choices
+    assert finished[choice.index] is None  # Nothing after a choice's last chunk.
+    streamed[choice.index] += choice.token_ids
+    finished[choice.index] = choice.finish_reason
+  assert streamed == alone and finished == ["length"] * 3
+  assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.prompt_tokens == 21
+
+
 def test_max_tokens_0_needs_echo_and_chat_does_not_echo(server):
   r = _post(server[0], {"prompt": [1, 2], "max_tokens": 0})
   assert r.status_code == 400 and "needs echo: true" in r.json()["error"]["message"], r.text

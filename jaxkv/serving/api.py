@@ -340,7 +340,7 @@ def make_app(
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
       if len(prompt) != 1:
-        raise ApiError(400, f"one prompt per request (n = 1), got a list of {len(prompt)}")
+        raise ApiError(400, f"one prompt per request (n samples of it: `n`), got a list of {len(prompt)}")
       prompt = prompt[0]
     if isinstance(prompt, str):
       if model.tokenizer is None:
@@ -398,88 +398,124 @@ def make_app(
     if echo is not None and echo.only:
       max_tokens = 1  # Its token is dropped (_Generation): prefill and head run as for any request.
     prompt_logprobs = logprobs if echo is not None else None
-    request = Request(
-        tuple(ids), max_tokens, _seed(body.seed), _sampling(body, model), rules, logprobs, prompt_logprobs
-    )
-    gen = _Generation(model, metrics, request, stops, eos, t0, echo)
+    seed, sampling, gens = _seed(body.seed), _sampling(body, model), []
+    try:
+      for i in range(body.n):  # Sample i: seed + i; the first's prefill serves the others (Request.prompt_shares).
+        shares = body.n - 1 if i == 0 else 0
+        request = Request(
+            tuple(ids), max_tokens, (seed + i) & 0x7FFFFFFF, sampling, rules, logprobs, prompt_logprobs, shares
+        )
+        gens.append(_Generation(model, metrics, request, stops, eos, t0, echo))
+    except ApiError:
+      for gen in gens:
+        gen.close()
+      raise
     rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
     head = {"id": rid, "created": int(time.time()), "model": model.name}
     if body.stream:
       include_usage = body.stream_options is not None and body.stream_options.include_usage
       return responses.StreamingResponse(
-          _stream(gen, head, kind, len(ids), include_usage, http), media_type="text/event-stream"
+          _stream(gens, head, kind, len(ids), include_usage, http), media_type="text/event-stream"
       )
-    watch = asyncio.ensure_future(_watch(http, gen))
-    try:
+
+    async def finish(gen: _Generation) -> None:
       while gen.finish is None:
         await gen.next()
+
+    watch = asyncio.ensure_future(_watch(http, gens))
+    try:
+      await asyncio.gather(*(finish(gen) for gen in gens))
     finally:
       watch.cancel()
-      gen.close()
-    if gen.reason == "cancelled":
+      for gen in gens:
+        gen.close()
+    if any(gen.reason == "cancelled" for gen in gens):
       return responses.Response(status_code=499)  # Nobody reads it.
-    out = gen.out
-    choice = {
-        "index": 0,
-        "token_ids": out.ids,
-        "logprobs": gen.shaped_logprobs(out.ids, 0, kind == "chat.completion", echoed=True),
-        "finish_reason": gen.finish,
-    }
-    if kind == "chat.completion":
-      choice["message"] = {"role": "assistant", "content": out.text}
-    else:
-      choice["text"] = ("" if echo is None else echo.text) + out.text
-    return dict(head, object=kind, choices=[choice], usage=_usage(len(ids), len(out.ids), gen.handle.cached_tokens))
+    choices = []
+    for i, gen in enumerate(gens):
+      out = gen.out
+      choice = {
+          "index": i,
+          "token_ids": out.ids,
+          "logprobs": gen.shaped_logprobs(out.ids, 0, kind == "chat.completion", echoed=True),
+          "finish_reason": gen.finish,
+      }
+      if kind == "chat.completion":
+        choice["message"] = {"role": "assistant", "content": out.text}
+      else:
+        choice["text"] = ("" if echo is None else echo.text) + out.text
+      choices.append(choice)
+    return dict(head, object=kind, choices=choices, usage=_usage(len(ids), gens))
 
   return app
 
 
 async def _stream(
-    gen: _Generation, head: dict, kind: str, prompt_tokens: int, include_usage: bool, http: fastapi.Request
+    gens: list[_Generation], head: dict, kind: str, prompt_tokens: int, include_usage: bool, http: fastapi.Request
 ):
-  """Server-sent events: a chunk per token, the last with finish_reason, usage if asked, then [DONE]. Ends the
-  request when the client goes away (_watch, or the response task is cancelled)."""
+  """Server-sent events: a chunk per token of a choice (its index), the choice's last with its finish_reason, usage
+  if asked, then [DONE]. Ends the requests when the client goes away (_watch, or the response task is cancelled)."""
   chat = kind == "chat.completion"
   obj = "chat.completion.chunk" if chat else "text_completion"
+  first, sent = [True] * len(gens), [0] * len(gens)  # sent: each choice's ids sent so far.
 
-  def chunk(ids, piece, finish, first=False):
-    logprobs = gen.shaped_logprobs(ids, sent, chat, echoed=first)
-    choice = {"index": 0, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish}
+  def chunk(i, ids, piece):
+    gen = gens[i]
+    logprobs = gen.shaped_logprobs(ids, sent[i], chat, echoed=first[i])
+    choice = {"index": i, "token_ids": ids, "logprobs": logprobs, "finish_reason": gen.finish}
     if chat:
-      choice["delta"] = dict({"role": "assistant"} if first else {}, content=piece)
+      choice["delta"] = dict({"role": "assistant"} if first[i] else {}, content=piece)
     else:
-      choice["text"] = (gen.echo.text if first and gen.echo is not None else "") + piece
+      choice["text"] = (gen.echo.text if first[i] and gen.echo is not None else "") + piece
+    first[i], sent[i] = False, sent[i] + len(ids)
     return _event(dict(head, object=obj, choices=[choice]))
 
-  watch = asyncio.ensure_future(_watch(http, gen))
+  watch = asyncio.ensure_future(_watch(http, gens))
+  events = _merged(gens)
   try:
-    first, sent = True, 0  # sent: the ids sent so far.
-    while gen.finish is None:
-      try:
-        ids, piece = await gen.next()
-      except ApiError as e:
-        yield _event({"error": {"message": e.message, "type": e.kind, "param": None, "code": e.status}})
-        return
-      if gen.reason == "cancelled":
-        return
-      if ids or piece or gen.finish is not None:
-        yield chunk(ids, piece, gen.finish, first)
-        first, sent = False, sent + len(ids)
+    try:
+      async for i, ids, piece in events:
+        if gens[i].reason == "cancelled":
+          return
+        if ids or piece or gens[i].finish is not None:
+          yield chunk(i, ids, piece)
+    except ApiError as e:
+      yield _event({"error": {"message": e.message, "type": e.kind, "param": None, "code": e.status}})
+      return
     if include_usage:
-      yield _event(
-          dict(head, object=obj, choices=[], usage=_usage(prompt_tokens, len(gen.out.ids), gen.handle.cached_tokens))
-      )
+      yield _event(dict(head, object=obj, choices=[], usage=_usage(prompt_tokens, gens)))
     yield "data: [DONE]\n\n"
   finally:
+    await events.aclose()
     watch.cancel()
-    gen.close()
+    for gen in gens:
+      gen.close()
 
 
-async def _watch(http: fastapi.Request, gen: _Generation) -> None:
-  """Aborts `gen` when its client disconnects: ASGI's receive, once the body is read, returns only that."""
+async def _merged(gens: list[_Generation]):
+  """(choice index, ids, text) of each generation's events (_Generation.next) as they come, until every one
+  finished."""
+  pending = {asyncio.ensure_future(gen.next()): i for i, gen in enumerate(gens)}
+  try:
+    while pending:
+      done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+      for future in sorted(done, key=pending.get):
+        i = pending.pop(future)
+        ids, piece = future.result()
+        yield i, ids, piece
+        if gens[i].finish is None:
+          pending[asyncio.ensure_future(gens[i].next())] = i
+  finally:
+    for future in pending:
+      future.cancel()
+
+
+async def _watch(http: fastapi.Request, gens: list[_Generation]) -> None:
+  """Aborts `gens` when their client disconnects: ASGI's receive, once the body is read, returns only that."""
   while (await http.receive())["type"] != "http.disconnect":
     pass
-  gen.abort()
+  for gen in gens:
+    gen.abort()
 
 
 async def _encode(model: Model, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -529,10 +565,12 @@ def _event(obj: dict) -> str:
   return "data: " + pydantic.TypeAdapter(dict).dump_json(obj).decode() + "\n\n"
 
 
-def _usage(prompt: int, completion: int, cached: int) -> dict:
-  """OpenAI's usage; cached: the prompt tokens taken from the prefix cache."""
+def _usage(prompt: int, gens: list[_Generation]) -> dict:
+  """OpenAI's usage of the choices `gens` of one prompt (counted once; cached: its tokens the first choice took from
+  the prefix cache)."""
+  completion = sum(len(gen.out.ids) for gen in gens)
   usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-  return dict(usage, prompt_tokens_details={"cached_tokens": cached})
+  return dict(usage, prompt_tokens_details={"cached_tokens": gens[0].handle.cached_tokens})
 
 
 def _message(m: schemas.Message) -> dict:

@@ -19,7 +19,9 @@ class Request:
   penalties (None = the engine's; the engine's end ids, sampling.stop_ids, apply to all); rules: its logit bias and
   the ids it holds back until min_tokens (None = none); logprobs: how many of the most likely tokens each of its
   tokens' log-probabilities lists (None = no log-probabilities; jaxkv.sampling.logprobs); prompt_logprobs: the same
-  for its prompt's tokens, each under the ones before it (None = none; the prefix cache then serves it no rows)."""
+  for its prompt's tokens, each under the ones before it (None = none; the prefix cache then serves it no rows);
+  prompt_shares: how many requests after it with the same prompt take its prefilled rows instead of computing them
+  (n samples of one prompt; jaxkv.serving.slots.SlotFiller.fill)."""
 
   prompt: tuple[int, ...]
   max_new_tokens: int | None
@@ -28,6 +30,7 @@ class Request:
   rules: Rules | None = None
   logprobs: int | None = None
   prompt_logprobs: int | None = None
+  prompt_shares: int = 0
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ asks for nothing."""
 from __future__ import annotations
 
 import json
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import pydantic
 import pydantic_core
@@ -28,6 +28,7 @@ _NO_OPS = {
     "store": (None, False),
 }
 _PENALTY = pydantic.Field(None, ge=-2.0, le=2.0)
+MAX_N = 16  # Samples a request may ask for (`n`): each is a request of the loop's queue.
 
 
 class _StreamOptions(pydantic.BaseModel):
@@ -58,7 +59,7 @@ class Params(pydantic.BaseModel):
   stop_token_ids: list[pydantic.StrictInt] | None = None  # As vLLM: ids that end a request (kept as its last).
   stream: bool = False
   stream_options: _StreamOptions | None = None
-  n: Literal[1] = 1
+  n: int = pydantic.Field(1, ge=1, le=MAX_N)  # Samples of the prompt (choices 0..n-1, sample i seeded seed + i).
   ignore_eos: bool = False  # As vLLM: run past the checkpoint's end of sequence ids (the config's eos_id still ends).
   min_tokens: int = pydantic.Field(0, ge=0)  # As vLLM: no end id (nor stop string) before this many tokens.
   user: str | None = None  # An end user's name for the operator's logs: nothing to do here.

@@ -271,7 +271,7 @@ class Epoch:
     eng, req, end, pc = self.engine, self.run.requests[r], gen.end, self.run.server.prefix_cache
     hits = pc.stats["hit_tokens"] if pc is not None else 0
     hidden = None if req.prompt_logprobs is None else []
-    x_new = filler.fill(gen.cache, b, req.prompt, end, hidden)
+    x_new = filler.fill(gen.cache, b, req.prompt, end, hidden, req.prompt_shares)
     self.run.cached[r] = pc.stats["hit_tokens"] - hits if pc is not None else 0
     if hidden is not None:
       self.run.progress.prompt_logprobs.append((r, filler.prompt_logprobs(req.prompt, hidden, req.prompt_logprobs)))
