@@ -10,7 +10,9 @@ and settings gets the tokens `python3 -m jaxkv.generate` prints; penalties, min_
 the head per request (jaxkv.sampling). `stop` strings end a request at the first one and cut the text before it; so
 does a checkpoint's end of sequence id or a `stop_token_ids` id (its id ends `token_ids`), unless "ignore_eos".
 `logprobs` (and chat's `top_logprobs`) give each token's float32 log-probability under the model's logits in the
-OpenAI shapes (jaxkv.serving.logprobs). A field the server does not implement is a 400 naming it
+OpenAI shapes (jaxkv.serving.logprobs); a completion's `echo` puts its prompt before the text, and with `logprobs`
+its prompt tokens' (the first null; `max_tokens: 0`: the prompt alone). `n` samples of one prompt are n requests
+(sample i seeded seed + i) sharing its prefill, choices 0..n-1. A field the server does not implement is a 400 naming it
 (jaxkv.serving.schemas: its no-op value is accepted).
 
 Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`: bad input a 400, an unknown model or route
