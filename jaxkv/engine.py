@@ -234,9 +234,9 @@ class Engine:
     put = lambda a: self.put(a, a.dtype)
     b, vocab = len(start), self.config.model.vocab_size
     seen = sampling_lib.prompt_tokens(prompts or [None] * b, sampling, vocab)
-    counts = put(np.zeros((b, vocab), np.int32))
+    counts, allowed = put(np.zeros((b, vocab), np.int32)), put(np.ones((b, vocab), bool))
     return DecodeState(
-        x, self.meta(start, end), put(np.zeros(b, np.int32)), jax.tree.map(put, sampling), counts, put(seen)
+        x, self.meta(start, end), put(np.zeros(b, np.int32)), jax.tree.map(put, sampling), counts, put(seen), allowed
     )
 
   def sampling(self, batch: int, seed: int) -> SamplingParams:

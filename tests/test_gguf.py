@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -520,20 +521,14 @@ def test_folder_chat_template(tmp_path):
   assert tokenizer_lib.Tokenizer.from_dir(str(tmp_path)).encode_chat(messages) == [2, 2]
 
 
-def test_smollm2_echoed_prompt_logprobs_match_transformers(smollm2, smollm2_params):
-  """lm-eval's loglikelihood request through the openai client (echo, logprobs, max_tokens 0) on a text prompt of
-  three prefill chunks: its text comes back, each prompt token's logprob (the first null) and its 5 most likely ones
-  equal transformers' float32 log-softmax on the same file within 1e-4."""
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2, smollm2_params):
+  """An HTTP server (jaxkv.serving.api, in this process) of SmolLM2 in float32 with its tokenizer and end ids: an
+  openai client of it."""
   openai = pytest.importorskip("openai", reason="the serve extra: pip install -e '.[serve]'")
   import serve_helpers  # pylint: disable=g-import-not-at-top  (needs the serve extra)
 
-  path, tok, prompts, ids, _, _ = smollm2
-  folder, file = os.path.split(path)
-  net = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
-  with torch.no_grad():
-    ref = torch.log_softmax(net(torch.tensor([ids[2]])).logits[0].float(), -1).numpy()
+  path, tok = smollm2[:2]
   cfg, params = smollm2_params(1)
   config = config_lib.Config(
       model=cfg,
@@ -541,12 +536,24 @@ def test_smollm2_echoed_prompt_logprobs_match_transformers(smollm2, smollm2_para
       engine=config_lib.EngineConfig(capacity=512, prefill_chunk=128),
       mesh=(("tensor", 1),),
   )
-  with serve_helpers.running(engine_lib.Engine(config, helpers.mesh(1), params), parallel=1, tokenizer=tok) as (
-      url,
-      _,
-  ):
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600.0)
-    out = client.completions.create(model="tiny", prompt=prompts[2], max_tokens=0, echo=True, logprobs=5)
+  eng = engine_lib.Engine(config, helpers.mesh(1), params)
+  eos = gguf_loader.eos_ids(path)
+  with serve_helpers.running(eng, parallel=2, tokenizer=tok, template=tok.chat_template, eos_ids=eos) as (url, _):
+    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600.0)
+
+
+def test_smollm2_echoed_prompt_logprobs_match_transformers(smollm2, smollm2_server):
+  """lm-eval's loglikelihood request through the openai client (echo, logprobs, max_tokens 0) on a text prompt of
+  three prefill chunks: its text comes back, each prompt token's logprob (the first null) and its 5 most likely ones
+  equal transformers' float32 log-softmax on the same file within 1e-4."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  path, tok, prompts, ids, _, _ = smollm2
+  folder, file = os.path.split(path)
+  net = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+  with torch.no_grad():
+    ref = torch.log_softmax(net(torch.tensor([ids[2]])).logits[0].float(), -1).numpy()
+  out = smollm2_server.completions.create(model="tiny", prompt=prompts[2], max_tokens=0, echo=True, logprobs=5)
   choice, n = out.choices[0], len(ids[2])
   assert choice.text == prompts[2] and choice.token_ids == [] and out.usage.prompt_tokens == n > 2 * 128
   lp = choice.logprobs
@@ -558,3 +565,50 @@ def test_smollm2_echoed_prompt_logprobs_match_transformers(smollm2, smollm2_para
     values = ref[i - 1][np.argsort(-ref[i - 1], kind="stable")[:5]]
     assert list(lp.top_logprobs[i]) == top, i
     np.testing.assert_allclose(list(lp.top_logprobs[i].values()), values, rtol=0, atol=1e-4)
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "maximum": 150}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_smollm2_structured_output_parses_and_validates(smollm2_server):
+  """response_format json_schema (chat) and json_object (streamed), guided_regex and a GBNF grammar: the outputs
+  parse and validate (jsonschema) or match; a grammar that does not compile is a 400 naming its field."""
+  jsonschema = pytest.importorskip("jsonschema", reason="the test extra: pip install -e '.[test]'")
+  openai = pytest.importorskip("openai")
+  client = smollm2_server
+  messages = [{"role": "user", "content": "Describe a person named Ada, 36 years old, as JSON."}]
+  schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+  out = client.chat.completions.create(
+      model="tiny", messages=messages, max_tokens=48, temperature=0, response_format=schema
+  )
+  assert out.choices[0].finish_reason == "stop"
+  jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+  chunks = client.completions.create(
+      model="tiny",
+      prompt="A JSON object:",
+      max_tokens=48,
+      stream=True,
+      extra_body={"response_format": {"type": "json_object"}},
+  )
+  text = "".join(c.choices[0].text for c in chunks if c.choices)
+  assert isinstance(json.loads(text), dict), text
+  answer = client.completions.create(
+      model="tiny",
+      prompt="Is Paris in France?",
+      max_tokens=8,
+      temperature=0.8,
+      seed=3,
+      extra_body={"guided_regex": "(yes|no)"},
+  )
+  assert answer.choices[0].text in ("yes", "no") and answer.choices[0].finish_reason == "stop"
+  digits = client.completions.create(
+      model="tiny", prompt="Pi is", max_tokens=8, extra_body={"grammar": 'root ::= " " [0-9] "." [0-9] [0-9]'}
+  )
+  assert re.fullmatch(r" [0-9]\.[0-9][0-9]", digits.choices[0].text), digits.choices[0].text
+  with pytest.raises(openai.BadRequestError, match="grammar: the grammar does not compile"):
+    client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"grammar": "root ::= ("})

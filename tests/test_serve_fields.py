@@ -1,8 +1,9 @@
 """The OpenAI request fields of the HTTP server (jaxkv.serving.api) on the tiny model, through the openai client and
 httpx: a field the server does not implement is a 400 naming it (its no-op value is accepted), logprobs are the
-float32 log-softmax of the model's logits in the OpenAI shape (streamed too), penalties and logit_bias reach the
-head per request, stop_token_ids and min_tokens, usage in a stream's last chunk; an API key and CORS origins guard
-the endpoints; /props."""
+float32 log-softmax of the model's logits in the OpenAI shape (streamed too), the prompt's with echo, n samples share
+one prefill, penalties and logit_bias reach the head per request, stop_token_ids and min_tokens, usage in a stream's
+last chunk, structured output's refusals without a tokenizer (tests/test_gguf.py serves it on SmolLM2); an API key
+and CORS origins guard the endpoints; /props."""
 
 import json
 
@@ -62,7 +63,6 @@ def _post(url, body):
         ("suffix", "x"),
         ("best_of", 2),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("response_format", {"type": "json_object"}),
     ],
 )
 def test_a_field_the_server_does_not_implement_is_a_400_naming_it(server, field, value):
@@ -163,6 +163,25 @@ def test_n_samples_share_one_prefill_and_sample_i_draws_with_seed_plus_i(server,
     finished[choice.index] = choice.finish_reason
   assert streamed == alone and finished == ["length"] * 3
   assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.prompt_tokens == 21
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format: structured output needs a checkpoint with a"),
+        ({"guided_regex": "[0-9]+"}, "guided_regex: structured output needs a checkpoint with a tokenizer.json"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs json_schema.schema"),
+        (
+            {"grammar": 'root ::= "a"', "guided_json": {}},
+            "one structured output field per request, got guided_json, gr",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ],
+)
+def test_structured_output_needs_a_tokenizer_and_one_grammar(server, fields, message):
+  r = _post(server[0], dict({"prompt": [1, 2], "max_tokens": 2}, **fields))
+  assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+  assert _post(server[0], {"prompt": [1, 2], "max_tokens": 2, "response_format": {"type": "text"}}).status_code == 200
 
 
 def test_max_tokens_0_needs_echo_and_chat_does_not_echo(server):

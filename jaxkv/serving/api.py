@@ -74,6 +74,14 @@ class Model:
     return self.loop.server.engine.config.engine.capacity
 
   @functools.cached_property
+  def grammars(self):
+    """The compiler of requests' grammars (jaxkv.serving.grammar.Grammars; llguidance reads the tokenizer at first
+    use, about a second). Needs a tokenizer and end of sequence ids."""
+    from jaxkv.serving import grammar  # pylint: disable=g-import-not-at-top  (llguidance: the serve extra)
+
+    return grammar.Grammars(self.tokenizer, self.loop.server.engine.config.model.vocab_size, sorted(self.eos_ids))
+
+  @functools.cached_property
   def max_prompt_bytes(self) -> int | None:
     """UTF-8 bytes of text past which a prompt cannot fit the capacity (jaxkv.tokenizer's bytes_per_token); None:
     no such bound is known."""
@@ -400,12 +408,22 @@ def make_app(
     if echo is not None and echo.only:
       max_tokens = 1  # Its token is dropped (_Generation): prefill and head run as for any request.
     prompt_logprobs = logprobs if echo is not None else None
+    spec = _grammar_spec(body)
+    grammars = [None if spec is None else await _compile(model, *spec) for _ in range(body.n)]
     seed, sampling, gens = _seed(body.seed), _sampling(body, model), []
     try:
       for i in range(body.n):  # Sample i: seed + i; the first's prefill serves the others (Request.prompt_shares).
         shares = body.n - 1 if i == 0 else 0
         request = Request(
-            tuple(ids), max_tokens, (seed + i) & 0x7FFFFFFF, sampling, rules, logprobs, prompt_logprobs, shares
+            tuple(ids),
+            max_tokens,
+            (seed + i) & 0x7FFFFFFF,
+            sampling,
+            rules,
+            logprobs,
+            prompt_logprobs,
+            prompt_shares=shares,
+            grammar=grammars[i],
         )
         gens.append(_Generation(model, metrics, request, stops, eos, t0, echo))
     except ApiError:
@@ -603,6 +621,41 @@ def _sampling(body: schemas.Params, model: Model) -> SamplingConfig:
       repetition_penalty=body.repetition_penalty,
   )
   return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
+
+
+# Structured output's request fields -> the grammar kind each gives (jaxkv.serving.grammar.KINDS).
+_GRAMMAR_FIELDS = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_grammar": "grammar",
+    "grammar": "grammar",
+}
+
+
+def _grammar_spec(body: schemas.Params) -> tuple[str, str, object] | None:
+  """The request's grammar as (field, kind, source), None without; a 400 for more than one."""
+  given = [(f, kind, getattr(body, f)) for f, kind in _GRAMMAR_FIELDS.items() if getattr(body, f) is not None]
+  fmt = body.response_format
+  if fmt is not None and fmt.type == "json_object":
+    given.append(("response_format", "json_object", None))
+  elif fmt is not None and fmt.type == "json_schema":
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+      raise ApiError(400, "response_format: type json_schema needs json_schema.schema")
+    given.append(("response_format", "json_schema", fmt.json_schema.schema_))
+  if len(given) > 1:
+    raise ApiError(400, f"one structured output field per request, got {', '.join(f for f, *_ in given)}")
+  return given[0] if given else None
+
+
+async def _compile(model: Model, field: str, kind: str, source):
+  """A request's grammar (jaxkv.serving.grammar.Grammar), compiled on a worker thread; a 400 naming `field` where it
+  cannot be."""
+  if model.tokenizer is None or not model.eos_ids:
+    raise ApiError(400, f"{field}: structured output needs a checkpoint with a tokenizer.json and end of sequence ids")
+  try:
+    return await concurrency.run_in_threadpool(lambda: model.grammars.compile(kind, source))
+  except ValueError as e:
+    raise ApiError(400, f"{field}: the grammar does not compile: {str(e).splitlines()[0]}") from e
 
 
 def _tokenizer(model: Model) -> tokenizer_lib.Tokenizer:

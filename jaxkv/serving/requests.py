@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jaxkv.config import SamplingConfig
 from jaxkv.sampling import Rules
@@ -21,7 +22,8 @@ class Request:
   tokens' log-probabilities lists (None = no log-probabilities; jaxkv.sampling.logprobs); prompt_logprobs: the same
   for its prompt's tokens, each under the ones before it (None = none; the prefix cache then serves it no rows);
   prompt_shares: how many requests after it with the same prompt take its prefilled rows instead of computing them
-  (n samples of one prompt; jaxkv.serving.slots.SlotFiller.fill)."""
+  (n samples of one prompt; jaxkv.serving.slots.SlotFiller.fill); grammar: the jaxkv.serving.grammar.Grammar its
+  tokens follow (None = none; its matcher advances as they are read, so the loop reads each step before the next)."""
 
   prompt: tuple[int, ...]
   max_new_tokens: int | None
@@ -31,6 +33,7 @@ class Request:
   logprobs: int | None = None
   prompt_logprobs: int | None = None
   prompt_shares: int = 0
+  grammar: Any = None
 
 
 @dataclasses.dataclass

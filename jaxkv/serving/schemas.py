@@ -6,7 +6,7 @@ asks for nothing."""
 from __future__ import annotations
 
 import json
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import pydantic
 import pydantic_core
@@ -19,7 +19,6 @@ _NO_OPS = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -35,6 +34,24 @@ class _StreamOptions(pydantic.BaseModel):
   model_config = pydantic.ConfigDict(strict=True, extra="forbid")
 
   include_usage: bool = False
+
+
+class _JsonSchema(pydantic.BaseModel):
+  """OpenAI's response_format.json_schema."""
+
+  model_config = pydantic.ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+  name: str | None = None
+  description: str | None = None
+  schema_: dict | None = pydantic.Field(None, alias="schema")
+  strict: bool | None = None
+
+
+class _ResponseFormat(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(strict=True, extra="forbid")
+
+  type: Literal["text", "json_object", "json_schema"]
+  json_schema: _JsonSchema | None = None
 
 
 class Params(pydantic.BaseModel):
@@ -63,6 +80,12 @@ class Params(pydantic.BaseModel):
   ignore_eos: bool = False  # As vLLM: run past the checkpoint's end of sequence ids (the config's eos_id still ends).
   min_tokens: int = pydantic.Field(0, ge=0)  # As vLLM: no end id (nor stop string) before this many tokens.
   user: str | None = None  # An end user's name for the operator's logs: nothing to do here.
+  # Structured output (jaxkv.serving.grammar), one of: OpenAI's, vLLM's guided_* and llama-server's GBNF `grammar`.
+  response_format: _ResponseFormat | None = None
+  guided_json: dict | str | None = None
+  guided_regex: str | None = None
+  guided_grammar: str | None = None  # Lark or GBNF.
+  grammar: str | None = None  # GBNF (or Lark).
 
   @pydantic.model_validator(mode="before")
   @classmethod
