@@ -25,6 +25,7 @@ from safetensors.numpy import save_file
 
 import helpers
 from experiments import common
+from jaxkv import chat_template as chat_template_lib
 from jaxkv import checkpoint
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
@@ -521,10 +522,34 @@ def test_folder_chat_template(tmp_path):
   assert tokenizer_lib.Tokenizer.from_dir(str(tmp_path)).encode_chat(messages) == [2, 2]
 
 
+# SmolLM2's ChatML with Qwen3's rendering of tools (its own template renders none).
+TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}<|im_start|>{{ message['role'] }}
+{{ message['content'] }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2, smollm2_params):
-  """An HTTP server (jaxkv.serving.api, in this process) of SmolLM2 in float32 with its tokenizer and end ids: an
-  openai client of it."""
+  """An HTTP server (jaxkv.serving.api, in this process) of SmolLM2 in float32 with its tokenizer and end ids, and
+  TOOLS_TEMPLATE: an openai client of it."""
   openai = pytest.importorskip("openai", reason="the serve extra: pip install -e '.[serve]'")
   import serve_helpers  # pylint: disable=g-import-not-at-top  (needs the serve extra)
 
@@ -538,7 +563,8 @@ def smollm2_server(smollm2, smollm2_params):
   )
   eng = engine_lib.Engine(config, helpers.mesh(1), params)
   eos = gguf_loader.eos_ids(path)
-  with serve_helpers.running(eng, parallel=2, tokenizer=tok, template=tok.chat_template, eos_ids=eos) as (url, _):
+  template = chat_template_lib.ChatTemplate(TOOLS_TEMPLATE, {})
+  with serve_helpers.running(eng, parallel=2, tokenizer=tok, template=template, eos_ids=eos) as (url, _):
     yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600.0)
 
 
@@ -612,3 +638,44 @@ def test_smollm2_structured_output_parses_and_validates(smollm2_server):
   assert re.fullmatch(r" [0-9]\.[0-9][0-9]", digits.choices[0].text), digits.choices[0].text
   with pytest.raises(openai.BadRequestError, match="grammar: the grammar does not compile"):
     client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"grammar": "root ::= ("})
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+
+
+def test_smollm2_tool_calls_in_qwen3_s_format_streamed_or_not(smollm2, smollm2_server):
+  """A chat with `tools` renders them through the template; answers forced (guided_regex) to one or two calls in
+  Qwen3's format come back as message.tool_calls with finish_reason tool_calls, streamed in the last chunk with
+  their indices; a plain answer stays content."""
+  tok, client = smollm2[1], smollm2_server
+  messages = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+  rendered = chat_template_lib.ChatTemplate(TOOLS_TEMPLATE, {}).render(messages, True, [WEATHER])
+  assert '"name": "get_weather"' in rendered
+  two = re.escape(CALL % "Paris") + "\n" + re.escape(CALL % "Rome")
+  base = dict(model="tiny", messages=messages, tools=[WEATHER], max_tokens=80)
+  out = client.chat.completions.create(**base, extra_body={"guided_regex": two})
+  assert out.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
+  choice = out.choices[0]
+  assert choice.finish_reason == "tool_calls" and choice.message.content is None
+  calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+  assert calls == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+  chunks = list(client.chat.completions.create(**base, stream=True, extra_body={"guided_regex": two}))
+  assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+  streamed = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+  assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in streamed] == [
+      (0, "get_weather", {"city": "Paris"}),
+      (1, "get_weather", {"city": "Rome"}),
+  ]
+  assert chunks[-1].choices[0].finish_reason == "tool_calls"
+  plain = client.chat.completions.create(**base, stream=True, extra_body={"guided_regex": re.escape("It is sunny.")})
+  plain = list(plain)
+  assert "".join(c.choices[0].delta.content or "" for c in plain) == "It is sunny."
+  assert plain[-1].choices[0].finish_reason == "stop" and not any(c.choices[0].delta.tool_calls for c in plain)

@@ -51,6 +51,7 @@ from jaxkv.serving import loop as loop_lib
 from jaxkv.serving import metrics as metrics_lib
 from jaxkv.serving import schemas
 from jaxkv.serving import server as server_lib
+from jaxkv.serving import tools as tools_lib
 from jaxkv.serving.requests import Request
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's.
@@ -373,8 +374,16 @@ def make_app(
     if model.tokenizer is None or model.chat_template is None:
       raise ApiError(400, "chat needs a checkpoint with a tokenizer.json and a chat template; use /v1/completions")
     messages = [_message(m) for m in body.messages]
+    tools, tool_format = None, None
+    if body.tools:
+      tool_format = tools_lib.template_format(model.chat_template.source)
+      if tool_format is None:
+        raise ApiError(400, "tools: this model's chat template renders no tools; leave tools out")
+      tools = [t.model_dump(exclude_none=True) for t in body.tools]
+      if body.tool_choice == "none":
+        tool_format = None  # Rendered, as vLLM does; the answer is content.
     try:
-      text = await concurrency.run_in_threadpool(model.chat_template.render, messages, True)
+      text = await concurrency.run_in_threadpool(model.chat_template.render, messages, True, tools)
     except ValueError as e:
       raise ApiError(400, str(e)) from e
     ids = await _encode(model, text, add_special_tokens=False)
@@ -382,7 +391,7 @@ def make_app(
     if body.top_logprobs is not None and not body.logprobs:
       raise ApiError(400, "top_logprobs needs logprobs: true")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return await _respond(body, ids, max_tokens, "chat.completion", http, t0, logprobs)
+    return await _respond(body, ids, max_tokens, "chat.completion", http, t0, logprobs, tool_format=tool_format)
 
   async def _respond(
       body: schemas.Params,
@@ -393,6 +402,7 @@ def make_app(
       t0: float,
       logprobs: int | None,
       echo: _Echo | None = None,
+      tool_format: str | None = None,
   ):
     if body.model is not None and body.model != model.name:
       raise ApiError(404, f"model {body.model!r} is not served here; GET /v1/models lists {model.name!r}")
@@ -435,7 +445,7 @@ def make_app(
     if body.stream:
       include_usage = body.stream_options is not None and body.stream_options.include_usage
       return responses.StreamingResponse(
-          _stream(gens, head, kind, len(ids), include_usage, http), media_type="text/event-stream"
+          _stream(gens, head, kind, len(ids), include_usage, http, tool_format), media_type="text/event-stream"
       )
 
     async def finish(gen: _Generation) -> None:
@@ -461,7 +471,11 @@ def make_app(
           "finish_reason": gen.finish,
       }
       if kind == "chat.completion":
-        choice["message"] = {"role": "assistant", "content": out.text}
+        content, calls = tools_lib.parse(tool_format, out.text) if tool_format else (out.text, [])
+        choice["message"] = {"role": "assistant", "content": content}
+        if calls:
+          choice["message"] = dict(content=content or None, tool_calls=[c.openai() for c in calls], role="assistant")
+          choice["finish_reason"] = "tool_calls"
       else:
         choice["text"] = ("" if echo is None else echo.text) + out.text
       choices.append(choice)
@@ -471,20 +485,43 @@ def make_app(
 
 
 async def _stream(
-    gens: list[_Generation], head: dict, kind: str, prompt_tokens: int, include_usage: bool, http: fastapi.Request
+    gens: list[_Generation],
+    head: dict,
+    kind: str,
+    prompt_tokens: int,
+    include_usage: bool,
+    http: fastapi.Request,
+    tool_format: str | None = None,
 ):
   """Server-sent events: a chunk per token of a choice (its index), the choice's last with its finish_reason, usage
-  if asked, then [DONE]. Ends the requests when the client goes away (_watch, or the response task is cancelled)."""
+  if asked, then [DONE]. With tool_format (jaxkv.serving.tools) the text that may start a tool call is held back,
+  and the calls come in the choice's last chunk (`delta.tool_calls`, each with its index). Ends the requests when
+  the client goes away (_watch, or the response task is cancelled)."""
   chat = kind == "chat.completion"
   obj = "chat.completion.chunk" if chat else "text_completion"
   first, sent = [True] * len(gens), [0] * len(gens)  # sent: each choice's ids sent so far.
+  texts, shown = [""] * len(gens), [0] * len(gens)  # With tool_format: each choice's text, and its part sent.
 
   def chunk(i, ids, piece):
     gen = gens[i]
     logprobs = gen.shaped_logprobs(ids, sent[i], chat, echoed=first[i])
     choice = {"index": i, "token_ids": ids, "logprobs": logprobs, "finish_reason": gen.finish}
+    calls = []
+    if tool_format is not None:
+      texts[i] += piece
+      if gen.finish is None:
+        upto = tools_lib.content_length(tool_format, texts[i], final=False)
+      else:
+        content, calls = tools_lib.parse(tool_format, texts[i])
+        upto = len(content) if calls else len(texts[i])
+      upto = max(upto, shown[i])
+      piece, shown[i] = texts[i][shown[i] : upto], upto
+    if calls:
+      choice["finish_reason"] = "tool_calls"
     if chat:
       choice["delta"] = dict({"role": "assistant"} if first[i] else {}, content=piece)
+      if calls:
+        choice["delta"]["tool_calls"] = [c.openai(k) for k, c in enumerate(calls)]
     else:
       choice["text"] = (gen.echo.text if first[i] and gen.echo is not None else "") + piece
     first[i], sent[i] = False, sent[i] + len(ids)

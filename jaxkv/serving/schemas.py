@@ -104,6 +104,24 @@ class Params(pydantic.BaseModel):
     return {k: v for k, v in data.items() if k not in cls.no_ops}
 
 
+class _Function(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(strict=True, extra="forbid")
+
+  name: str
+  description: str | None = None
+  parameters: dict | None = None  # Its arguments' JSON schema.
+  strict: bool | None = None
+
+
+class Tool(pydantic.BaseModel):
+  """OpenAI's tool: a function the model may call (jaxkv.serving.tools)."""
+
+  model_config = pydantic.ConfigDict(strict=True, extra="forbid")
+
+  type: Literal["function"]
+  function: _Function
+
+
 class CompletionRequest(Params):
   no_ops: ClassVar[dict] = {k: v for k, v in _NO_OPS.items() if k != "echo"}
 
@@ -121,7 +139,11 @@ class Message(pydantic.BaseModel):
 
 
 class ChatRequest(Params):
+  no_ops: ClassVar[dict] = {k: v for k, v in _NO_OPS.items() if k not in ("tools", "tool_choice")}
+
   messages: list[Message] = pydantic.Field(min_length=1)
+  tools: list[Tool] | None = None
+  tool_choice: Literal["none", "auto"] | None = None  # Default "auto" with tools ("none": rendered, not parsed).
   max_completion_tokens: int | None = pydantic.Field(None, ge=1)
   logprobs: bool = False
   top_logprobs: int | None = pydantic.Field(None, ge=0, le=sampling.MAX_TOP_LOGPROBS)
