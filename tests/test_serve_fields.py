@@ -6,6 +6,7 @@ last chunk, structured output's refusals without a tokenizer (tests/test_gguf.py
 and CORS origins guard the endpoints; /props."""
 
 import json
+import threading
 
 import helpers
 import numpy as np
@@ -20,6 +21,7 @@ import openai
 import serve_helpers
 
 from jaxkv import reference as reference_lib
+from jaxkv import serving
 from jaxkv.config import SamplingConfig
 from jaxkv.serving import access as access_lib
 
@@ -182,6 +184,27 @@ def test_structured_output_needs_a_tokenizer_and_one_grammar(server, fields, mes
   r = _post(server[0], dict({"prompt": [1, 2], "max_tokens": 2}, **fields))
   assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
   assert _post(server[0], {"prompt": [1, 2], "max_tokens": 2, "response_format": {"type": "text"}}).status_code == 200
+
+
+def test_slots_show_the_request_each_slot_serves(server):
+  """GET /slots; mid-request (its third token's callback, on the engine thread), its slot shows it."""
+  url, model = server
+  seen, done = [], threading.Event()
+
+  def on_token(token, _):
+    seen.append(token)
+    if len(seen) == 3:
+      seen.append(model.loop.slots())
+
+  model.loop.submit(serving.Request((4, 5, 6, 7), 5), on_token, lambda *_: done.set())
+  assert done.wait(TIMEOUT_S)
+  tokens, slots = seen[:3] + seen[4:], seen[3]
+  (busy,) = [s for s in slots if s["is_processing"]]
+  assert busy["n_prompt_tokens"] == 4 and busy["tokens"] == tokens[:3] and busy["n_decoded"] == 3
+  assert busy["id_task"] >= 0 and all(s["n_ctx"] == model.capacity for s in slots)
+  idle = httpx.get(url + "/slots", timeout=TIMEOUT_S).json()
+  assert [s["id"] for s in idle] == [0, 1, 2, 3]
+  assert not any(s["is_processing"] for s in idle) and all(s["id_task"] == -1 and s["tokens"] == [] for s in idle)
 
 
 def test_max_tokens_0_needs_echo_and_chat_does_not_echo(server):

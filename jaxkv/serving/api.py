@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over a jaxkv.serving.loop.ServingLoop (FastAPI and uvicorn; `serve` extra).
 
 POST /v1/completions (prompt: text, or token ids), POST /v1/chat/completions (the checkpoint's chat template,
-jaxkv.chat_template), GET /v1/models, GET /health, GET /metrics (Prometheus text, jaxkv.serving.metrics). With
+jaxkv.chat_template), GET /v1/models, GET /health, GET /metrics (Prometheus text, jaxkv.serving.metrics), GET /slots
+(each slot's request and tokens), llama-server's /tokenize, /detokenize and /props. With
 "stream": true the choices come as server-sent events, one chunk per token, then `data: [DONE]`. Every choice (and
 chunk) carries its generated ids in `token_ids`; without a tokenizer prompts are token ids and `text` is empty.
 
@@ -12,7 +13,9 @@ does a checkpoint's end of sequence id or a `stop_token_ids` id (its id ends `to
 `logprobs` (and chat's `top_logprobs`) give each token's float32 log-probability under the model's logits in the
 OpenAI shapes (jaxkv.serving.logprobs); a completion's `echo` puts its prompt before the text, and with `logprobs`
 its prompt tokens' (the first null; `max_tokens: 0`: the prompt alone). `n` samples of one prompt are n requests
-(sample i seeded seed + i) sharing its prefill, choices 0..n-1. A field the server does not implement is a 400 naming it
+(sample i seeded seed + i) sharing its prefill, choices 0..n-1. Structured output (`response_format`, `guided_*`,
+`grammar`) masks the head per row (jaxkv.serving.grammar); a chat's `tools` are rendered by its template and the calls
+in its answer parsed (jaxkv.serving.tools). A field the server does not implement is a 400 naming it
 (jaxkv.serving.schemas: its no-op value is accepted).
 
 Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`: bad input a 400, an unknown model or route
@@ -344,6 +347,10 @@ def make_app(
         "vocab_size": cfg.model.vocab_size,
         "chat_template": None if model.chat_template is None else model.chat_template.source,
     }
+
+  @app.get("/slots")
+  async def slots():
+    return model.loop.slots()
 
   @app.post("/v1/completions")
   async def completions(body: schemas.CompletionRequest, http: fastapi.Request):

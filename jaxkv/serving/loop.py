@@ -125,6 +125,30 @@ class ServingLoop:
     if self._thread.is_alive():
       self._thread.join(timeout)
 
+  def slots(self) -> list[dict]:
+    """Each slot's state (llama-server's GET /slots): id, the request it serves (id_task, -1 when idle),
+    is_processing, n_ctx, its prompt's token count and the tokens it generated so far. Read from another thread: a
+    snapshot as of a recent step."""
+    run, capacity = self._run, self.server.engine.config.engine.capacity
+    held = list(run.scheduler.slots)
+    out = []
+    for b in range(self.parallel):
+      r = held[b].request if b < len(held) and held[b] is not None else None
+      request, record = run.requests.get(r), run.recorder.records.get(r)
+      tokens = [] if record is None else list(record.tokens)
+      out.append(
+          {
+              "id": b,
+              "id_task": -1 if request is None else r,
+              "is_processing": request is not None,
+              "n_ctx": capacity,
+              "n_prompt_tokens": 0 if request is None else len(request.prompt),
+              "n_decoded": len(tokens),
+              "tokens": tokens,
+          }
+      )
+    return out
+
   def transport(self) -> collections.Counter:
     """The transport counters so far (h2d_bytes, ring_high_water_bytes_per_device, insertions)."""
     return collections.Counter(self._run.totals)
