@@ -301,6 +301,16 @@ def smollm2_params():
   return get
 
 
+def _device_config(cfg: config_lib.ModelConfig) -> config_lib.Config:
+  """SmolLM2 on one device, its cache there, one call per layer, 512 rows in chunks of 128."""
+  return config_lib.Config(
+      model=cfg,
+      kv=config_lib.KVConfig(placement="device", block=16, group_layers=1),
+      engine=config_lib.EngineConfig(capacity=512, prefill_chunk=128),
+      mesh=(("tensor", 1),),
+  )
+
+
 def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2):
   _, tok, prompts, ids, _, hf_tok = smollm2
   assert ids == [hf_tok(p).input_ids for p in prompts]
@@ -349,12 +359,7 @@ def test_smollm2_logprobs_match_transformers(smollm2, smollm2_params):
   folder, file = os.path.split(path)
   net = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
   cfg, params = smollm2_params(1)
-  config = config_lib.Config(
-      model=cfg,
-      kv=config_lib.KVConfig(placement="device", block=16, group_layers=1),
-      engine=config_lib.EngineConfig(capacity=512, prefill_chunk=128),
-      mesh=(("tensor", 1),),
-  )
+  config = _device_config(cfg)
   res = engine_lib.Engine(config, helpers.mesh(1), params).generate(ids[:2], NEW_TOKENS, keep_logits=True)
   for b in range(2):
     assert res.tokens[b] == want[b]
@@ -555,12 +560,7 @@ def smollm2_server(smollm2, smollm2_params):
 
   path, tok = smollm2[:2]
   cfg, params = smollm2_params(1)
-  config = config_lib.Config(
-      model=cfg,
-      kv=config_lib.KVConfig(placement="device", block=16, group_layers=1),
-      engine=config_lib.EngineConfig(capacity=512, prefill_chunk=128),
-      mesh=(("tensor", 1),),
-  )
+  config = _device_config(cfg)
   eng = engine_lib.Engine(config, helpers.mesh(1), params)
   eos = gguf_loader.eos_ids(path)
   template = chat_template_lib.ChatTemplate(TOOLS_TEMPLATE, {})

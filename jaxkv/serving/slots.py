@@ -83,10 +83,12 @@ class SlotFiller:
       if not shared.left:
         self._shared = None
       return eng.refill_slot(self.scratch(), cache, slot, shared.run, shared.layers, len(prompt), end)
-    layers = []
+    layers = []  # With shares: the layers the prefill yields (else not kept: each layer's rows leave as it ends).
     if pc is None or hidden is not None:
       run = eng.prefill_slot(self.scratch(), cache, slot, prompt, end, hidden=hidden)
-      layers += run
+      for layer in run:
+        if shares:
+          layers.append(layer)
       self._share(prompt, run, layers, shares)
       return run.x
     chunk = eng.config.engine.prefill_chunk
@@ -99,7 +101,8 @@ class SlotFiller:
       moved = [jax.device_put(rows, rows[0].sharding.with_memory_kind("device")) for rows in blocks if rows]
       run = eng.prefill_slot(self.scratch(), cache, slot, prompt, end, first=len(hit), prefix=moved or None)
       for layer in run:
-        layers.append(layer)
+        if shares:
+          layers.append(layer)
         fns = eng.layer_fns(layer.layer)
         for i, rows in enumerate(fresh):
           rows.append(fns.block(layer.window, np.int32((len(hit) + i) * chunk), size=chunk))
@@ -117,10 +120,14 @@ class SlotFiller:
   def prompt_logprobs(self, prompt, hidden: list, top: int) -> list:
     """The log-probability of each prompt token after the ones before it (None for the first) and the `top` most
     likely tokens there (jaxkv.sampling.logprobs's), from `hidden` (fill's: the chunks' rows [1, C, D]) through the
-    head, one call and one read per chunk."""
-    eng = self.engine
-    logits = np.concatenate([jax.device_get(eng.fns.logits(eng.top_last, x))[0] for x in hidden])
-    return [None] + [sampling.logprobs(logits[i], prompt[i + 1], top) for i in range(len(prompt) - 1)]
+    head, one call and one read per chunk (one chunk's logits f32[C, V] on the host at a time)."""
+    eng, entries, row = self.engine, [None], 0  # row: the prompt row of the chunk's first.
+    for x in hidden:
+      logits = jax.device_get(eng.fns.logits(eng.top_last, x))[0]
+      for i in range(row, min(row + len(logits), len(prompt) - 1)):
+        entries.append(sampling.logprobs(logits[i - row], prompt[i + 1], top))
+      row += len(logits)
+    return entries
 
   def close(self) -> None:
     self._shared = None
