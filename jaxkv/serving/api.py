@@ -370,8 +370,10 @@ def make_app(
       raise ApiError(400, "max_tokens: 0 asks for the prompt only, which needs echo: true; send max_tokens >= 1")
     echo = None
     if body.echo:
-      text = prompt if isinstance(prompt, str) or model.tokenizer is None else model.tokenizer.decode(ids)
-      echo = _Echo(ids, text if isinstance(text, str) else "", body.max_tokens == 0)
+      text = prompt if isinstance(prompt, str) else ""
+      if not isinstance(prompt, str) and model.tokenizer is not None:
+        text = await concurrency.run_in_threadpool(model.tokenizer.decode, ids, False)
+      echo = _Echo(ids, text, body.max_tokens == 0)
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     return await _respond(body, ids, max_tokens, "text_completion", http, t0, body.logprobs, echo)
 
