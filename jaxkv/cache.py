@@ -134,6 +134,20 @@ def split_rows(window: jax.Array, r1: int, sharding: jax.sharding.Sharding) -> t
 
 
 @functools.lru_cache(maxsize=None)
+def _rows_fn(sharding: jax.sharding.Sharding, rows: int):
+  return jax.jit(
+      lambda w, first: jax.device_put(jax.lax.dynamic_slice_in_dim(w, first, rows, axis=3), jax.memory.Space.Device),
+      out_shardings=sharding,
+  )
+
+
+def rows_to_device(window: jax.Array, first: int, rows: int, sharding: jax.sharding.Sharding) -> jax.Array:
+  """Rows [first, first + rows) of a window [2, B, K, W, E] (in pinned host memory) -> on the devices, in
+  `sharding`: the slice copied by one call (a delivery chunk, jaxkv.chunked)."""
+  return _rows_fn(sharding, rows)(window, first)
+
+
+@functools.lru_cache(maxsize=None)
 def _grow_fn(sharding: jax.sharding.Sharding):
   return jax.jit(grow, out_shardings=sharding)
 
@@ -205,6 +219,7 @@ class KVCache:
     self.layer_bytes = self.row_bytes(mesh_lib.tensor_size(self.mesh)) * self.rows_bound()  # One window per device.
     # streamed[l]: window l in pinned host memory; groups: the decode groups; plan: auto's (else None).
     self.streamed, self.groups, self.plan = placement.streamed, placement.groups, placement.plan
+    self.chunk_rows = placement.chunk_rows  # A delivery chunk's rows in decode (jaxkv.chunked; 0: whole windows).
     self.head_share = head_share
     self.windows: list[jax.Array | None] = [None] * model.num_layers
     self.heads: list[jax.Array | None] = [None] * model.num_layers  # Host-attended rows [0, r1).

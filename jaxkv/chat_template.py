@@ -87,10 +87,14 @@ class ChatTemplate:
         special[k] = v["content"] if isinstance(v, dict) else v
     return cls(template, special)
 
-  def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """The prompt text of a conversation; ValueError when the template rejects it (raise_exception)."""
+  def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    """The prompt text of a conversation (tools: the functions the model may call, OpenAI's `tools`, as the template
+    renders them); ValueError when the template rejects it (raise_exception)."""
     template = self._compiled()
+    extra = {} if tools is None else {"tools": tools}
     try:
-      return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+      return template.render(
+          messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **extra
+      )
     except _jinja2().TemplateError as e:
       raise ValueError(f"the chat template rejects these messages: {e}") from e

@@ -203,6 +203,11 @@ class KVConfig:
       "device and 8 layers; one layer with host_attention); n = n layers per call.",
   )
 
+  delivery_chunk_mib: float = field(
+      512.0,
+      "Decode takes a streamed window in chunks of this many MiB per device, each attended on arrival; 0 = whole.",
+  )
+
   def __post_init__(self):
     if self.placement not in PLACEMENTS:
       raise ValueError(f"kv.placement must be one of {PLACEMENTS}, got {self.placement!r}")
@@ -232,6 +237,8 @@ class KVConfig:
       )
     if self.window_buckets < 0:
       raise ValueError(f"kv.window_buckets must be >= 0 (0 = exact windows), got {self.window_buckets}")
+    if self.delivery_chunk_mib < 0:
+      raise ValueError(f"kv.delivery_chunk_mib must be >= 0 (0 = whole windows), got {self.delivery_chunk_mib}")
     if self.group_layers < 0:
       raise ValueError(f"kv.group_layers must be >= 0 (0 = automatic), got {self.group_layers}")
     if self.host_attention and self.placement == "device":

@@ -2,7 +2,8 @@
 
 A pass runs every layer once, writing row `end` of every sequence: the transport's deliveries (jaxkv.transport), each
 group run by one of two runners of one interface, `Runner`: `GroupRunner` (consecutive layers as one jitted call,
-jaxkv.jitted) or, for a layer whose window has host-attended rows, jaxkv.host.decode.HostDecode (its query, the
+jaxkv.jitted; a layer whose window comes in chunks as the calls of jaxkv.chunked, one per chunk) or, for a layer
+whose window has host-attended rows, jaxkv.host.decode.HostDecode (its query, the
 host's partial, the tail's partial and the merge). The head (jaxkv.jitted) samples each row's next token and carries
 the decode state (jaxkv.meta.DecodeState) to the next step on the device. Each step's logits and tokens start copying
 to the host when dispatched and are read READ_LAG steps later, when they have arrived, so the dispatching thread never
@@ -22,6 +23,9 @@ import jax
 import numpy as np
 from absl import logging
 
+from jaxkv import chunked
+from jaxkv import decode_attention
+from jaxkv import distributed
 from jaxkv.cache import Issued
 from jaxkv.meta import DecodeState, HeadOut
 from jaxkv.telemetry import Recorder
@@ -63,10 +67,11 @@ class Runner(Protocol):
 class GroupRunner:
   """Consecutive layers of one stage as one jitted call (jitted.Fns.decode_group); where the open pages fill, the
   same call also returns the grown windows (at their allocation, jaxkv.cache.window_rows), which one transfer
-  stores."""
+  stores. A layer delivered in chunks runs as jaxkv.chunked's calls (`run_chunk`)."""
 
   def __init__(self, engine, cache):
     self.engine, self.cache = engine, cache
+    self._chunked = None  # The chunked layer under way: its input x, its query q and its older chunks' partials.
 
   def begin(self) -> None:
     pass
@@ -86,6 +91,33 @@ class GroupRunner:
       cache.opens[l] = open_page
     if ctx.full:
       ctx.issued += cache.store_group(layers, grown)
+    return x
+
+  def run_chunk(self, ctx: Pass, d, x: jax.Array) -> jax.Array:
+    """Chunk d.chunk of layer d.layers[0]'s window (a jaxkv.transport.Delivery; oldest first), x the layer's input:
+    the first also runs the query, each but the last its partials, the last the end of the layer, whose output it
+    returns (the others return x). Where the open page fills, the whole window is moved to the devices and grown."""
+    eng, cache, chunk = self.engine, self.cache, d.chunk
+    (l,) = d.layers
+    calls = chunked.calls(cache.model, cache.layout.mesh(l), cache.kv.dtype, eng.config.engine.decode_attention)
+    p, meta = eng.params["layers"][l], ctx.meta(l)
+    if chunk.index == 0:
+      moved = eng.to_layer(x, l)
+      q, cache.opens[l] = calls.query(p, moved, cache.opens[l], meta)
+      self._chunked = (moved, q, [])
+      ctx.issued += Issued(calls=1 + (moved is not x))
+    x_in, q, older = self._chunked
+    ctx.issued += Issued(calls=1)
+    if chunk.index < chunk.count - 1:
+      leaves = cache.chunk_rows // decode_attention.LEAF_ROWS
+      older.append(calls.partials(q, d.windows[0], chunk.first_row, meta, num_leaves=leaves))
+      return x
+    self._chunked = None
+    x = calls.out(p, x_in, q, d.windows[0], cache.opens[l], tuple(older), meta, c_rows=cache.chunk_rows)
+    if ctx.full:
+      window = distributed.move(cache.windows[l], cache.device_shardings[l])
+      grown, cache.opens[l] = calls.flush(window, cache.opens[l])
+      ctx.issued += Issued(calls=2) + cache.store(l, grown)
     return x
 
   def settle(self, ctx: Pass, x: jax.Array) -> jax.Array:
@@ -112,11 +144,16 @@ def decode_pass(engine, gen, x: jax.Array, meta: jax.Array, next_pass: bool, run
   with gen.kernels_collected(wait=not run_ahead):
     with contextlib.closing(gen.transport.deliveries(next_pass)) as deliveries:
       for d in deliveries:
-        gen.shapes.add(("decode", 0 if d.windows[0] is None else d.windows[0].shape[3]))
+        gen.shapes.add(
+            ("decode" if d.chunk is None else "decode_chunk", 0 if d.windows[0] is None else d.windows[0].shape[3])
+        )
         runner = gen.host if gen.host is not None and cache.head_rows(d.layers[0]) else gen.groups
         if last is not None and runner is not last:
           x = last.settle(ctx, x)
-        x, last = runner.run(ctx, d.layers, d.windows, x), runner
+        if d.chunk is not None:
+          x, last = runner.run_chunk(ctx, d, x), runner
+        else:
+          x, last = runner.run(ctx, d.layers, d.windows, x), runner
     if last is not None:
       x = last.settle(ctx, x)
   if full:

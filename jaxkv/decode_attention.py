@@ -25,9 +25,11 @@ gathered, [.., n, S, Dh], then one reduction per leaf: the reference, the CPU pa
 kernel on a CUDA GPU, one program per (sequence, kv head, leaf) reading its tiles of TILE_ROWS rows from the buffers
 in place, in a fixed order, with fixed block sizes and no autotuning). `resolve` picks one per device.
 
-Chunked delivery reuses the pieces: a chunk of rows computes the leaves wholly inside it (`leaf_partials` with
-first_leaf and num_leaves, the chunk's buffers at their absolute first row), and the partials of every chunk are
-concatenated on the leaf axis, in leaf order, and folded once (`fold`).
+Chunked delivery (jaxkv.chunked) reuses the pieces: a chunk of rows computes the leaves whose newest row it holds
+(`leaf_partials` with first_leaf, traced, and num_leaves; the chunk's buffer starts a leaf before its rows, so each
+such leaf lies wholly in it), the newest chunk with the open page computes the newest leaves, and `placed` puts every
+chunk's partials at their leaves on the leaf axis, which is folded once (`fold`): the leaves and the fold of the
+unchunked window, hence its bits.
 """
 
 from __future__ import annotations
@@ -100,6 +102,22 @@ def fold(p: Partials) -> Partials:
     merged = merge(Partials(*(a[0 : 2 * pairs : 2] for a in p)), Partials(*(a[1 : 2 * pairs : 2] for a in p)))
     p = merged if p.m.shape[0] % 2 == 0 else Partials(*(jnp.concatenate([x, a[-1:]]) for x, a in zip(merged, p)))
   return Partials(*(a[0] for a in p))
+
+
+def placed(num_leaves: int, pieces: Sequence[tuple[Partials, jax.Array | int]]) -> Partials:
+  """The partials of leaves 0 .. num_leaves - 1 from pieces (partials of n_i leaves, their first leaf j_i, i32[] or
+  int), each written over those before it (dynamic_update_slice on the leaf axis) into identities: where pieces
+  overlap, the later one's leaves stand; leaves no piece covers are identities (I = (-inf, 0, 0), as a leaf with
+  no row computes it)."""
+  m0 = pieces[0][0].m
+  out = Partials(
+      jnp.full((num_leaves, *m0.shape[1:]), -jnp.inf, jnp.float32),
+      jnp.zeros((num_leaves, *m0.shape[1:]), jnp.float32),
+      jnp.zeros((num_leaves, *pieces[0][0].o.shape[1:]), jnp.float32),
+  )
+  for p, first in pieces:
+    out = Partials(*(jax.lax.dynamic_update_slice_in_dim(a, b, first, axis=0) for a, b in zip(out, p)))
+  return out
 
 
 def normalized(p: Partials) -> tuple[jax.Array, jax.Array]:
@@ -204,13 +222,17 @@ def pairwise_sum(x):
 
 
 def _pallas_leaf_partials(q, parts, start, bounds, *, num_leaves, first_leaf, leaf_rows, interpret) -> Partials:
-  """leaf_partials with the Pallas kernel (`_leaf_kernel`). bounds i32[2] = end, first_row. The last buffer (the open
+  """leaf_partials with the Pallas kernel (`_leaf_kernel`). bounds i32[2] = end, first_row (the kernel's bounds add first_leaf). The last buffer (the open
   page, P rows) holds rows of the first ceil(P / S) leaves only: those run with every buffer, each tile read from
   the buffers that hold its rows; the older leaves read the other buffers only (one load per tile: half the shared
   memory of a program, more programs per multiprocessor). Which leaf runs which way depends on j alone, so the bits
-  stay those of the leaf. Without a window the page stands in for it (a second copy, whose rows lie past `end`)."""
+  stay those of the leaf. Without a window the page stands in for it (a second copy, whose rows lie past `end`).
+  A traced first_leaf (a chunk's leaves, jaxkv.chunked: one buffer, which holds every row of its leaves) runs every
+  leaf with every buffer."""
   if len(parts) == 1:
     parts = (parts[0], parts[0])
+  if not isinstance(first_leaf, int):
+    return _pallas_call(q, start, bounds, parts, first_leaf, num_leaves, leaf_rows=leaf_rows, interpret=interpret)
   near = min(first_leaf + num_leaves, -(-parts[-1].shape[3] // leaf_rows))  # Leaves [first_leaf, near) reach P.
   run = functools.partial(_pallas_call, q, start, bounds, leaf_rows=leaf_rows, interpret=interpret)
   calls = []
@@ -223,8 +245,8 @@ def _pallas_leaf_partials(q, parts, start, bounds, *, num_leaves, first_leaf, le
 
 
 def _pallas_call(q, start, bounds, parts, first_leaf, num_leaves, *, leaf_rows, interpret) -> Partials:
-  """The kernel over leaves first_leaf .. first_leaf + num_leaves - 1 of consecutive buffers `parts` (the first at
-  row first_row): grid (B, K, n), one leaf of one (sequence, kv head) per program. Pallas's interpreter reads a
+  """The kernel over leaves first_leaf .. first_leaf + num_leaves - 1 (int or i32[]) of consecutive buffers `parts`
+  (the first at row first_row): grid (B, K, n), one leaf of one (sequence, kv head) per program. Pallas's interpreter reads a
   dynamic slice that starts below 0 from row 0 (clamped), so there each buffer gets TILE_ROWS zero rows in front
   (`lead`); on the GPU the loads are masked in place."""
   b, k, g, dh = q.shape
@@ -237,7 +259,6 @@ def _pallas_call(q, start, bounds, parts, first_leaf, num_leaves, *, leaf_rows, 
       _leaf_kernel,
       sizes=sizes,
       lead=lead,
-      first_leaf=first_leaf,
       leaf_rows=leaf_rows,
       scale=1.0 / math.sqrt(dh),
       precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
@@ -249,7 +270,7 @@ def _pallas_call(q, start, bounds, parts, first_leaf, num_leaves, *, leaf_rows, 
       grid=(b, k, num_leaves),
       in_specs=[
           pl.BlockSpec((None,), lambda i, h, j: (i,)),
-          pl.BlockSpec((2,), lambda i, h, j: (0,)),
+          pl.BlockSpec((3,), lambda i, h, j: (0,)),
           pl.BlockSpec((None, None, gp, dh), lambda i, h, j: (i, h, 0, 0)),
       ]
       + [rows_spec(a, kv) for a in parts for kv in (0, 1)],
@@ -262,11 +283,16 @@ def _pallas_call(q, start, bounds, parts, first_leaf, num_leaves, *, leaf_rows, 
       compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
       interpret=interpret,
       name="jaxkv_decode_leaves",
-  )(start, bounds, jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0))), *(a for a in parts for _ in (0, 1)))
+  )(
+      start,
+      jnp.append(bounds, jnp.asarray(first_leaf, jnp.int32)),
+      jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0))),
+      *(a for a in parts for _ in (0, 1)),
+  )
   return Partials(m[..., :g], l[..., :g], o[..., :g, :])
 
 
-def _leaf_kernel(start_ref, bounds_ref, q_ref, *refs, sizes, lead, first_leaf, leaf_rows, scale, precision):
+def _leaf_kernel(start_ref, bounds_ref, q_ref, *refs, sizes, lead, leaf_rows, scale, precision):
   """One leaf of one (sequence, kv head): its S rows as S / T tiles of T rows, oldest first, each tile read by a
   masked load from each buffer (rows outside a buffer read as nothing; a tile may straddle two), with an online
   softmax over the tiles. Tiles with no valid row are skipped: processing one would change nothing (its weights are
@@ -274,7 +300,7 @@ def _leaf_kernel(start_ref, bounds_ref, q_ref, *refs, sizes, lead, first_leaf, l
   sizes[i] rows, then m_ref, l_ref [Gp] and o_ref [Gp, Dh]."""
   *ins, m_ref, l_ref, o_ref = refs
   t_rows = TILE_ROWS
-  end, first_row = bounds_ref[0], bounds_ref[1]
+  end, first_row, first_leaf = bounds_ref[0], bounds_ref[1], bounds_ref[2]
   lo = end + 1 - (pl.program_id(2) + first_leaf + 1) * leaf_rows  # The leaf's oldest row.
   lowest = jnp.maximum(start_ref[...], first_row)  # Rows below are masked (or do not exist).
   first_tile = jnp.minimum(jnp.maximum(lowest - lo, 0) // t_rows, leaf_rows // t_rows)

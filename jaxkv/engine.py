@@ -234,9 +234,9 @@ class Engine:
     put = lambda a: self.put(a, a.dtype)
     b, vocab = len(start), self.config.model.vocab_size
     seen = sampling_lib.prompt_tokens(prompts or [None] * b, sampling, vocab)
-    counts = put(np.zeros((b, vocab), np.int32))
+    counts, allowed = put(np.zeros((b, vocab), np.int32)), put(np.ones((b, vocab), bool))
     return DecodeState(
-        x, self.meta(start, end), put(np.zeros(b, np.int32)), jax.tree.map(put, sampling), counts, put(seen)
+        x, self.meta(start, end), put(np.zeros(b, np.int32)), jax.tree.map(put, sampling), counts, put(seen), allowed
     )
 
   def sampling(self, batch: int, seed: int) -> SamplingParams:
@@ -284,8 +284,10 @@ class Engine:
       if not kv.host_attention:  # Turned off: the placement of streaming (its decode groups).
         placement = place(kv)
     share = split.share if kv.host_attention and split is not None and any(placement.streamed) else None
-    # Window buckets change no bits of the leaves' decode attention; legacy's would change (jaxkv.cache).
-    exact = share is not None or any(f.decode_attention == "legacy" for f in self.stage_fns)
+    # Window buckets change no bits of the leaves' decode attention; legacy's would change (jaxkv.cache). Chunked
+    # delivery (jaxkv.chunked) places its chunks at rows of an exact window: buckets where no window is chunked.
+    chunked = placement.chunk_rows and cache_lib.rows_bound(capacity, kv.block) - kv.block > placement.chunk_rows
+    exact = share is not None or chunked or any(f.decode_attention == "legacy" for f in self.stage_fns)
     buckets = 0 if exact else kv.window_buckets
     cache = cache_lib.KVCache(
         m, kv, self.layout, batch, capacity, placement=placement, head_share=share, buckets=buckets
@@ -296,7 +298,9 @@ class Engine:
     groups = decode.GroupRunner(self, cache)
     return Generation(cache, transport, groups, host, counters, set() if shapes is None else shapes, split)
 
-  def prefill(self, gen: Generation, tokens, start, longest, *, first=0, prefix=None, next_pass=False) -> Prefill:
+  def prefill(
+      self, gen: Generation, tokens, start, longest, *, first=0, prefix=None, next_pass=False, hidden=None
+  ) -> Prefill:
     """Prefills right-aligned prompts into the generation's cache in chunks of engine.prefill_chunk rows, the last
     one only as many kv.block rows as the prompts reach (a prompt's chunks and their bits depend on its length only);
     returns the prefill to iterate over: the last chunk's layers (rows [0, longest // block * block) and the open
@@ -306,7 +310,8 @@ class Engine:
     rows must already be in the cache (zeros are fine when they are left padding), or come in `prefix`: per layer,
     blocks of its rows [0, first * chunk) on the devices, joined just before the layer's first computed chunk (rows
     held elsewhere, e.g. the prefix cache's: their transfers run behind the earlier layers). next_pass: a decode
-    pass follows the last chunk.
+    pass follows the last chunk. hidden: a list that gets each computed chunk's last-layer output [B, width, D] (its
+    rows' hidden states, what the head reads: prompt logprobs), in order; the programs run are the same.
 
     Where the prompt's rows fit in device memory (`prefill_plan`), each layer's grown window stays on the devices
     from one chunk to the next: the first chunk gets its window (the rows below `first`, if any) through the
@@ -317,9 +322,9 @@ class Engine:
     block, chunk = self.config.kv.block, self.config.engine.prefill_chunk
     n_chunks = -(-longest // chunk)
     rows = (n_chunks - 1) * chunk + -(-(longest - (n_chunks - 1) * chunk) // block) * block
-    return Prefill(self._prefill(gen, tokens, start, longest, first, prefix, next_pass), rows)
+    return Prefill(self._prefill(gen, tokens, start, longest, first, prefix, next_pass, hidden), rows)
 
-  def _prefill(self, gen, tokens, start, longest, first, prefix, next_pass) -> Iterator[PrefilledLayer]:
+  def _prefill(self, gen, tokens, start, longest, first, prefix, next_pass, hidden) -> Iterator[PrefilledLayer]:
     block, chunk = self.config.kv.block, self.config.engine.prefill_chunk
     layers, stage_of = self.params["layers"], self.layout.stage_of
     cache = gen.cache
@@ -351,6 +356,8 @@ class Engine:
             kept[l] = fns.grow(window, rows)
           else:
             issued += cache.store(l, fns.grow(window, rows))
+      if hidden is not None:
+        hidden.append(x)
       if not last:
         gen.add_counters("prefill", issued, c * chunk + width)
     return self.fns.last_row(x, distributed.put_host(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
@@ -363,7 +370,8 @@ class Engine:
   def _delivered(gen: Generation, last: bool, next_pass: bool, plan: dict) -> Iterator[tuple[int, jax.Array | None]]:
     """Each layer's window [0, W) on the devices, through the transport (its ring slot held until the layers of its
     group are computed)."""
-    with contextlib.closing(gen.transport.deliveries(next_pass if last else not plan["keep"])) as deliveries:
+    run = gen.transport.deliveries(next_pass if last else not plan["keep"], whole=True, next_whole=not last)
+    with contextlib.closing(run) as deliveries:
       for d in deliveries:
         for l, tail in zip(d.layers, d.windows):
           yield l, gen.cache.full_window(l, tail)
@@ -413,10 +421,10 @@ class Engine:
     return _stack_fn(self._rep)(xs), gen.start, longest
 
   def prefill_slot(
-      self, own: Generation, cache: cache_lib.KVCache, slot: int, prompt, end: int, *, first=0, prefix=None
+      self, own: Generation, cache: cache_lib.KVCache, slot: int, prompt, end: int, *, first=0, prefix=None, hidden=None
   ) -> Prefill:
     """Prefills one prompt of L tokens alone from its row 0 in `own` (a generation of one sequence whose cache holds
-    the rows of the chunks before `first`, if any, or gets them in `prefix`: Engine.prefill), its chunks the ones its
+    the rows of the chunks before `first`, if any, or gets them in `prefix`; hidden: Engine.prefill's), its chunks the ones its
     length determines, and puts its rows at [end - L, end) of slot `slot` of `cache` (window of end // block * block
     rows, and open page; jitted.Fns.place, KVCache.insert_slot) layer by layer as the prefill yields them, so that a
     layer's slot is replaced while the next layers compute. Nothing may read or write `cache` meanwhile
@@ -425,8 +433,25 @@ class Engine:
     Returns the prefill to iterate over: each layer as prefilled from row 0 (PrefilledLayer: rows [0, R) and the open
     page, e.g. for the prefix cache), after its slot was filled; then x [1, D], the prompt's last row."""
     length = len(prompt)
-    run = self.prefill(own, self._tokens(prompt), np.zeros(1, np.int32), length, first=first, prefix=prefix)
+    run = self.prefill(
+        own, self._tokens(prompt), np.zeros(1, np.int32), length, first=first, prefix=prefix, hidden=hidden
+    )
     return Prefill(self._fill_slot(own, run, cache, slot, end - length, end), run.rows)
+
+  def refill_slot(
+      self, own: Generation, cache: cache_lib.KVCache, slot: int, run: Prefill, layers, length: int, end: int
+  ) -> jax.Array:
+    """Puts a prompt of `length` tokens prefilled before (its prefill_slot `run`, iterated, and the layers it
+    yielded) at [end - length, end) of slot `slot` of `cache` as prefill_slot does, without computing it again
+    (several samples of one prompt); returns its x [1, D]."""
+
+    def replay():
+      yield from layers
+      return run.x
+
+    for _ in self._fill_slot(own, Prefill(replay(), run.rows), cache, slot, end - length, end):
+      pass
+    return run.x
 
   def _tokens(self, prompt) -> np.ndarray:
     """i32[1, n * chunk]: the prompt at rows [0, L), zeros after."""

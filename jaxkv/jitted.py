@@ -42,7 +42,9 @@ class Fns:
   block: object  # A block of rows, to pinned host memory (the prefix cache's).
   head: object  # (top, DecodeState) -> HeadOut, the next step's DecodeState.
   enter: object  # (state, b, row) -> state with row b replaced (DecodeState.with_row).
+  allow: object  # (state, b, allowed bool[V]) -> state with row b's allowed tokens replaced (DecodeState.allow).
   embed: object
+  logits: object  # (top, x [..., D]) -> f32 logits [..., V]: a prefill's rows through the head (prompt logprobs).
   last_row: object
   prefill_attention: str  # The prefill attention that runs: "xla" or "cudnn" (model.prefill_attention_impl).
   decode_attention: str  # The decode attention that runs: "xla", "pallas" or "legacy" (decode_attention.resolve).
@@ -106,9 +108,12 @@ def functions(
     tokens counted."""
     s = state.sampling
     logits = model.logits(top, state.x, cfg)
-    tokens = sampling.sample(sampling.shape(logits, s, state.counts, state.prompt, state.index), s, state.index)
+    shaped = sampling.shape(logits, s, state.counts, state.prompt, state.index, state.allowed)
+    tokens = sampling.sample(shaped, s, state.index)
     counts = sampling.count(state.counts, tokens)
-    nxt = DecodeState(model.embed(top, tokens), Meta.advance(state.meta), state.index + 1, s, counts, state.prompt)
+    nxt = DecodeState(
+        model.embed(top, tokens), Meta.advance(state.meta), state.index + 1, s, counts, state.prompt, state.allowed
+    )
     return HeadOut(logits, tokens), nxt
 
   def place(head_rows, open_page, at, a_rows):
@@ -143,7 +148,9 @@ def functions(
       block=jax.jit(block, static_argnames="size", out_shardings=kv_host),
       head=jax.jit(head, out_shardings=rep),
       enter=jax.jit(DecodeState.with_row, out_shardings=rep, donate_argnums=(0,)),
+      allow=jax.jit(DecodeState.allow, out_shardings=rep, donate_argnums=(0,)),
       embed=jax.jit(model.embed, out_shardings=rep),
+      logits=jax.jit(functools.partial(model.logits, cfg=cfg), out_shardings=rep),
       last_row=jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), out_shardings=rep),
       prefill_attention=attention_impl,
       decode_attention=decode_impl,

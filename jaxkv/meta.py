@@ -58,6 +58,8 @@ class DecodeState:
   sampling: row b's sampling settings (jaxkv.sampling.SamplingParams).
   counts: i32[B, V], how often row b generated each token (what its penalties read).
   prompt: bool[B, V], the tokens of row b's prompt (marked where its repetition penalty reads them).
+  allowed: bool[B, V], the tokens row b may sample next (all, but under a grammar: jaxkv.serving.grammar sets its
+    row before each step; `allow`).
   """
 
   x: jax.Array
@@ -66,6 +68,7 @@ class DecodeState:
   sampling: SamplingParams
   counts: jax.Array
   prompt: jax.Array
+  allowed: jax.Array
 
   def with_row(self, b: jax.Array, row: DecodeState) -> DecodeState:
     """Inside jit: this state with row b replaced by `row`'s only row (a slot taking a request; end stays)."""
@@ -77,7 +80,12 @@ class DecodeState:
         sampling=jax.tree.map(put, self.sampling, row.sampling),
         counts=put(self.counts, row.counts),
         prompt=put(self.prompt, row.prompt),
+        allowed=put(self.allowed, row.allowed),
     )
+
+  def allow(self, b: jax.Array, allowed: jax.Array) -> DecodeState:
+    """Inside jit: this state with row b's allowed tokens replaced by allowed bool[V]."""
+    return dataclasses.replace(self, allowed=jax.lax.dynamic_update_slice(self.allowed, allowed[None], (b, 0)))
 
 
 @jax.tree_util.register_dataclass

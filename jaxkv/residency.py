@@ -11,7 +11,8 @@ concatenation that copies the resident rows through HBM each step). A group hold
 (GROUP_TARGET_BYTES) or one layer where a layer is larger: 1-3% of the KV with 32-80 layers at long contexts.
 
 Budget (per device, at the cache's full capacity): free memory of the fullest device when the cache is
-allocated (after the weights), minus the delivery ring (`ring_bytes`: depth + 2 groups of streamed layers), minus a
+allocated (after the weights), minus the delivery ring (`ring_bytes`: depth + 2 groups of streamed layers, or of
+their chunks where decode delivers windows in chunks, jaxkv.chunked), minus a
 workspace (`workspace_bytes`: a decode group's windows unpacked and grown at a page boundary, two groups' windows;
 a prefill call's temporaries; one layer's window more, for the holes that grown windows leave; the prefill scores,
 WORKSPACE_SCORE_BLOCKS x jaxkv.model.SCORE_BUDGET_BYTES), minus kv.headroom_mib. kv.device_budget_gib replaces the
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 from absl import logging
 
 from jaxkv import cache as cache_lib
+from jaxkv import chunked
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv.config import KVConfig, ModelConfig
@@ -83,12 +85,17 @@ def ring_bytes(depth: int, slot_bytes: int) -> int:
 class Plan:
   """streamed[l]: layer l's window lives in pinned host memory (else device memory).
   layer_bytes: one layer's KV per device at full capacity; budget_bytes: device bytes the KV may take;
-  budget_source: "kv.device_budget_gib", "free device memory" or "no device memory limit"."""
+  budget_source: "kv.device_budget_gib", "free device memory" or "no device memory limit"; what the budget left
+  out of the free memory (per device): free_bytes (None: unknown), ring_bytes (the delivery ring at the depth asked,
+  in chunks where windows are chunked) and workspace_bytes (workspace_bytes)."""
 
   streamed: tuple[bool, ...]
   layer_bytes: int
   budget_bytes: int | None
   budget_source: str
+  free_bytes: int | None = None
+  ring_bytes: int = 0
+  workspace_bytes: int = 0
 
   @property
   def resident_layers(self) -> int:
@@ -101,6 +108,9 @@ class Plan:
         layer_bytes_per_device=self.layer_bytes,
         device_budget_bytes=self.budget_bytes,
         budget_source=self.budget_source,
+        free_bytes_per_device=self.free_bytes,
+        ring_bytes_per_device=self.ring_bytes,
+        workspace_bytes_per_device=self.workspace_bytes,
         streamed=[l for l, s in enumerate(self.streamed) if s],
     )
 
@@ -108,11 +118,13 @@ class Plan:
 @dataclasses.dataclass(frozen=True)
 class Placement:
   """A cache's placement (jaxkv.cache.KVCache): streamed[l], layer l's window in pinned host memory (else device
-  memory); the decode groups (decode_groups); plan, auto's Plan (None for "device" and "host")."""
+  memory); the decode groups (decode_groups); plan, auto's Plan (None for "device" and "host"); chunk_rows, the rows
+  of a delivery chunk of a streamed layer's window in decode (jaxkv.chunked; 0: whole windows)."""
 
   streamed: tuple[bool, ...]
   groups: tuple[tuple[int, ...], ...]
   plan: Plan | None
+  chunk_rows: int = 0
 
 
 def place(
@@ -125,18 +137,21 @@ def place(
   num_layers = model_config.num_layers
   meshes = [layout.mesh(l) for l in range(num_layers)]
   rows, tensor = cache_lib.rows_bound(capacity, kv.block), mesh_lib.tensor_size(meshes[0])
-  layer_bytes = cache_lib.row_bytes(model_config, kv.dtype, batch, tensor) * rows
+  row = cache_lib.row_bytes(model_config, kv.dtype, batch, tensor)
+  layer_bytes = row * rows
   group = group_layers(kv.group_layers, kv.host_attention, layer_bytes)
   groups = decode_groups(layout.stage_of, group)
+  c_rows = delivery_chunk_rows(kv, group, row)
   auto = None
   if kv.placement == "auto" and len({id(m) for m in meshes}) > 1:
     raise ValueError("kv.placement auto plans one mesh for every layer; use split mode tensor or none with it")
   if kv.placement == "auto":
     free = free_device_bytes(meshes[0].local_devices)
-    ring = ring_bytes(kv.pipeline_depth, min(group, num_layers) * layer_bytes)
+    ring = ring_bytes(kv.pipeline_depth, chunked.slot_bytes(min(group, num_layers) * layer_bytes, c_rows, row))
     workspace = workspace_bytes(model_config, kv.dtype, batch, rows, prefill_chunk, group, tensor)
     budget, source = device_budget(free, kv.device_budget_gib, ring, workspace, kv.headroom_mib)
     auto = plan(groups, layer_bytes, budget, source)
+    auto = dataclasses.replace(auto, free_bytes=free, ring_bytes=ring, workspace_bytes=workspace)
     streamed = auto.streamed
   else:
     streamed = (kv.placement == "host",) * num_layers
@@ -144,7 +159,15 @@ def place(
     needed = cache_lib.host_bytes_per_process(meshes[0], layer_bytes, sum(streamed))
     fmt = KVFormat.of(model_config, kv.dtype)
     memory.RESERVED.reserve(needed, sum(streamed), model_config, fmt, batch, rows)
-  return Placement(streamed, groups, auto)
+  return Placement(streamed, groups, auto, c_rows)
+
+
+def delivery_chunk_rows(kv: KVConfig, group: int, row_bytes: int) -> int:
+  """The rows of a delivery chunk (jaxkv.chunked.chunk_rows of kv.delivery_chunk_mib, row_bytes a row per device):
+  0 (whole windows) in decode groups of several layers, or with kv.delivery_chunk_mib 0."""
+  if group > 1 or not kv.delivery_chunk_mib:
+    return 0
+  return chunked.chunk_rows(kv.delivery_chunk_mib, row_bytes, kv.block)
 
 
 def free_device_bytes(devices) -> int | None:

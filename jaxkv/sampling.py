@@ -15,8 +15,9 @@ Shaping (`shape`, vLLM's order and meaning) reads each row's generated-token cou
 tokens bool[B, V] (jaxkv.meta.DecodeState): the repetition penalty divides the positive logits (multiplies the
 negative) of tokens in the prompt or generated; the frequency and presence penalties subtract count * frequency and
 presence from the logits of generated tokens; the logit bias adds to its ids; held ids (a request's end ids while
-fewer than min_tokens were generated) get -inf. A row without these settings keeps the model's logits bit for bit,
-so its greedy tokens are the largest of the model's own logits, as they always were.
+fewer than min_tokens were generated) get -inf, and so do the tokens its grammar does not allow (its `allowed` row).
+A row without these settings keeps the model's logits bit for bit, so its greedy tokens are the largest of the
+model's own logits, as they always were.
 
 Log-probabilities (`logprobs`) are taken on the host from the step's logits, which come back anyway (HeadOut).
 """
@@ -127,11 +128,19 @@ def row_key(seed: jax.Array, stream: jax.Array, index: jax.Array) -> jax.Array:
   return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), index)
 
 
-def shape(logits: jax.Array, params: SamplingParams, counts: jax.Array, prompt: jax.Array, index: jax.Array):
+def shape(
+    logits: jax.Array,
+    params: SamplingParams,
+    counts: jax.Array,
+    prompt: jax.Array,
+    index: jax.Array,
+    allowed: jax.Array | None = None,
+):
   """logits f32[B, V], counts i32[B, V] (each row's generated tokens), prompt bool[B, V] (its prompt's tokens),
-  index i32[B] (tokens generated) -> f32[B, V], shaped as the module docstring says. Branch-free (no conditional,
-  which a GPU would evaluate on the host): a row without shaping subtracts zeros, adds no bias and holds no id, so
-  its logits come out bit for bit."""
+  index i32[B] (tokens generated), allowed bool[B, V] (the tokens it may sample: -inf elsewhere; None: all) ->
+  f32[B, V], shaped as the module docstring says. Branch-free (no conditional, which a GPU would evaluate on the
+  host): a row without shaping subtracts zeros, adds no bias, holds no id and allows every token, so its logits come
+  out bit for bit."""
   p = params
   rows = jnp.arange(logits.shape[0])[:, None]
   rep = p.repetition[:, None]
@@ -139,7 +148,8 @@ def shape(logits: jax.Array, params: SamplingParams, counts: jax.Array, prompt: 
   x = x - counts * p.frequency[:, None] - (counts > 0) * p.presence[:, None]
   x = x.at[rows, p.bias_ids].add(p.bias, mode="drop")
   held = jnp.where((index < p.min_tokens)[:, None], p.held, NO_ID)
-  return x.at[rows, held].set(-jnp.inf, mode="drop")
+  x = x.at[rows, held].set(-jnp.inf, mode="drop")
+  return x if allowed is None else jnp.where(allowed, x, -jnp.inf)
 
 
 def count(counts: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -66,6 +66,10 @@ class Tokenizer:
     added = [len(t.content.encode()) for t in self._tok.get_added_tokens_decoder().values()]  # Matched as written.
     return max([len(piece) for piece in self._tok.get_vocab(with_added_tokens=False)] + added)
 
+  def spec(self) -> str:
+    """The tokenizer as the tokenizers library writes it (tokenizer.json's JSON)."""
+    return self._tok.to_str()
+
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of `text`, with the special tokens (BOS) that the tokenizer's post-processor adds unless
     add_special_tokens=False (a rendered chat template writes its own)."""

@@ -22,6 +22,12 @@ group g's copy is issued only after group g - 1 was dispatched, so the copy stre
 
 Resident layers (placement "device", or those the residency planner keeps on the devices with "auto") are
 handed their windows as they are: nothing moves for them, and the feeder delivers only the streamed groups.
+
+Decode passes deliver a streamed layer's window larger than a chunk (KVCache.chunk_rows, jaxkv.chunked) as its
+chunks, oldest first, one ring slot each: the depth and the ring then count chunks. Prefill passes take whole
+windows (`deliveries`' whole). Either way the next pass's layer j is issued only after this pass's layer j was
+consumed (the depth is at most the streamed groups - 1, and a layer has as many chunks in both passes or more in
+the next).
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ from collections.abc import Iterator
 import jax
 from absl import logging
 
+from jaxkv import cache as cache_lib
+from jaxkv import chunked
 from jaxkv import distributed
+from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv.cache import KVCache
 
@@ -55,7 +64,8 @@ _CAPS_LOGGED: set[str] = set()  # The depth caps logged so far.
 def choose_depth(
     requested: int, streamed_groups: int, slot_bytes: int, budget_mib: int, headroom_mib: int, free_bytes: int | None
 ) -> DepthChoice:
-  """Largest depth <= requested whose ring (depth + 2 slots of `slot_bytes` per device: a group's windows) fits both
+  """Largest depth <= requested whose ring (depth + 2 slots of `slot_bytes` per device: a group's windows, or a
+  chunk's buffer where windows are chunked) fits both
   the budget (budget_mib, 0 = none) and the free memory of the fullest device minus the headroom."""
   reasons = []
   depth = requested
@@ -95,10 +105,12 @@ def choose_depth(
 
 @dataclasses.dataclass(frozen=True)
 class Delivery:
-  """A group's windows on the devices: windows[i] is layers[i]'s (None while empty)."""
+  """A group's windows on the devices: windows[i] is layers[i]'s (None while empty); chunk: for a chunked layer's
+  window (a group of one), which of its chunks windows[0] is (jaxkv.chunked.Chunk; None: the whole window)."""
 
   layers: tuple[int, ...]
   windows: list[jax.Array | None]
+  chunk: chunked.Chunk | None = None
 
 
 _BARRIER = -1  # Feeder job: acknowledge that every earlier job has been issued.
@@ -118,6 +130,7 @@ class Transport:
     self.order = [g for g, layers in enumerate(self.groups) if cache.streamed[layers[0]]]  # Delivered, in order.
     self.streamed = bool(self.order)
     slot = max((len(self.groups[g]) for g in self.order), default=0) * cache.layer_bytes  # Resident: no ring.
+    slot = chunked.slot_bytes(slot, cache.chunk_rows, cache.row_bytes(mesh_lib.tensor_size(cache.mesh)))
     local = [d for d in lay.devices() if d.process_index == jax.process_index()]
     free = residency.free_device_bytes(local) if self.streamed else None
     streamed_groups = len(self.order) if self.streamed else self.num_layers  # Nothing streamed: nothing to cap.
@@ -125,7 +138,7 @@ class Transport:
     self.depth = self.choice.depth
     self._stage_devices = [list(m.devices.flat) for m in lay.meshes]
     stages = len(self._stage_devices)
-    self._queued_next = False  # The next pass's jobs are already queued.
+    self._queued_next: bool | None = None  # The next pass's jobs are queued: whether they are whole windows.
     self._lock = threading.Lock()
     # Per stage (the whole mesh, or one device per stage in split mode layer), bytes over all its devices. Delivered
     # bytes count in the pass that takes them (or drops them), not in the one running when the feeder issued them.
@@ -143,77 +156,100 @@ class Transport:
       self._feeder = threading.Thread(target=self._feed, name="jaxkv-feeder", daemon=True)
       self._feeder.start()
 
+  def _chunks(self, group: int, whole: bool) -> list[chunked.Chunk | None]:
+    """The deliveries of a group: its chunks (a streamed layer of a decode pass larger than a chunk), else [None]."""
+    layers = self.groups[group]
+    window = self.cache.windows[layers[0]]
+    if whole or len(layers) > 1 or window is None:
+      return [None]
+    pieces = chunked.chunks(window.shape[3], self.cache.chunk_rows)
+    return [None] if len(pieces) == 1 else pieces
+
   def _feed(self) -> None:
-    """Feeder thread: issues the queued groups' deliveries, one slot each: (group, its windows on the devices, bytes,
-    transfer calls, issue time)."""
+    """Feeder thread: issues the queued groups' deliveries, one slot each (a chunked layer's: one per chunk):
+    (group, chunk, its windows on the devices, bytes, transfer calls, issue time)."""
     while True:
-      group = self._jobs.get()
+      group, whole = self._jobs.get()
       if group == _STOP:
         return
       if group == _BARRIER:
-        self._ready.put((_BARRIER, None, 0, 0, 0.0))
+        self._ready.put((_BARRIER, None, None, 0, 0, 0.0))
         continue
-      self._slots.acquire()
       layers = self.groups[group]
-      windows, nbytes, calls = [None] * len(layers), 0, 0
-      try:
-        held = [i for i, l in enumerate(layers) if self.cache.windows[l] is not None]
-        if held:
-          moved = distributed.move_many(
-              [self.cache.windows[layers[i]] for i in held], [self.cache.device_shardings[layers[i]] for i in held]
-          )
-          for i, w in zip(held, moved):
-            windows[i] = w
-          nbytes, calls = sum(w.nbytes for w in moved), 1
-      except BaseException as e:  # Handed to the main thread, which raises it.
-        self._error = e
-      with self._lock:
-        s = self._stage_of[layers[0]]
-        self._held[s] += nbytes
-        self._high_water[s] = max(self._high_water[s], self._held[s] + self._previous[s])
-      self._ready.put((group, windows, nbytes, calls, time.perf_counter()))
+      for chunk in self._chunks(group, whole):
+        self._slots.acquire()
+        windows, nbytes, calls = [None] * len(layers), 0, 0
+        try:
+          if chunk is not None:
+            l = layers[0]
+            windows[0] = cache_lib.rows_to_device(
+                self.cache.windows[l], chunk.first_row, chunk.rows, self.cache.device_shardings[l]
+            )
+            nbytes, calls = windows[0].nbytes, 1
+          elif held := [i for i, l in enumerate(layers) if self.cache.windows[l] is not None]:
+            moved = distributed.move_many(
+                [self.cache.windows[layers[i]] for i in held], [self.cache.device_shardings[layers[i]] for i in held]
+            )
+            for i, w in zip(held, moved):
+              windows[i] = w
+            nbytes, calls = sum(w.nbytes for w in moved), 1
+        except BaseException as e:  # Handed to the main thread, which raises it.
+          self._error = e
+        with self._lock:
+          s = self._stage_of[layers[0]]
+          self._held[s] += nbytes
+          self._high_water[s] = max(self._high_water[s], self._held[s] + self._previous[s])
+        self._ready.put((group, chunk, windows, nbytes, calls, time.perf_counter()))
 
-  def deliveries(self, next_pass: bool) -> Iterator[Delivery]:
-    """Every group of a pass, in order, its windows on the devices: a streamed group's as the feeder delivered them,
-    a resident group's as they are. The consumer computes each group in the loop's body and stores any change to its
-    layers' windows in the cache before it asks for the next (the deliveries of the next pass read them); the group's
-    ring slot is released when it does, or when the iteration ends early (close it: `contextlib.closing`).
-    next_pass: a pass follows, so deliveries may run into its first groups."""
-    if not self._queued_next:
-      self._queue_pass()
-    if next_pass:  # Issued as slots free: the next pass's group j after this pass's group j - D - 1.
-      self._queue_pass()
-    self._queued_next = next_pass
+  def deliveries(self, next_pass: bool, whole: bool = False, next_whole: bool | None = None) -> Iterator[Delivery]:
+    """Every group of a pass, in order, its windows on the devices: a streamed group's as the feeder delivered them
+    (a chunked layer's as its chunks, oldest first, one Delivery each), a resident group's as they are. The consumer
+    computes each delivery in the loop's body and stores any change to its layers' windows in the cache before it
+    asks for the next (the deliveries of the next pass read them); the delivery's ring slot is released when it
+    does, or when the iteration ends early (close it: `contextlib.closing`).
+    next_pass: a pass follows, so deliveries may run into its first groups. whole: the pass takes whole windows (a
+    prefill), not chunks; next_whole: the next pass's (default: whole)."""
+    next_whole = whole if next_whole is None else next_whole
+    if self._queued_next is not None and self._queued_next != whole:  # Queued as the other kind of pass.
+      self.drop()
+    if self._queued_next is None:
+      self._queue_pass(whole)
+    if next_pass:  # Issued as slots free: the next pass's delivery i after this pass's delivery i - D - 1.
+      self._queue_pass(next_whole)
+    self._queued_next = next_whole if next_pass else None
     for g, layers in enumerate(self.groups):
       if not self.cache.streamed[layers[0]]:  # Resident: its windows are already on the devices.
         yield Delivery(layers, [self.cache.windows[l] for l in layers])
         continue
-      group, windows, nbytes, calls, t_issue = self._ready.get()
-      try:
-        if self._error is not None:
-          raise RuntimeError("KV delivery failed") from self._error
-        assert group == g, (group, g)
-        self._calls += calls
-        with self._lock:
-          self._h2d[self._stage_of[layers[0]]] += nbytes
-        if self.debug >= 2 and nbytes:
-          jax.block_until_ready(windows)
-          self.layer_times.append((layers[0], t_issue, time.perf_counter()))
-        yield Delivery(layers, windows)
-      finally:  # Also on an error: close() waits for the feeder, which may wait for this slot.
-        del windows
-        with self._lock:
-          self._held[self._stage_of[layers[0]]] -= nbytes
-          self._previous[self._stage_of[layers[0]]] = nbytes
-        self._slots.release()
+      last = False
+      while not last:
+        group, chunk, windows, nbytes, calls, t_issue = self._ready.get()
+        last = chunk is None or chunk.index == chunk.count - 1
+        try:
+          if self._error is not None:
+            raise RuntimeError("KV delivery failed") from self._error
+          assert group == g, (group, g)
+          self._calls += calls
+          with self._lock:
+            self._h2d[self._stage_of[layers[0]]] += nbytes
+          if self.debug >= 2 and nbytes:
+            jax.block_until_ready(windows)
+            self.layer_times.append((layers[0], t_issue, time.perf_counter()))
+          yield Delivery(layers, windows, chunk)
+        finally:  # Also on an error: close() waits for the feeder, which may wait for this slot.
+          del windows
+          with self._lock:
+            self._held[self._stage_of[layers[0]]] -= nbytes
+            self._previous[self._stage_of[layers[0]]] = nbytes
+          self._slots.release()
 
-  def _queue_pass(self) -> None:
+  def _queue_pass(self, whole: bool) -> None:
     if self.streamed:
       for g in self.order:
-        self._jobs.put(g)
+        self._jobs.put((g, whole))
 
   def in_flight(self) -> int:
-    """Deliveries issued and not yet handed to their compute."""
+    """Deliveries (chunks of a chunked layer) issued and not yet handed to their compute."""
     return self._ready.qsize() if self.streamed else 0
 
   def drop(self) -> None:
@@ -226,9 +262,9 @@ class Transport:
         self._jobs.get_nowait()
       except queue.Empty:
         break
-    self._jobs.put(_BARRIER)
+    self._jobs.put((_BARRIER, True))
     while True:
-      group, windows, nbytes, _, _ = self._ready.get()
+      group, _, windows, nbytes, _, _ = self._ready.get()
       if group == _BARRIER:
         break
       jax.block_until_ready(windows)
@@ -237,14 +273,14 @@ class Transport:
         self._h2d[self._stage_of[self.groups[group][0]]] += nbytes  # Moved all the same.
         self._held[self._stage_of[self.groups[group][0]]] -= nbytes
       self._slots.release()
-    self._queued_next = False
+    self._queued_next = None
     self._previous = [0] * len(self._previous)
 
   def close(self) -> None:
     """Drops pending deliveries and stops the feeder thread."""
     if self.streamed and self._feeder.is_alive():
       self.drop()
-      self._jobs.put(_STOP)
+      self._jobs.put((_STOP, True))
       self._feeder.join()
 
   def take_counters(self) -> dict:
@@ -282,6 +318,7 @@ class Transport:
         depth=c.depth,
         ring_slots=c.ring_slots if self.streamed else 0,
         ring_slot_layers=max((len(g) for g in self.groups if self.cache.streamed[g[0]]), default=0),
+        delivery_chunk_rows=self.cache.chunk_rows,
         ring_bytes_per_device_configured=ring,
         fallback_reason=c.fallback_reason,
         **({"residency": self.cache.plan.summary()} if self.cache.plan else {}),

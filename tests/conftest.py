@@ -1,5 +1,6 @@
 """Eight simulated CPU devices for every test, set before JAX is imported anywhere, one persistent compilation cache
-for the test processes and the apps that tests run, and a test process that never runs out of memory mappings."""
+for the test processes and the apps that tests run, a test process that never runs out of memory mappings, and garbage
+collections that skip the objects alive before each module's tests."""
 
 import gc
 import os
@@ -67,7 +68,9 @@ def release_compiled_programs_over(limit: int | None = None) -> str | None:
   import jax  # pylint: disable=g-import-not-at-top
 
   jax.clear_caches()
+  gc.unfreeze()
   gc.collect()
+  gc.freeze()
   return f"{before} memory mappings of vm.max_map_count {limit}: released the compiled programs ({memory_maps()} left)"
 
 
@@ -78,6 +81,35 @@ def pytest_runtest_teardown(item, nextitem):
   if note:
     warnings.warn(note)
   return result
+
+
+# A full collection of the garbage collector walks every object that it tracks: in a test process that holds jax's,
+# torch's and the compiled programs' objects, 10^5 to 10^6 of them, a quarter of a second or more each time (the
+# benchmark's tests collect between arms, dozens of times). The objects alive when the tests are collected, then when
+# each module's tests start (after one collection), move to the permanent generation, which collections skip; what
+# became garbage in them is freed by reference counting still, and release_compiled_programs_over unfreezes them all
+# before its collection.
+
+
+def _freeze() -> None:
+  gc.collect()
+  gc.freeze()
+
+
+def pytest_collection_finish(session):
+  del session
+  _freeze()
+
+
+_MODULE = [None]  # The module of the test that ran last.
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+  module = getattr(item, "module", None)
+  if module is not _MODULE[0]:
+    _MODULE[0] = module
+    _freeze()
 
 
 @pytest.hookimpl(tryfirst=True)  # Before pytest-xdist reads the groups.

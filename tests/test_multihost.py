@@ -19,9 +19,13 @@ from jaxkv import distributed
 from jaxkv import generate as generate_app
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(generate_app.__file__)))  # Holds the jaxkv package.
-TIMEOUT_S = 240  # For all the processes of one run together.
-HOST = ("--kv_placement=host", "--kv_pipeline_depth=2")
-DEVICE = ("--kv_placement=device",)
+TIMEOUT_S = 600  # For all the processes of all the runs together.
+# New tokens after generate's default prompts (5, 12, 1 and 9 tokens): the longest one's window grows past 16 rows (2
+# blocks of 8) during the decode. Process 1 compiles every program (JAX writes the persistent compilation cache from
+# process 0 only), so each window size more, like each step more, costs every 2-process run.
+NEW_TOKENS = 6
+HOST = ("--kv_placement=host", "--kv_pipeline_depth=2", f"--max_new_tokens={NEW_TOKENS}")
+DEVICE = ("--kv_placement=device", f"--max_new_tokens={NEW_TOKENS}")
 
 
 def _env() -> dict:
@@ -30,39 +34,57 @@ def _env() -> dict:
   return {k: v for k, v in os.environ.items() if k not in drop}
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
-def _generate(tmp_path, name: str, processes: int | None, devices: int, *flags) -> list[dict]:
-  """Runs generate in `processes` processes of `devices` CPU devices each (None: one process without
-  jax.distributed). Returns per process its stdout and the JSON it wrote (None where it wrote none)."""
-  runs = []
-  dist = (
-      [] if processes is None else [f"--coordinator_address=localhost:{_free_port()}", f"--num_processes={processes}"]
-  )
+def _free_ports(n: int) -> list[int]:
+  """n distinct ports that are free now."""
+  socks = [socket.socket() for _ in range(n)]
   try:
-    for i in range(processes or 1):
-      files = {k: tmp_path / f"{name}.{i}.{k}" for k in ("json", "out", "err")}
-      cmd = [sys.executable, "-m", generate_app.__name__, f"--cpu_devices={devices}", f"--json_out={files['json']}"]
-      cmd += dist + ([] if processes is None else [f"--process_id={i}"]) + list(flags)
-      with open(files["out"], "w") as out, open(files["err"], "w") as err:
-        runs.append((subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=err), files))
+    for s in socks:
+      s.bind(("localhost", 0))
+    return [s.getsockname()[1] for s in socks]
+  finally:
+    for s in socks:
+      s.close()
+
+
+def _start(tmp_path, name: str, port: int | None, processes: int, devices: int, *flags) -> list[tuple]:
+  """Starts generate in `processes` processes of `devices` CPU devices each, joined through jax.distributed at `port`
+  (None: one process without jax.distributed); returns per process (the process, its files)."""
+  dist = [] if port is None else [f"--coordinator_address=localhost:{port}", f"--num_processes={processes}"]
+  runs = []
+  for i in range(processes):
+    files = {k: tmp_path / f"{name}.{i}.{k}" for k in ("json", "out", "err")}
+    cmd = [sys.executable, "-m", generate_app.__name__, f"--cpu_devices={devices}", f"--json_out={files['json']}"]
+    cmd += dist + ([] if port is None else [f"--process_id={i}"]) + list(flags)
+    with open(files["out"], "w") as out, open(files["err"], "w") as err:
+      runs.append((subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=err), files))
+  return runs
+
+
+def _generate(tmp_path, runs: dict[str, tuple]) -> dict[str, list[dict]]:
+  """Runs of generate, all at once (the 2-process ones mostly wait on each other): name -> (processes, devices per
+  process, flags...), processes None for one process without jax.distributed. Returns per run and process its stdout
+  and the JSON it wrote (None where it wrote none)."""
+  ports = iter(_free_ports(len(runs)))
+  started = {}
+  try:
+    for name, (processes, devices, *flags) in runs.items():
+      port = None if processes is None else next(ports)
+      started[name] = _start(tmp_path, name, port, processes or 1, devices, *flags)
     deadline = time.monotonic() + TIMEOUT_S
-    for proc, _ in runs:
+    for proc, _ in [r for rs in started.values() for r in rs]:
       proc.wait(timeout=max(deadline - time.monotonic(), 1))
   finally:
-    for proc, _ in runs:
+    for proc, _ in [r for rs in started.values() for r in rs]:
       if proc.poll() is None:
         proc.kill()  # Not terminate(): JAX's preemption notifier catches SIGTERM.
         proc.wait()
-  results = []
-  for proc, files in runs:
-    assert proc.returncode == 0, files["err"].read_text()[-3000:]
-    out = json.loads(files["json"].read_text()) if files["json"].exists() else None
-    results.append(dict(stdout=files["out"].read_text(), json=out))
+  results = {}
+  for name, rs in started.items():
+    results[name] = []
+    for proc, files in rs:
+      assert proc.returncode == 0, files["err"].read_text()[-3000:]
+      out = json.loads(files["json"].read_text()) if files["json"].exists() else None
+      results[name].append(dict(stdout=files["out"].read_text(), json=out))
   return results
 
 
@@ -71,13 +93,19 @@ def _hashes(out: dict) -> tuple[str, str]:
 
 
 def test_two_processes_decode_like_one(tmp_path):
-  [one] = _generate(tmp_path, "one", 1, 4, *HOST)
-  host = _generate(tmp_path, "host", 2, 2, *HOST)
-  device = _generate(tmp_path, "device", 2, 2, *DEVICE)
-  [plain] = _generate(tmp_path, "plain", None, 4, *DEVICE)
-  split = _generate(tmp_path, "split", 2, 2, *HOST, "--kv_host_attention")  # Host attention, share measured.
+  runs = _generate(
+      tmp_path,
+      dict(
+          one=(1, 4, *HOST),
+          host=(2, 2, *HOST),
+          device=(2, 2, *DEVICE),
+          plain=(None, 4, *DEVICE),
+          split=(2, 2, *HOST, "--kv_host_attention"),  # Host attention, share measured.
+      ),
+  )
+  [one], host, device, [plain], split = runs["one"], runs["host"], runs["device"], runs["plain"], runs["split"]
   ref = one["json"]
-  assert ref["processes"] == 1 and [len(t) for t in ref["tokens"]] == [16] * 4
+  assert ref["processes"] == 1 and [len(t) for t in ref["tokens"]] == [NEW_TOKENS] * 4
   for run in (host, device):
     out = run[0]["json"]
     assert out["processes"] == 2 and len(out["devices"]) == 4

@@ -8,6 +8,7 @@ import pytest
 from experiments import llama3_8b
 from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
+from jaxkv import jitted
 from jaxkv import model
 from jaxkv import residency
 from jaxkv import serving
@@ -170,3 +171,29 @@ def test_stored_windows_in_flight_stay_within_the_workspace_the_planner_counts(m
   layers = cfg.model.num_layers
   assert len(cache._in_flight) == group_layers  # pylint: disable=protected-access
   assert [w[0] for w in waited] == cache.windows[: layers - group_layers]  # The oldest, in order.
+
+
+def test_the_workspace_holds_what_xla_measures_for_the_prefill_and_decode_programs():
+  """XLA's memory analysis of the compiled programs (CPU, the XLA attentions) against residency.workspace_bytes at a
+  4096-row window: a prefill call's temporaries are its prefill term (the window's copy) and WORKSPACE_SCORE_BLOCKS
+  blocks of that call's scores, within 5%; a decode step that grows the window needs, beside its arguments, its
+  temporaries and the grown window, no more than the workspace without the scores."""
+  cfg = helpers.tiny_config().model
+  fns = jitted.functions(cfg, helpers.mesh(1), "model", "xla", "xla")
+  p = helpers.params(1)["layers"][0]
+  b, w, c, page = 1, 4096, 256, 8
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.float32)
+  meta = jax.ShapeDtypeStruct((b + 1,), np.int32)
+  window = f32(2, b, cfg.num_kv_heads, w, cfg.head_dim)
+  prefill = fns.prefill.lower(p, f32(b, c, cfg.d_model), window, meta).compile().memory_analysis()
+  term = residency.workspace_bytes(cfg, "model", b, w, c, 1, 1) - residency.workspace_bytes(cfg, "model", b, w, 0, 1, 1)
+  qb = model.query_block(b, cfg.num_heads, c, w + c, model.SCORE_BUDGET_BYTES)
+  scores = residency.WORKSPACE_SCORE_BLOCKS * b * cfg.num_heads * qb * (w + c) * 4
+  assert 0.95 * (term + scores) <= prefill.temp_size_in_bytes <= term + scores
+  opens = [f32(2, b, cfg.num_kv_heads, page, cfg.head_dim)]
+  decode = fns.decode_group_full.lower([p], f32(b, cfg.d_model), [window], opens, meta).compile().memory_analysis()
+  no_scores = (
+      residency.workspace_bytes(cfg, "model", b, w, c, 1, 1)
+      - residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
+  )
+  assert decode.temp_size_in_bytes + decode.output_size_in_bytes <= no_scores

@@ -139,7 +139,7 @@ def test_a_request_arriving_mid_decode_takes_a_slot_without_disturbing(server, c
         ('{"prompt": []}', "empty"),
         ('{"prompt": [1, 999]}', "outside"),
         ('{"prompt": "some text"}', "token ids"),
-        ('{"prompt": [1], "n": 2}', "n"),
+        ('{"prompt": [1], "n": 17}', "n: Input should be less than or equal to 16"),
         ('{"prompt": [1], "stop": ["x"]}', "stop"),
         ('{"messages": [{"role": "user", "content": "hi"}]}', "chat needs"),
         ("[1, 2]", "invalid request"),

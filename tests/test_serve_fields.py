@@ -1,10 +1,12 @@
 """The OpenAI request fields of the HTTP server (jaxkv.serving.api) on the tiny model, through the openai client and
 httpx: a field the server does not implement is a 400 naming it (its no-op value is accepted), logprobs are the
-float32 log-softmax of the model's logits in the OpenAI shape (streamed too), penalties and logit_bias reach the
-head per request, stop_token_ids and min_tokens, usage in a stream's last chunk; an API key and CORS origins guard
-the endpoints; /props."""
+float32 log-softmax of the model's logits in the OpenAI shape (streamed too), the prompt's with echo, n samples share
+one prefill, penalties and logit_bias reach the head per request, stop_token_ids and min_tokens, usage in a stream's
+last chunk, structured output's refusals without a tokenizer (tests/test_gguf.py serves it on SmolLM2); an API key
+and CORS origins guard the endpoints; /props."""
 
 import json
+import threading
 
 import helpers
 import numpy as np
@@ -18,6 +20,8 @@ import httpx
 import openai
 import serve_helpers
 
+from jaxkv import reference as reference_lib
+from jaxkv import serving
 from jaxkv.config import SamplingConfig
 from jaxkv.serving import access as access_lib
 
@@ -59,10 +63,8 @@ def _post(url, body):
     [
         ("frobnicate", 1),
         ("suffix", "x"),
-        ("echo", True),
         ("best_of", 2),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("response_format", {"type": "json_object"}),
     ],
 )
 def test_a_field_the_server_does_not_implement_is_a_400_naming_it(server, field, value):
@@ -101,6 +103,119 @@ def test_completion_logprobs_are_the_model_s_log_softmax_streamed_or_not(client,
   assert streamed == lp.token_logprobs
   plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
   assert plain.choices[0].logprobs is None
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+  x = x.astype(np.float64)
+  m = x.max(-1, keepdims=True)
+  return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs_of_the_reference(server, client):
+  """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0) over a prompt of three prefill chunks: each
+  prompt token's logprob under the tokens before it (the first null) equals the no-cache reference's log-softmax;
+  with generated tokens after it, streamed or not, the prompt's entries are the same and the generated ones are a
+  plain request's."""
+  eng = server[1].loop.server.engine
+  prompt = helpers.prompts([37], seed=26)[0]
+  want = _log_softmax(np.asarray(reference_lib.forward(eng.params, np.array([prompt]), eng.config.model))[0])
+  only = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=3)
+  choice, usage = only.choices[0], only.usage
+  assert choice.token_ids == [] and choice.finish_reason == "length"
+  assert (usage.prompt_tokens, usage.completion_tokens) == (37, 0)
+  lp = choice.logprobs
+  assert lp.tokens == [f"token_id:{t}" for t in prompt] and lp.text_offset == [0] * 37
+  assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+  np.testing.assert_allclose(lp.token_logprobs[1:], want[np.arange(36), prompt[1:]], rtol=0, atol=1e-4)
+  for i in range(1, 37):
+    top = np.argsort(-want[i - 1], kind="stable")[:3]
+    assert list(lp.top_logprobs[i]) == [f"token_id:{t}" for t in top], i
+    np.testing.assert_allclose(list(lp.top_logprobs[i].values()), want[i - 1, top], rtol=0, atol=1e-4)
+  plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, logprobs=3).choices[0]
+  echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, logprobs=3, echo=True).choices[0]
+  assert echoed.token_ids == plain.token_ids
+  assert echoed.logprobs.token_logprobs == lp.token_logprobs + plain.logprobs.token_logprobs
+  assert echoed.logprobs.top_logprobs == lp.top_logprobs + plain.logprobs.top_logprobs
+  chunks = list(
+      client.completions.create(model="tiny", prompt=prompt, max_tokens=4, logprobs=3, echo=True, stream=True)
+  )
+  streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+  assert streamed == echoed.logprobs.token_logprobs
+
+
+def test_n_samples_share_one_prefill_and_sample_i_draws_with_seed_plus_i(server, client, monkeypatch):
+  eng = server[1].loop.server.engine
+  prefills = []
+  prefill_slot = eng.prefill_slot
+  monkeypatch.setattr(eng, "prefill_slot", lambda *a, **k: prefills.append(1) or prefill_slot(*a, **k))
+  prompt = helpers.prompts([21], seed=27)[0]
+  sampled = dict(model="tiny", prompt=prompt, max_tokens=8, temperature=0.9, seed=5)
+  out = client.completions.create(n=3, **sampled)
+  assert len(prefills) == 1  # The other two samples took its rows.
+  assert [c.index for c in out.choices] == [0, 1, 2]
+  alone = [client.completions.create(**dict(sampled, seed=5 + i)).choices[0].token_ids for i in range(3)]
+  assert [c.token_ids for c in out.choices] == alone and len({tuple(a) for a in alone}) == 3
+  assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (21, 24)
+  chunks = list(client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **sampled))
+  streamed, finished = [[], [], []], [None] * 3
+  for c in chunks[:-1]:
+    (choice,) = c.choices
+    assert finished[choice.index] is None  # Nothing after a choice's last chunk.
+    streamed[choice.index] += choice.token_ids
+    finished[choice.index] = choice.finish_reason
+  assert streamed == alone and finished == ["length"] * 3
+  assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.prompt_tokens == 21
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format: structured output needs a checkpoint with a"),
+        ({"guided_regex": "[0-9]+"}, "guided_regex: structured output needs a checkpoint with a tokenizer.json"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs json_schema.schema"),
+        (
+            {"grammar": 'root ::= "a"', "guided_json": {}},
+            "one structured output field per request, got guided_json, gr",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ],
+)
+def test_structured_output_needs_a_tokenizer_and_one_grammar(server, fields, message):
+  r = _post(server[0], dict({"prompt": [1, 2], "max_tokens": 2}, **fields))
+  assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+  assert _post(server[0], {"prompt": [1, 2], "max_tokens": 2, "response_format": {"type": "text"}}).status_code == 200
+
+
+def test_slots_show_the_request_each_slot_serves(server):
+  """GET /slots; mid-request (its third token's callback, on the engine thread), its slot shows it."""
+  url, model = server
+  seen, done = [], threading.Event()
+
+  def on_token(token, _):
+    seen.append(token)
+    if len(seen) == 3:
+      seen.append(model.loop.slots())
+
+  model.loop.submit(serving.Request((4, 5, 6, 7), 5), on_token, lambda *_: done.set())
+  assert done.wait(TIMEOUT_S)
+  tokens, slots = seen[:3] + seen[4:], seen[3]
+  (busy,) = [s for s in slots if s["is_processing"]]
+  assert busy["n_prompt_tokens"] == 4 and busy["tokens"] == tokens[:3] and busy["n_decoded"] == 3
+  assert busy["id_task"] >= 0 and all(s["n_ctx"] == model.capacity for s in slots)
+  idle = httpx.get(url + "/slots", timeout=TIMEOUT_S).json()
+  assert [s["id"] for s in idle] == [0, 1, 2, 3]
+  assert not any(s["is_processing"] for s in idle) and all(s["id_task"] == -1 and s["tokens"] == [] for s in idle)
+
+
+def test_max_tokens_0_needs_echo_and_chat_does_not_echo(server):
+  r = _post(server[0], {"prompt": [1, 2], "max_tokens": 0})
+  assert r.status_code == 400 and "needs echo: true" in r.json()["error"]["message"], r.text
+  r = httpx.post(
+      server[0] + "/v1/chat/completions",
+      json={"messages": [{"role": "user", "content": "hi"}], "echo": True},
+      timeout=TIMEOUT_S,
+  )
+  assert r.status_code == 400 and "unsupported field 'echo'" in r.json()["error"]["message"], r.text
 
 
 def test_penalties_and_min_p_equal_generate_with_them(client, reference):

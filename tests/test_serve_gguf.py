@@ -94,3 +94,14 @@ def test_a_body_past_the_limit_is_a_413_and_too_many_bytes_a_400_before_tokenizi
     client.completions.create(model=NAME, prompt="x" * 100_000, max_tokens=1)
   assert time.monotonic() - t0 < FAST_S
   assert len(client.completions.create(model=NAME, prompt=TEXT, max_tokens=2).choices[0].token_ids) == 2
+
+
+def test_tools_with_a_template_that_renders_none_are_a_400(served):
+  _, client = served
+  tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+  with pytest.raises(openai.BadRequestError, match="tools: this model's chat template renders no tools"):
+    client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], tools=[tool])
+  with pytest.raises(openai.BadRequestError, match="tool_choice"):
+    client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hi"}], tools=[tool], tool_choice="required"
+    )

@@ -158,6 +158,50 @@ def test_rules_and_penalties_apply_per_request_and_a_shaped_request_among_others
   assert out.results[3].tokens != plain[3]  # Its plain tokens repeat one.
 
 
+class _EvenThenFive:
+  """A grammar (jaxkv.serving.grammar.Grammar's interface) of the tests: even tokens, then from the fourth on only 5;
+  it allows the next tokens from the ones it consumed, so a mask a step late would let an even fourth token through."""
+
+  def __init__(self, vocab: int):
+    self.vocab, self.seen = vocab, []
+
+  def allowed(self) -> np.ndarray:
+    allowed = np.zeros(self.vocab, bool)
+    if len(self.seen) < 3:
+      allowed[::2] = True
+    else:
+      allowed[5] = True
+    return allowed
+
+  def consume(self, token: int) -> None:
+    self.seen.append(token)
+
+
+def test_a_grammar_masks_its_row_only_and_takes_every_token_before_the_next_step(served):
+  """Requests under a grammar among plain ones (greedy and sampled): their tokens follow it, as they do alone, every
+  token consumed; the plain ones keep their tokens and logits hashes bit for bit."""
+  reqs, vocab = requests(), helpers.tiny_config().model.vocab_size
+  under = {
+      1: lambda: dataclasses.replace(reqs[1], max_new_tokens=6, grammar=_EvenThenFive(vocab)),
+      5: lambda: dataclasses.replace(
+          reqs[5], max_new_tokens=7, sampling=SamplingConfig(temperature=1.0), grammar=_EvenThenFive(vocab)
+      ),
+  }
+  mixed = [under[i]() if i in under else r for i, r in enumerate(reqs)]
+  out = serving.Server(helpers.engine(2, placement="host", depth=1), 4).serve(mixed)
+  alone = helpers.engine(2, placement="device")
+  for i in under:
+    tokens = out.results[i].tokens
+    assert all(t % 2 == 0 for t in tokens[:3]) and tokens[3:] == [5] * (len(tokens) - 3), (i, tokens)
+    assert mixed[i].grammar.seen == tokens
+    assert serving.Server(alone, 1).serve([under[i]()]).results[0].tokens == tokens, i
+  for i in set(range(len(reqs))) - set(under):
+    assert (out.results[i].tokens, out.results[i].logits_sha256) == (
+        served.results[i].tokens,
+        served.results[i].logits_sha256,
+    ), i
+
+
 def test_requests_without_max_new_tokens_share_an_epoch_and_end_at_the_capacity():
   """Without max_new_tokens a request reserves no rows: the first four take the four slots at once (with the capacity
   reserved, each would fit only at an end equal to its own prompt length), and each decodes to the capacity, its

@@ -12,7 +12,7 @@ cores), with and without buckets:
 
   python3 tools/measure_buckets.py --gguf=SmolLM2-135M-Instruct.Q4_1.gguf --capacity=4096 --lengths=2000,1500
   python3 tools/measure_buckets.py --gguf=SmolLM2-135M-Instruct.Q4_1.gguf --capacity=4096 --lengths=2000,1500 \\
-      --kv_window_buckets=0
+      --config.kv.window_buckets=0
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from jaxkv import config as config_lib
 from jaxkv import distributed
 from jaxkv import preflight
 from jaxkv.apps import launch
+from jaxkv.host import memory
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # Holds jaxkv and experiments.
 DEFAULT_CONFIG = os.path.join(_ROOT, "experiments", "tiny.py")
@@ -84,7 +85,6 @@ SHORTHANDS = {
     "kv_dtype": ("kv", "dtype"),
     "kv_pipeline_depth": ("kv", "pipeline_depth"),
     "kv_block": ("kv", "block"),
-    "kv_window_buckets": ("kv", "window_buckets"),
     "kv_pipeline_budget_mib": ("kv", "budget_mib"),
     "kv_headroom_mib": ("kv", "headroom_mib"),
     "kv_device_budget_gib": ("kv", "device_budget_gib"),
@@ -93,6 +93,7 @@ SHORTHANDS = {
     "kv_host_attention_threads": ("kv", "host_attention_threads"),
     "kv_host_attention_wait": ("kv", "host_attention_wait"),
     "kv_transport_debug": ("kv", "transport_debug"),
+    "kv_delivery_chunk_mib": ("kv", "delivery_chunk_mib"),
     "split_mode": ("split", "mode"),
     "layer_split": ("split", "layer_split"),
 }
@@ -121,11 +122,12 @@ MULTIHOST_GROUP = [COORDINATOR_ADDRESS, NUM_PROCESSES, PROCESS_ID, DISTRIBUTED_T
 _CONFIG_GIVEN = [False]  # Whether the command line names --config (run() sets it).
 
 
-def setup_platform(model: config_lib.ModelConfig | None = None) -> None:
+def setup_platform(model: config_lib.ModelConfig | None = None, needs=()) -> None:
   """Applies --cpu_devices (per process; left out, as many devices up to its default as `model` divides over) and
-  --compilation_cache_dir, and joins jax.distributed when it is set up. Must run before the first JAX call.
-  InputError when --cpu_devices=0 finds no accelerator, for bad distributed settings, or when processes do not join
-  in time."""
+  --compilation_cache_dir, and joins jax.distributed when it is set up; on the accelerators, sizes JAX's memory
+  fraction and the pinned pool for the caches the app may make (`needs`: jaxkv.host.memory.CacheNeed, startup_env).
+  Must run before the first JAX call. InputError when --cpu_devices=0 finds no accelerator, for bad distributed
+  settings, when processes do not join in time, or when the host's RAM cannot hold a host placement's cache."""
   n = CPU_DEVICES.value
   if n < 0:
     raise preflight.InputError(f"--cpu_devices must be >= 0, got {n}", "0 = the real accelerators, N = simulate N")
@@ -137,6 +139,10 @@ def setup_platform(model: config_lib.ModelConfig | None = None) -> None:
   hint = "--coordinator_address=host:port --num_processes=N --process_id=I (or their JAX_* variables)"
   with preflight.input_errors(hint=hint):
     args = distributed.settings(COORDINATOR_ADDRESS.value, NUM_PROCESSES.value, PROCESS_ID.value)
+  if not n and model is not None and needs:
+    with preflight.input_errors():
+      for name, value in memory.startup_env(model, list(needs)).items():
+        logging.info("%s=%s (jaxkv.host.memory.startup_env)", name, value)
   if n:
     os.environ["JAX_PLATFORMS"] = "cpu"
     xla = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]

@@ -23,9 +23,12 @@ import time
 from absl import app
 from absl import flags
 
+from jaxkv import config as config_lib
 from jaxkv import distributed
+from jaxkv import preflight
 from jaxkv.apps import cli
 from jaxkv.apps import launch
+from jaxkv.host import memory
 
 BATCH = flags.DEFINE_integer("batch", None, "Sequences; default = number of --prompt_len values.")
 PROMPT_LEN = flags.DEFINE_list(
@@ -132,7 +135,10 @@ def main(argv):
   lens = [] if texts else prompt_lengths(PROMPT_LEN.value, BATCH.value)
   launch.check_outputs(JSON_OUT)
   cd = cli.resolved_config_dict(checkpoint=bool(checkpoint))
-  cli.setup_platform(cli.model_of(cd, CHECKPOINT_DIR.value, GGUF.value, CHECKPOINT_DTYPE.value))
+  batch = PARALLEL.value if SEQUENCES.value else len(texts) or len(lens)
+  with preflight.input_errors():
+    need = memory.CacheNeed(config_lib.KVConfig(**cd.kv.to_dict()), batch, cd.engine.capacity)
+  cli.setup_platform(cli.model_of(cd, CHECKPOINT_DIR.value, GGUF.value, CHECKPOINT_DTYPE.value), [need])
   from jaxkv.apps import runs  # pylint: disable=g-import-not-at-top  (after the platform is set)
 
   # Each run checks its input (jaxkv.preflight) before it builds or reads any weights.

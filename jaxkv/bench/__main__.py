@@ -106,6 +106,7 @@ def main(argv):
   from jaxkv.bench import arms as arms_lib
   from jaxkv.bench import benchmark
   from jaxkv.bench import report
+  from jaxkv.host import memory
 
   with preflight.input_errors():
     spec = benchmark.BenchSpec(
@@ -122,7 +123,13 @@ def main(argv):
     config = cli.resolved_config()
     for arm in spec.arms:  # An unknown arm, or a KV dtype that does not fit the model.
       arms_lib.arm_config(config, arm)
-  cli.setup_platform(config.model)
+  needs = [
+      memory.CacheNeed(arms_lib.arm_config(config, arm).kv, batch, cap.engine.capacity)
+      for arm in spec.arms
+      for batch in spec.batches
+      for cap in [benchmark.cell_config(config, context, spec.new_tokens) for context in spec.contexts]
+  ]
+  cli.setup_platform(config.model, needs)
   main_process = distributed.is_main()  # Every process runs the arms; process 0 writes and prints.
   out = benchmark.run(
       config,

@@ -26,6 +26,9 @@ import numpy as np
 from absl import logging
 
 from jaxkv import cache as cache_lib
+from jaxkv import chunked
+from jaxkv import decode_attention
+from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
 from jaxkv.config import KVConfig, ModelConfig
 from jaxkv.host import attention
@@ -138,6 +141,7 @@ class HostDecode:
     self.held: HeldMerge | None = None  # The pass's last split layer's merge, not dispatched yet.
     self._hand_backs: dict[jax.sharding.Sharding, attention.HandBack] = {}
     self._views: dict[int, tuple[jax.Array, list]] = {}  # Layer -> (its head, the kernel's views of it).
+    self._chunked = None  # A chunked tail under way (run_chunk): the layer's weights, q, hand-back, partials.
 
   def hand_back(self, sharding: jax.sharding.Sharding) -> attention.HandBack:
     """The array that carries the host's partials f32[B, K, G, Dh + 1] to a stage's devices, in `sharding` (its
@@ -211,9 +215,17 @@ class HostDecode:
     With device waits (jaxkv.host.wait) the devices publish q to the worker themselves, and this thread does not wait
     for the worker: the merge it holds waits on the devices for the worker's signal. The workers' futures are
     collected as they end, and all of them where the caller says (`kernels_collected`)."""
+    x, q, hand_back = self._query(l, calls, p, x, held, meta, start)
+    t1 = time.perf_counter()
+    o, lse = calls.tail_partial(q, tail, self.cache.opens[l], meta)
+    return x, self._hold(calls, p, o, lse, hand_back, t1)
+
+  def _query(self, l, calls, p, x, held, meta, start) -> tuple[jax.Array, jax.Array, attention.HandBack]:
+    """decode_layer's first part: the query (with the held merge), the host kernel submitted; returns layer l's
+    input, q and the hand-back array."""
     cache = self.cache
     hand_back = self.hand_back(calls.pinned_heads)
-    times, t0 = self.times, time.perf_counter()
+    t0 = time.perf_counter()
     # The held merge reads the hand-back array before this query, hence before the worker writes it again (with
     # device waits it waits on the devices for the worker's signal). q f32[B, K, G, Dh] also lands in pinned host
     # memory as q_host, or with device waits the devices publish it to hand_back.query.
@@ -233,14 +245,55 @@ class HostDecode:
         x, q, cache.opens[l] = calls.merge_query_published(*args, slot=slot, q_slot=q_slot)
     views, rows = self.views(l), cache.head_rows(l)  # Read here: the worker does not touch the cache's state.
     self.pending.append(attention.WORKER.submit(self._host_part, views, rows, q_host, start, hand_back))
-    t1 = time.perf_counter()
-    o, lse = calls.tail_partial(q, tail, cache.opens[l], meta)
-    times.update(query=t1 - t0, tail=time.perf_counter() - t1)
+    self.times.update(query=time.perf_counter() - t0)
+    return x, q, hand_back
+
+  def _hold(self, calls, p, o, lse, hand_back, t1: float) -> HeldMerge:
+    """decode_layer's last part, the device's partial (o, lse) dispatched since t1: the merge to hold (with thread
+    waits, once the host's partial is there)."""
+    times = self.times
+    times.update(tail=time.perf_counter() - t1)
     if not hand_back.device_wait:  # The merge takes the partial from this thread: wait for it.
       self.collect()
     while self.pending and self.pending[0].done():  # A kernel's error surfaces here, not at the end.
       times.update(self.pending.popleft().result())
-    return x, HeldMerge(calls, p, o, lse, hand_back)
+    return HeldMerge(calls, p, o, lse, hand_back)
+
+  def run_chunk(self, ctx, d, x: jax.Array) -> jax.Array:
+    """Chunk d.chunk of split layer l's tail (a jaxkv.transport.Delivery, oldest first; jaxkv.chunked), x as `run`
+    takes it: the first chunk runs the query, each but the last its partials, the last the device's partial over
+    the tail and the open page from them, whose merge is held as `run` holds it. Returns layer l's input."""
+    (l,) = d.layers
+    cache, chunk, calls = self.cache, d.chunk, self.calls[l]
+    chunk_calls = chunked.calls(
+        cache.model, cache.layout.mesh(l), cache.kv.dtype, self.engine.config.engine.decode_attention
+    )
+    r1 = cache.head_rows(l)
+    if chunk.index == 0:
+      if self.held is not None and self.held.calls is not calls:  # Held on another stage: merged there first.
+        x = self.settle(ctx, x)
+      moved = self.engine.to_layer(x, l)
+      ctx.issued += cache_lib.Issued(calls=1 + (moved is not x))
+      p = self.engine.params["layers"][l]
+      x, q, hand_back = self._query(l, calls, p, moved, self.held, ctx.meta(l), ctx.start)
+      self.held, self._chunked = None, (p, q, hand_back, [])
+    p, q, hand_back, older = self._chunked
+    ctx.issued += cache_lib.Issued(calls=1)
+    if chunk.index < chunk.count - 1:
+      leaves = cache.chunk_rows // decode_attention.LEAF_ROWS
+      older.append(chunk_calls.partials(q, d.windows[0], r1 + chunk.first_row, ctx.meta(l), num_leaves=leaves))
+      return x
+    self._chunked = None
+    t1 = time.perf_counter()
+    kw = dict(c_rows=cache.chunk_rows)
+    o, lse = chunk_calls.tail(q, d.windows[0], cache.opens[l], tuple(older), r1, ctx.meta(l), **kw)
+    self.held = self._hold(calls, p, o, lse, hand_back, t1)
+    if ctx.full:
+      tail = distributed.move(cache.windows[l], cache.device_shardings[l])
+      grown, cache.opens[l] = calls.flush(tail, cache.opens[l])
+      self.forget_views(l)  # The head may be re-split below.
+      ctx.issued += cache_lib.Issued(calls=2) + cache.store_tail(l, grown)
+    return x
 
   def merge_held(self, held: HeldMerge | None, x: jax.Array) -> jax.Array:
     """x after the held merge (x itself without one)."""

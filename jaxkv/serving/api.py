@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over a jaxkv.serving.loop.ServingLoop (FastAPI and uvicorn; `serve` extra).
 
 POST /v1/completions (prompt: text, or token ids), POST /v1/chat/completions (the checkpoint's chat template,
-jaxkv.chat_template), GET /v1/models, GET /health, GET /metrics (Prometheus text, jaxkv.serving.metrics). With
+jaxkv.chat_template), GET /v1/models, GET /health, GET /metrics (Prometheus text, jaxkv.serving.metrics), GET /slots
+(each slot's request and tokens), llama-server's /tokenize, /detokenize and /props. With
 "stream": true the choices come as server-sent events, one chunk per token, then `data: [DONE]`. Every choice (and
 chunk) carries its generated ids in `token_ids`; without a tokenizer prompts are token ids and `text` is empty.
 
@@ -10,7 +11,11 @@ and settings gets the tokens `python3 -m jaxkv.generate` prints; penalties, min_
 the head per request (jaxkv.sampling). `stop` strings end a request at the first one and cut the text before it; so
 does a checkpoint's end of sequence id or a `stop_token_ids` id (its id ends `token_ids`), unless "ignore_eos".
 `logprobs` (and chat's `top_logprobs`) give each token's float32 log-probability under the model's logits in the
-OpenAI shapes (jaxkv.serving.logprobs). A field the server does not implement is a 400 naming it
+OpenAI shapes (jaxkv.serving.logprobs); a completion's `echo` puts its prompt before the text, and with `logprobs`
+its prompt tokens' (the first null; `max_tokens: 0`: the prompt alone). `n` samples of one prompt are n requests
+(sample i seeded seed + i) sharing its prefill, choices 0..n-1. Structured output (`response_format`, `guided_*`,
+`grammar`) masks the head per row (jaxkv.serving.grammar); a chat's `tools` are rendered by its template and the calls
+in its answer parsed (jaxkv.serving.tools). A field the server does not implement is a 400 naming it
 (jaxkv.serving.schemas: its no-op value is accepted).
 
 Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`: bad input a 400, an unknown model or route
@@ -51,6 +56,7 @@ from jaxkv.serving import loop as loop_lib
 from jaxkv.serving import metrics as metrics_lib
 from jaxkv.serving import schemas
 from jaxkv.serving import server as server_lib
+from jaxkv.serving import tools as tools_lib
 from jaxkv.serving.requests import Request
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's.
@@ -72,6 +78,14 @@ class Model:
   @property
   def capacity(self) -> int:
     return self.loop.server.engine.config.engine.capacity
+
+  @functools.cached_property
+  def grammars(self):
+    """The compiler of requests' grammars (jaxkv.serving.grammar.Grammars; llguidance reads the tokenizer at first
+    use, about a second). Needs a tokenizer and end of sequence ids."""
+    from jaxkv.serving import grammar  # pylint: disable=g-import-not-at-top  (llguidance: the serve extra)
+
+    return grammar.Grammars(self.tokenizer, self.loop.server.engine.config.model.vocab_size, sorted(self.eos_ids))
 
   @functools.cached_property
   def max_prompt_bytes(self) -> int | None:
@@ -125,6 +139,16 @@ class _Output:
     return piece
 
 
+@dataclasses.dataclass(frozen=True)
+class _Echo:
+  """A completion's prompt echoed before its text (`echo`): its ids and text; only: max_tokens 0, the prompt alone
+  (the one token its request generates is dropped)."""
+
+  ids: list[int]
+  text: str
+  only: bool
+
+
 # How a request ended (the metrics' reason) -> OpenAI's finish_reason.
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop", "error": None}
 
@@ -142,11 +166,12 @@ class _Generation:
       stops: list[str],
       eos: frozenset,
       t0: float,
+      echo: _Echo | None = None,
   ):
-    self.model, self.metrics, self.t0 = model, metrics, t0
+    self.model, self.metrics, self.t0, self.echo = model, metrics, t0, echo
     self.out = _Output(model.tokenizer, stops, request.rules.min_tokens if request.rules else 0)
     self.logprobs: list = []  # Per token of out.ids, jaxkv.sampling.logprobs's where the request asked.
-    self._ends = [0]
+    self._ends = [0]  # _ends[k]: where token k's text starts in the token texts joined (after an echoed prompt's).
     self.last_s: float | None = None  # When the last token arrived.
     self.reason: str | None = None  # How it ended (loop.ENDS, or "stop": a stop string).
     self.finish: str | None = None
@@ -172,6 +197,8 @@ class _Generation:
     """Waits for the next event: (new ids, the text to send); self.finish is set when the request ended."""
     event = await self._events.get()
     if event[0] == "token":
+      if self.echo is not None and self.echo.only:  # max_tokens 0: the token is not the client's.
+        return [], ""
       token, now = event[1], time.perf_counter()
       if self.last_s is None:
         self.metrics.ttft.observe(now - self.t0)
@@ -194,15 +221,22 @@ class _Generation:
     self._end(why)
     return [], self.out.add([], final=True)
 
-  def shaped_logprobs(self, ids: list[int], first: int, chat: bool) -> dict | None:
-    """The OpenAI `logprobs` of ids = out.ids[first:first + len(ids)] (None where the request asked for none)."""
+  def shaped_logprobs(self, ids: list[int], first: int, chat: bool, echoed: bool = False) -> dict | None:
+    """The OpenAI `logprobs` of ids = out.ids[first:first + len(ids)] (None where the request asked for none);
+    echoed: after the echoed prompt's, where the request echoes its prompt with logprobs."""
+    tok, prompt = self.model.tokenizer, self.handle.prompt_logprobs
+    if echoed and self.echo is not None and prompt is not None:
+      if len(self._ends) == 1:
+        self._ends[0] = sum(logprobs_lib.text_length(tok, t) for t in self.echo.ids)
+      shaped = logprobs_lib.completion(tok, self.echo.ids, prompt, 0)
+      generated = self.shaped_logprobs(ids, first, chat)
+      return shaped if generated is None else {k: v + generated[k] for k, v in shaped.items()}
     entries = self.logprobs[first : first + len(ids)]
     if not ids or entries[0] is None:
       return None
-    tok = self.model.tokenizer
     if chat:
       return logprobs_lib.chat(tok, ids, entries)
-    while len(self._ends) <= first:  # _ends[k]: where token k's text starts in the token texts joined.
+    while len(self._ends) <= first:
       self._ends.append(self._ends[-1] + logprobs_lib.text_length(tok, self.out.ids[len(self._ends) - 1]))
     return logprobs_lib.completion(tok, ids, entries, self._ends[first])
 
@@ -316,13 +350,17 @@ def make_app(
         "chat_template": None if model.chat_template is None else model.chat_template.source,
     }
 
+  @app.get("/slots")
+  async def slots():
+    return model.loop.slots()
+
   @app.post("/v1/completions")
   async def completions(body: schemas.CompletionRequest, http: fastapi.Request):
     t0 = time.perf_counter()
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
       if len(prompt) != 1:
-        raise ApiError(400, f"one prompt per request (n = 1), got a list of {len(prompt)}")
+        raise ApiError(400, f"one prompt per request (n samples of it: `n`), got a list of {len(prompt)}")
       prompt = prompt[0]
     if isinstance(prompt, str):
       if model.tokenizer is None:
@@ -330,7 +368,16 @@ def make_app(
       ids = await _encode(model, prompt)
     else:
       ids = list(prompt)
-    return await _respond(body, ids, body.max_tokens or DEFAULT_MAX_TOKENS, "text_completion", http, t0, body.logprobs)
+    if body.max_tokens == 0 and not body.echo:
+      raise ApiError(400, "max_tokens: 0 asks for the prompt only, which needs echo: true; send max_tokens >= 1")
+    echo = None
+    if body.echo:
+      text = prompt if isinstance(prompt, str) else ""
+      if not isinstance(prompt, str) and model.tokenizer is not None:
+        text = await concurrency.run_in_threadpool(model.tokenizer.decode, ids, False)
+      echo = _Echo(ids, text, body.max_tokens == 0)
+    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    return await _respond(body, ids, max_tokens, "text_completion", http, t0, body.logprobs, echo)
 
   @app.post("/v1/chat/completions")
   async def chat(body: schemas.ChatRequest, http: fastapi.Request):
@@ -338,8 +385,16 @@ def make_app(
     if model.tokenizer is None or model.chat_template is None:
       raise ApiError(400, "chat needs a checkpoint with a tokenizer.json and a chat template; use /v1/completions")
     messages = [_message(m) for m in body.messages]
+    tools, tool_format = None, None
+    if body.tools:
+      tool_format = tools_lib.template_format(model.chat_template.source)
+      if tool_format is None:
+        raise ApiError(400, "tools: this model's chat template renders no tools; leave tools out")
+      tools = [t.model_dump(exclude_none=True) for t in body.tools]
+      if body.tool_choice == "none":
+        tool_format = None  # Rendered, as vLLM does; the answer is content.
     try:
-      text = await concurrency.run_in_threadpool(model.chat_template.render, messages, True)
+      text = await concurrency.run_in_threadpool(model.chat_template.render, messages, True, tools)
     except ValueError as e:
       raise ApiError(400, str(e)) from e
     ids = await _encode(model, text, add_special_tokens=False)
@@ -347,7 +402,7 @@ def make_app(
     if body.top_logprobs is not None and not body.logprobs:
       raise ApiError(400, "top_logprobs needs logprobs: true")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return await _respond(body, ids, max_tokens, "chat.completion", http, t0, logprobs)
+    return await _respond(body, ids, max_tokens, "chat.completion", http, t0, logprobs, tool_format=tool_format)
 
   async def _respond(
       body: schemas.Params,
@@ -357,6 +412,8 @@ def make_app(
       http: fastapi.Request,
       t0: float,
       logprobs: int | None,
+      echo: _Echo | None = None,
+      tool_format: str | None = None,
   ):
     if body.model is not None and body.model != model.name:
       raise ApiError(404, f"model {body.model!r} is not served here; GET /v1/models lists {model.name!r}")
@@ -369,85 +426,164 @@ def make_app(
     if max_tokens is not None and body.min_tokens > max_tokens:
       raise ApiError(400, f"min_tokens ({body.min_tokens}) must be <= max_tokens ({max_tokens})")
     rules = _rules(body, model, eos)
-    request = Request(tuple(ids), max_tokens, _seed(body.seed), _sampling(body, model), rules, logprobs)
-    gen = _Generation(model, metrics, request, stops, eos, t0)
+    if echo is not None and echo.only:
+      max_tokens = 1  # Its token is dropped (_Generation): prefill and head run as for any request.
+    prompt_logprobs = logprobs if echo is not None else None
+    spec = _grammar_spec(body)
+    grammars = [None if spec is None else await _compile(model, *spec) for _ in range(body.n)]
+    seed, sampling, gens = _seed(body.seed), _sampling(body, model), []
+    try:
+      for i in range(body.n):  # Sample i: seed + i; the first's prefill serves the others (Request.prompt_shares).
+        shares = body.n - 1 if i == 0 else 0
+        request = Request(
+            tuple(ids),
+            max_tokens,
+            (seed + i) & 0x7FFFFFFF,
+            sampling,
+            rules,
+            logprobs,
+            prompt_logprobs,
+            prompt_shares=shares,
+            grammar=grammars[i],
+        )
+        gens.append(_Generation(model, metrics, request, stops, eos, t0, echo))
+    except ApiError:
+      for gen in gens:
+        gen.close()
+      raise
     rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
     head = {"id": rid, "created": int(time.time()), "model": model.name}
     if body.stream:
       include_usage = body.stream_options is not None and body.stream_options.include_usage
       return responses.StreamingResponse(
-          _stream(gen, head, kind, len(ids), include_usage, http), media_type="text/event-stream"
+          _stream(gens, head, kind, len(ids), include_usage, http, tool_format), media_type="text/event-stream"
       )
-    watch = asyncio.ensure_future(_watch(http, gen))
-    try:
+
+    async def finish(gen: _Generation) -> None:
       while gen.finish is None:
         await gen.next()
+
+    watch = asyncio.ensure_future(_watch(http, gens))
+    try:
+      await asyncio.gather(*(finish(gen) for gen in gens))
     finally:
       watch.cancel()
-      gen.close()
-    if gen.reason == "cancelled":
+      for gen in gens:
+        gen.close()
+    if any(gen.reason == "cancelled" for gen in gens):
       return responses.Response(status_code=499)  # Nobody reads it.
-    out = gen.out
-    choice = {
-        "index": 0,
-        "token_ids": out.ids,
-        "logprobs": gen.shaped_logprobs(out.ids, 0, kind == "chat.completion"),
-        "finish_reason": gen.finish,
-    }
-    if kind == "chat.completion":
-      choice["message"] = {"role": "assistant", "content": out.text}
-    else:
-      choice["text"] = out.text
-    return dict(head, object=kind, choices=[choice], usage=_usage(len(ids), len(out.ids), gen.handle.cached_tokens))
+    choices = []
+    for i, gen in enumerate(gens):
+      out = gen.out
+      choice = {
+          "index": i,
+          "token_ids": out.ids,
+          "logprobs": gen.shaped_logprobs(out.ids, 0, kind == "chat.completion", echoed=True),
+          "finish_reason": gen.finish,
+      }
+      if kind == "chat.completion":
+        content, calls = tools_lib.parse(tool_format, out.text) if tool_format else (out.text, [])
+        choice["message"] = {"role": "assistant", "content": content}
+        if calls:
+          choice["message"] = dict(content=content or None, tool_calls=[c.openai() for c in calls], role="assistant")
+          choice["finish_reason"] = "tool_calls"
+      else:
+        choice["text"] = ("" if echo is None else echo.text) + out.text
+      choices.append(choice)
+    return dict(head, object=kind, choices=choices, usage=_usage(len(ids), gens))
 
   return app
 
 
 async def _stream(
-    gen: _Generation, head: dict, kind: str, prompt_tokens: int, include_usage: bool, http: fastapi.Request
+    gens: list[_Generation],
+    head: dict,
+    kind: str,
+    prompt_tokens: int,
+    include_usage: bool,
+    http: fastapi.Request,
+    tool_format: str | None = None,
 ):
-  """Server-sent events: a chunk per token, the last with finish_reason, usage if asked, then [DONE]. Ends the
-  request when the client goes away (_watch, or the response task is cancelled)."""
+  """Server-sent events: a chunk per token of a choice (its index), the choice's last with its finish_reason, usage
+  if asked, then [DONE]. With tool_format (jaxkv.serving.tools) the text that may start a tool call is held back,
+  and the calls come in the choice's last chunk (`delta.tool_calls`, each with its index). Ends the requests when
+  the client goes away (_watch, or the response task is cancelled)."""
   chat = kind == "chat.completion"
   obj = "chat.completion.chunk" if chat else "text_completion"
+  first, sent = [True] * len(gens), [0] * len(gens)  # sent: each choice's ids sent so far.
+  texts, shown = [""] * len(gens), [0] * len(gens)  # With tool_format: each choice's text, and its part sent.
 
-  def chunk(ids, piece, finish, first=False):
-    choice = {"index": 0, "token_ids": ids, "logprobs": gen.shaped_logprobs(ids, sent, chat), "finish_reason": finish}
+  def chunk(i, ids, piece):
+    gen = gens[i]
+    logprobs = gen.shaped_logprobs(ids, sent[i], chat, echoed=first[i])
+    choice = {"index": i, "token_ids": ids, "logprobs": logprobs, "finish_reason": gen.finish}
+    calls = []
+    if tool_format is not None:
+      texts[i] += piece
+      if gen.finish is None:
+        upto = tools_lib.content_length(tool_format, texts[i], final=False)
+      else:
+        content, calls = tools_lib.parse(tool_format, texts[i])
+        upto = len(content) if calls else len(texts[i])
+      upto = max(upto, shown[i])
+      piece, shown[i] = texts[i][shown[i] : upto], upto
+    if calls:
+      choice["finish_reason"] = "tool_calls"
     if chat:
-      choice["delta"] = dict({"role": "assistant"} if first else {}, content=piece)
+      choice["delta"] = dict({"role": "assistant"} if first[i] else {}, content=piece)
+      if calls:
+        choice["delta"]["tool_calls"] = [c.openai(k) for k, c in enumerate(calls)]
     else:
-      choice["text"] = piece
+      choice["text"] = (gen.echo.text if first[i] and gen.echo is not None else "") + piece
+    first[i], sent[i] = False, sent[i] + len(ids)
     return _event(dict(head, object=obj, choices=[choice]))
 
-  watch = asyncio.ensure_future(_watch(http, gen))
+  watch = asyncio.ensure_future(_watch(http, gens))
+  events = _merged(gens)
   try:
-    first, sent = True, 0  # sent: the ids sent so far.
-    while gen.finish is None:
-      try:
-        ids, piece = await gen.next()
-      except ApiError as e:
-        yield _event({"error": {"message": e.message, "type": e.kind, "param": None, "code": e.status}})
-        return
-      if gen.reason == "cancelled":
-        return
-      if ids or piece or gen.finish is not None:
-        yield chunk(ids, piece, gen.finish, first)
-        first, sent = False, sent + len(ids)
+    try:
+      async for i, ids, piece in events:
+        if gens[i].reason == "cancelled":
+          return
+        if ids or piece or gens[i].finish is not None:
+          yield chunk(i, ids, piece)
+    except ApiError as e:
+      yield _event({"error": {"message": e.message, "type": e.kind, "param": None, "code": e.status}})
+      return
     if include_usage:
-      yield _event(
-          dict(head, object=obj, choices=[], usage=_usage(prompt_tokens, len(gen.out.ids), gen.handle.cached_tokens))
-      )
+      yield _event(dict(head, object=obj, choices=[], usage=_usage(prompt_tokens, gens)))
     yield "data: [DONE]\n\n"
   finally:
+    await events.aclose()
     watch.cancel()
-    gen.close()
+    for gen in gens:
+      gen.close()
 
 
-async def _watch(http: fastapi.Request, gen: _Generation) -> None:
-  """Aborts `gen` when its client disconnects: ASGI's receive, once the body is read, returns only that."""
+async def _merged(gens: list[_Generation]):
+  """(choice index, ids, text) of each generation's events (_Generation.next) as they come, until every one
+  finished."""
+  pending = {asyncio.ensure_future(gen.next()): i for i, gen in enumerate(gens)}
+  try:
+    while pending:
+      done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+      for future in sorted(done, key=pending.get):
+        i = pending.pop(future)
+        ids, piece = future.result()
+        yield i, ids, piece
+        if gens[i].finish is None:
+          pending[asyncio.ensure_future(gens[i].next())] = i
+  finally:
+    for future in pending:
+      future.cancel()
+
+
+async def _watch(http: fastapi.Request, gens: list[_Generation]) -> None:
+  """Aborts `gens` when their client disconnects: ASGI's receive, once the body is read, returns only that."""
   while (await http.receive())["type"] != "http.disconnect":
     pass
-  gen.abort()
+  for gen in gens:
+    gen.abort()
 
 
 async def _encode(model: Model, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -497,10 +633,12 @@ def _event(obj: dict) -> str:
   return "data: " + pydantic.TypeAdapter(dict).dump_json(obj).decode() + "\n\n"
 
 
-def _usage(prompt: int, completion: int, cached: int) -> dict:
-  """OpenAI's usage; cached: the prompt tokens taken from the prefix cache."""
+def _usage(prompt: int, gens: list[_Generation]) -> dict:
+  """OpenAI's usage of the choices `gens` of one prompt (counted once; cached: its tokens the first choice took from
+  the prefix cache)."""
+  completion = sum(len(gen.out.ids) for gen in gens)
   usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-  return dict(usage, prompt_tokens_details={"cached_tokens": cached})
+  return dict(usage, prompt_tokens_details={"cached_tokens": gens[0].handle.cached_tokens})
 
 
 def _message(m: schemas.Message) -> dict:
@@ -531,6 +669,41 @@ def _sampling(body: schemas.Params, model: Model) -> SamplingConfig:
       repetition_penalty=body.repetition_penalty,
   )
   return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
+
+
+# Structured output's request fields -> the grammar kind each gives (jaxkv.serving.grammar.KINDS).
+_GRAMMAR_FIELDS = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_grammar": "grammar",
+    "grammar": "grammar",
+}
+
+
+def _grammar_spec(body: schemas.Params) -> tuple[str, str, object] | None:
+  """The request's grammar as (field, kind, source), None without; a 400 for more than one."""
+  given = [(f, kind, getattr(body, f)) for f, kind in _GRAMMAR_FIELDS.items() if getattr(body, f) is not None]
+  fmt = body.response_format
+  if fmt is not None and fmt.type == "json_object":
+    given.append(("response_format", "json_object", None))
+  elif fmt is not None and fmt.type == "json_schema":
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+      raise ApiError(400, "response_format: type json_schema needs json_schema.schema")
+    given.append(("response_format", "json_schema", fmt.json_schema.schema_))
+  if len(given) > 1:
+    raise ApiError(400, f"one structured output field per request, got {', '.join(f for f, *_ in given)}")
+  return given[0] if given else None
+
+
+async def _compile(model: Model, field: str, kind: str, source):
+  """A request's grammar (jaxkv.serving.grammar.Grammar), compiled on a worker thread; a 400 naming `field` where it
+  cannot be."""
+  if model.tokenizer is None or not model.eos_ids:
+    raise ApiError(400, f"{field}: structured output needs a checkpoint with a tokenizer.json and end of sequence ids")
+  try:
+    return await concurrency.run_in_threadpool(lambda: model.grammars.compile(kind, source))
+  except ValueError as e:
+    raise ApiError(400, f"{field}: the grammar does not compile: {str(e).splitlines()[0]}") from e
 
 
 def _tokenizer(model: Model) -> tokenizer_lib.Tokenizer:

@@ -53,6 +53,7 @@ class Handle:
     self.cancelled = False
     self.placed_s: float | None = None
     self.cached_tokens = 0  # Its prompt tokens taken from the prefix cache (set when it takes a slot).
+    self.prompt_logprobs: list | None = None  # Where it asked: set when it takes a slot, before its first token.
 
   def cancel(self) -> None:
     """Ends the request before the next decode step (safe from any thread, also after it ended)."""
@@ -124,6 +125,30 @@ class ServingLoop:
     if self._thread.is_alive():
       self._thread.join(timeout)
 
+  def slots(self) -> list[dict]:
+    """Each slot's state (llama-server's GET /slots): id, the request it serves (id_task, -1 when idle),
+    is_processing, n_ctx, its prompt's token count and the tokens it generated so far. Read from another thread: a
+    snapshot as of a recent step."""
+    run, capacity = self._run, self.server.engine.config.engine.capacity
+    held = list(run.scheduler.slots)
+    out = []
+    for b in range(self.parallel):
+      r = held[b].request if b < len(held) and held[b] is not None else None
+      request, record = run.requests.get(r), run.recorder.records.get(r)
+      tokens = [] if record is None else list(record.tokens)
+      out.append(
+          {
+              "id": b,
+              "id_task": -1 if request is None else r,
+              "is_processing": request is not None,
+              "n_ctx": capacity,
+              "n_prompt_tokens": 0 if request is None else len(request.prompt),
+              "n_decoded": len(tokens),
+              "tokens": tokens,
+          }
+      )
+    return out
+
   def transport(self) -> collections.Counter:
     """The transport counters so far (h2d_bytes, ring_high_water_bytes_per_device, insertions)."""
     return collections.Counter(self._run.totals)
@@ -189,6 +214,9 @@ class _Feed:
       with self.lock:
         self.stats.waiting -= 1
         self.stats.busy += 1
+    for r, entries in progress.prompt_logprobs:
+      if r in self.handles:
+        self.handles[r].prompt_logprobs = entries
     for r, token, end, logprob in progress.tokens:
       if r in self.handles:  # Not ended meanwhile.
         self._token(r, token, end, logprob)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jaxkv.config import SamplingConfig
 from jaxkv.sampling import Rules
@@ -18,7 +19,11 @@ class Request:
   (its tokens draw from stream 0 of it: jaxkv.sampling); sampling: its temperature, top_k, top_p, min_p and
   penalties (None = the engine's; the engine's end ids, sampling.stop_ids, apply to all); rules: its logit bias and
   the ids it holds back until min_tokens (None = none); logprobs: how many of the most likely tokens each of its
-  tokens' log-probabilities lists (None = no log-probabilities; jaxkv.sampling.logprobs)."""
+  tokens' log-probabilities lists (None = no log-probabilities; jaxkv.sampling.logprobs); prompt_logprobs: the same
+  for its prompt's tokens, each under the ones before it (None = none; the prefix cache then serves it no rows);
+  prompt_shares: how many requests after it with the same prompt take its prefilled rows instead of computing them
+  (n samples of one prompt; jaxkv.serving.slots.SlotFiller.fill); grammar: the jaxkv.serving.grammar.Grammar its
+  tokens follow (None = none; its matcher advances as they are read, so the loop reads each step before the next)."""
 
   prompt: tuple[int, ...]
   max_new_tokens: int | None
@@ -26,6 +31,9 @@ class Request:
   sampling: SamplingConfig | None = None
   rules: Rules | None = None
   logprobs: int | None = None
+  prompt_logprobs: int | None = None
+  prompt_shares: int = 0
+  grammar: Any = None
 
 
 @dataclasses.dataclass

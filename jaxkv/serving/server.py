@@ -46,12 +46,14 @@ from jaxkv.serving.scheduler import Scheduler
 class Progress:
   """What an epoch did since it last yielded: requests placed (request, slot, epoch, first row, its prompt tokens
   taken from the prefix cache), tokens read
-  (request, token, end: "eos", "length" or None, logprob: jaxkv.telemetry.Recorder.record's), and the indices of the
-  steps read."""
+  (request, token, end: "eos", "length" or None, logprob: jaxkv.telemetry.Recorder.record's), the indices of the
+  steps read, and the prompt logprobs of the requests placed that asked (request, SlotFiller.prompt_logprobs's).
+  """
 
   placed: list[tuple[int, int, int, int, int]] = dataclasses.field(default_factory=list)
   tokens: list[tuple[int, int, str | None]] = dataclasses.field(default_factory=list)
   steps: list[int] = dataclasses.field(default_factory=list)
+  prompt_logprobs: list[tuple[int, list]] = dataclasses.field(default_factory=list)
 
 
 class Server:
@@ -157,7 +159,9 @@ class Run:
   def read(self, loop: decode.DecodeLoop) -> None:
     """Reads the oldest step in flight and ends the requests it ended."""
     step, taken = loop.read()
-    for r, _, end, _ in taken:
+    for r, token, end, _ in taken:
+      if self.requests[r].grammar is not None:
+        self.requests[r].grammar.consume(token)
       if end is not None:
         self.scheduler.end(r)
     self.progress.tokens += taken
@@ -242,6 +246,7 @@ class Epoch:
         run.placed(r, b, self.index, int(gen.start[b]))
       need = sched.need()
       if gen.end <= need:
+        state = self._constrain(loop, state)
         state = loop.step(state, sched.owners(), next_pass=gen.end + 1 <= need, run_ahead=False)
         run.steps += 1
         if not loop.lagging():
@@ -249,6 +254,20 @@ class Epoch:
       elif not loop.pending:
         return
       run.read(loop)
+
+  def _constrain(self, loop: decode.DecodeLoop, state):
+    """The state with each row under a grammar allowing what its grammar accepts next: with such a row, the steps in
+    flight are read first (its matcher takes their tokens), so the loop does not run ahead of it."""
+    run, sched, fns = self.run, self.scheduler, self.engine.fns
+    under = lambda: [(b, r) for b, r in enumerate(sched.owners()) if r is not None and r not in sched.ended]
+    if not any(run.requests[r].grammar is not None for _, r in under()):
+      return state
+    while loop.pending:
+      run.read(loop)
+    for b, r in under():
+      if run.requests[r].grammar is not None:
+        state = fns.allow(state, self.engine.put(b, np.int32), self.engine.put(run.requests[r].grammar.allowed(), bool))
+    return state
 
   def _first_alone(self, gen, loop, filler, owners, longest: int):
     """The epoch's first requests enter their slots one by one at end = the longest prompt, each prefilled alone like
@@ -268,9 +287,14 @@ class Epoch:
     with its row."""
     eng, req, end, pc = self.engine, self.run.requests[r], gen.end, self.run.server.prefix_cache
     hits = pc.stats["hit_tokens"] if pc is not None else 0
-    x_new = filler.fill(gen.cache, b, req.prompt, end)
+    hidden = None if req.prompt_logprobs is None else []
+    x_new = filler.fill(gen.cache, b, req.prompt, end, hidden, req.prompt_shares)
     self.run.cached[r] = pc.stats["hit_tokens"] - hits if pc is not None else 0
+    if hidden is not None:
+      self.run.progress.prompt_logprobs.append((r, filler.prompt_logprobs(req.prompt, hidden, req.prompt_logprobs)))
     gen.start[b] = end - len(req.prompt)
     row = eng.state(x_new, gen.start[b : b + 1], end - 1, self.run.server.sampling([req]), [req.prompt])
+    if req.grammar is not None:
+      row = eng.fns.allow(row, eng.put(0, np.int32), eng.put(req.grammar.allowed(), bool))
     row = loop.first(row, [r])
     return eng.fns.enter(state, eng.put(b, np.int32), row)

@@ -17,6 +17,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from jaxkv import sampling
 from jaxkv.host import memory
 from jaxkv.serving import prefix_cache as prefix_cache_lib
 
@@ -34,6 +35,17 @@ def check_prefix_cache_budget(nbytes: int) -> None:
     )
 
 
+@dataclasses.dataclass
+class _Shared:
+  """A prompt's prefill kept for the fills that share it (SlotFiller.fill's shares): the prefill (iterated), the
+  layers it yielded, and how many fills may still take them."""
+
+  prompt: tuple[int, ...]
+  run: object
+  layers: list
+  left: int
+
+
 class SlotFiller:
   """Prefills requests alone and puts their rows into slots of one epoch's cache; close() it with the epoch.
 
@@ -43,6 +55,7 @@ class SlotFiller:
   def __init__(self, engine, prefix_cache: prefix_cache_lib.PrefixCache | None, counters, shapes: set):
     self.engine, self.prefix_cache, self.counters, self.shapes = engine, prefix_cache, counters, shapes
     self._scratch = None
+    self._shared: _Shared | None = None
 
   def scratch(self):
     """The epoch's generation of one sequence. With the prefix cache its cache lives on the devices (the same bits in
@@ -56,14 +69,27 @@ class SlotFiller:
     self._scratch.cache.clear()
     return self._scratch
 
-  def fill(self, cache, slot: int, prompt, end: int) -> jax.Array:
+  def fill(self, cache, slot: int, prompt, end: int, hidden: list | None = None, shares: int = 0) -> jax.Array:
     """Prefills `prompt` alone from row 0 and puts its rows at [end - L, end) of slot `slot` of `cache`
-    (jaxkv.cache.KVCache) and into its open page; returns the hidden state of its last row [1, D]."""
-    eng, pc = self.engine, self.prefix_cache
-    if pc is None:
-      run = eng.prefill_slot(self.scratch(), cache, slot, prompt, end)
-      for _ in run:
-        pass
+    (jaxkv.cache.KVCache) and into its open page; returns the hidden state of its last row [1, D]. hidden: a list
+    that gets every row's (Engine.prefill's; the prefix cache is then neither read nor written: every row is
+    computed). shares: the next `shares` fills of the same prompt (without hidden) take these rows instead of
+    computing them (Engine.refill_slot): n samples of one prompt share its prefill, at the price of its rows kept in
+    device memory until then (or until another prompt shares its own, or the epoch ends)."""
+    eng, pc, prompt = self.engine, self.prefix_cache, tuple(prompt)
+    shared = self._shared
+    if hidden is None and shared is not None and shared.prompt == prompt:
+      shared.left -= 1
+      if not shared.left:
+        self._shared = None
+      return eng.refill_slot(self.scratch(), cache, slot, shared.run, shared.layers, len(prompt), end)
+    layers = []  # With shares: the layers the prefill yields (else not kept: each layer's rows leave as it ends).
+    if pc is None or hidden is not None:
+      run = eng.prefill_slot(self.scratch(), cache, slot, prompt, end, hidden=hidden)
+      for layer in run:
+        if shares:
+          layers.append(layer)
+      self._share(prompt, run, layers, shares)
       return run.x
     chunk = eng.config.engine.prefill_chunk
     keys, hit = pc.match(prompt)
@@ -75,6 +101,8 @@ class SlotFiller:
       moved = [jax.device_put(rows, rows[0].sharding.with_memory_kind("device")) for rows in blocks if rows]
       run = eng.prefill_slot(self.scratch(), cache, slot, prompt, end, first=len(hit), prefix=moved or None)
       for layer in run:
+        if shares:
+          layers.append(layer)
         fns = eng.layer_fns(layer.layer)
         for i, rows in enumerate(fresh):
           rows.append(fns.block(layer.window, np.int32((len(hit) + i) * chunk), size=chunk))
@@ -82,8 +110,26 @@ class SlotFiller:
         pc.add(keys, fresh, sum(a.nbytes for a in fresh[0]))
     finally:
       pc.release(hit)
+    self._share(prompt, run, layers, shares)
     return run.x
 
+  def _share(self, prompt: tuple, run, layers: list, shares: int) -> None:
+    if shares:
+      self._shared = _Shared(prompt, run, layers, shares)
+
+  def prompt_logprobs(self, prompt, hidden: list, top: int) -> list:
+    """The log-probability of each prompt token after the ones before it (None for the first) and the `top` most
+    likely tokens there (jaxkv.sampling.logprobs's), from `hidden` (fill's: the chunks' rows [1, C, D]) through the
+    head, one call and one read per chunk (one chunk's logits f32[C, V] on the host at a time)."""
+    eng, entries, row = self.engine, [None], 0  # row: the prompt row of the chunk's first.
+    for x in hidden:
+      logits = jax.device_get(eng.fns.logits(eng.top_last, x))[0]
+      for i in range(row, min(row + len(logits), len(prompt) - 1)):
+        entries.append(sampling.logprobs(logits[i - row], prompt[i + 1], top))
+      row += len(logits)
+    return entries
+
   def close(self) -> None:
+    self._shared = None
     if self._scratch is not None:
       self._scratch.close()

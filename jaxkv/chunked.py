@@ -1,0 +1,175 @@
+"""A streamed layer's window delivered in chunks, each attended on arrival: the geometry and the jitted device calls.
+
+A window of W rows larger than a chunk of C rows (`chunk_rows`: kv.delivery_chunk_mib per device, whole leaves and
+blocks) reaches the devices as n = ceil(W / C) deliveries, oldest first (`chunks`): chunk k's own rows are
+[kC, min((k + 1) C, W)), and its buffer starts a leaf (S = jaxkv.decode_attention.LEAF_ROWS rows) earlier, at
+max(kC - S, 0). The layer then runs as calls of its own (`Calls`): its query (which writes the new row into the open
+page), the partials of each older chunk's leaves (`chunk_partials`: the leaves whose newest row the chunk owns, each
+wholly in its buffer), and the end of the layer (`chunked_out`) with the newest chunk and the open page: their leaves,
+every chunk's partials placed at their leaves (jaxkv.decode_attention.placed), one fold, then the rest of the layer.
+The leaves and the fold are the unchunked window's, so the bits are too (tests/test_chunked.py checks them against
+every placement). With host attention the delivered tail, rows [r1, W), is chunked the same way from r1, and its
+last call (`Calls.tail`) returns the device's partial that the host's is merged with (jaxkv.host.decode). The ring
+then holds chunks, not windows (jaxkv.transport, jaxkv.residency.ring_bytes).
+
+Where the open page fills, the whole window is moved to the devices once more and grown there (`Calls.flush`), one
+step in kv.block: the workspace's two windows of a group (jaxkv.residency.workspace_bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import cache as cache_lib
+from jaxkv import decode_attention as da
+from jaxkv import mesh as mesh_lib
+from jaxkv import model
+from jaxkv.config import ModelConfig
+from jaxkv.kv_quant import KVFormat
+from jaxkv.meta import Meta
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+  """Delivery `index` of `count` of a layer's window: its buffer holds rows [first_row, first_row + rows)."""
+
+  index: int
+  count: int
+  first_row: int
+  rows: int
+
+
+def chunk_rows(chunk_mib: float, row_bytes: int, block: int, leaf_rows: int = da.LEAF_ROWS) -> int:
+  """C: the rows of chunk_mib MiB (row_bytes: a stored row's bytes per device), in whole units of lcm(S, block)
+  rows, at least one unit."""
+  unit = math.lcm(leaf_rows, block)
+  return max(1, int(chunk_mib * 2**20) // max(row_bytes * unit, 1)) * unit
+
+
+def chunks(w_rows: int, c_rows: int, leaf_rows: int = da.LEAF_ROWS) -> list[Chunk]:
+  """The deliveries of a window of w_rows rows in chunks of c_rows (0: whole), oldest first (module docstring); one
+  (the whole window) where it is not larger than a chunk."""
+  if not c_rows or w_rows <= c_rows:
+    return [Chunk(0, 1, 0, w_rows)]
+  n = -(-w_rows // c_rows)
+  firsts = [max(k * c_rows - leaf_rows, 0) for k in range(n)]
+  return [Chunk(k, n, f, min((k + 1) * c_rows, w_rows) - f) for k, f in enumerate(firsts)]
+
+
+def slot_bytes(window_bytes: int, c_rows: int, row_bytes: int, leaf_rows: int = da.LEAF_ROWS) -> int:
+  """A ring slot's bytes per device for a layer's window of window_bytes (row_bytes a row): the largest chunk's
+  buffer, C + S rows, where the window is chunked, else the window."""
+  if not c_rows or window_bytes <= c_rows * row_bytes:
+    return window_bytes
+  return (c_rows + leaf_rows) * row_bytes
+
+
+def chunk_partials(
+    q, chunk, first_row, start, end, *, num_leaves: int, kv_format: KVFormat, impl: str, mesh=None, interpret=False
+):
+  """The partials of the num_leaves leaves whose newest row lies in the chunk's own rows, the last num_leaves * S
+  of its buffer. q f32[B, K, G, Dh] (model.decode_query); chunk stored [2, B, K, R, E] rows [first_row, first_row +
+  R) (first_row i32[]); start i32[B]; end i32[] past the chunk; impl, mesh, interpret: as
+  jaxkv.decode_attention.leaf_partials'. Returns jaxkv.decode_attention.Partials [n, ...]."""
+  kv = kv_format.unpack(chunk)
+  first_leaf = (end - first_row - chunk.shape[3]) // da.LEAF_ROWS + 1
+  qg = q.astype(kv.dtype)
+  kw = dict(first_leaf=first_leaf, impl=impl, mesh=mesh, interpret=interpret)
+  return da.leaf_partials(qg, (kv,), first_row, start, end, num_leaves, **kw)
+
+
+def chunked_attention(
+    q, last, open_page, older, start, end, origin=0, *, c_rows: int, impl: str, mesh=None, interpret=False
+):
+  """Attention over a chunked window (or a host-attention tail) and the open page: the leaves of the newest chunk and
+  the open page, the older chunks' partials placed at their leaves, one fold. q [B, K, G, Dh] in the values' dtype;
+  the chunked rows are [origin, W) (origin i32[]: 0, or a tail's first row r1), T = W - origin; last [2, B, K, R,
+  Dh] values (unpacked), the newest chunk's buffer, rows [W - R, W); open_page values [2, B, K, P, Dh] rows [W,
+  W + P); older: chunk_partials of chunks 0 .. n - 2, C = c_rows rows each; start i32[B]; end i32[]. Returns o
+  f32[B, K, G, Dh] and lse f32[B, K, G], those of jaxkv.decode_attention.attend over the rows [origin, W) and the
+  open page (rows before origin masked)."""
+  t_rows = len(older) * c_rows + last.shape[3] - da.LEAF_ROWS
+  newest_leaves = da.leaf_count(last.shape[3] + open_page.shape[3])
+  first_row = jnp.asarray(origin, jnp.int32) + t_rows - last.shape[3]
+  kw = dict(impl=impl, mesh=mesh, interpret=interpret)
+  newest = da.leaf_partials(q, (last, open_page), first_row, start, end, newest_leaves, **kw)
+  # Chunk i's first leaf is the one whose newest row is its last, origin + (i + 1) C - 1; later pieces overwrite
+  # earlier ones.
+  first_leaf = lambda i: (end - origin - (i + 1) * c_rows) // da.LEAF_ROWS + 1
+  pieces = [(newest, 0)] + [(older[i], first_leaf(i)) for i in reversed(range(len(older)))]
+  return da.normalized(da.fold(da.placed(da.leaf_count(t_rows + open_page.shape[3]), pieces)))
+
+
+def chunked_out(p, x, q, last, open_page, older, start, end, *, c_rows: int, cfg: ModelConfig, kv_format, impl, mesh):
+  """The end of a chunked layer: chunked_attention, then the rest of the layer (as model.decode_layer's). x [B, D],
+  the layer's input; q f32[B, K, G, Dh]; last, open_page stored (chunked_attention's, packed); the new row written.
+  Returns x [B, D]."""
+  page_kv = kv_format.unpack(open_page)
+  b, k, g, dh = q.shape
+  qg = jax.lax.optimization_barrier(q.astype(page_kv.dtype))
+  kw = dict(c_rows=c_rows, impl=impl, mesh=mesh)
+  o, _ = chunked_attention(qg, kv_format.unpack(last), page_kv, older, start, end, **kw)
+  o = jax.lax.optimization_barrier(o)
+  return model.attn_out_and_mlp(p, x[:, None, :], o.reshape(b, 1, k * g, dh).astype(x.dtype), cfg)[:, 0, :]
+
+
+@dataclasses.dataclass(frozen=True)
+class Calls:
+  """One stage's calls of a chunked layer (B = batch, K = kv heads, G = query heads per kv head, Dh = head_dim)."""
+
+  query: object  # (p, x, open_page, meta) -> q f32[B, K, G, Dh], open_page with the new row.
+  partials: object  # (q, chunk, first_row, meta, num_leaves=) -> Partials of the chunk's leaves.
+  out: object  # (p, x, q, last, open_page, older, meta, c_rows=) -> x.
+  tail: object  # (q, last, open_page, older, origin, meta, c_rows=) -> o f32[B, K, G, Dh], lse f32[B, K, G].
+  flush: object  # (window, open_page) -> the grown window, a zero open page.
+
+
+@functools.lru_cache(maxsize=None)
+def calls(cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, decode_attention_choice: str) -> Calls:
+  """The chunked layer's jitted calls on one mesh and KV dtype, attending with engine.decode_attention
+  (jaxkv.decode_attention.resolve)."""
+  rep = mesh_lib.replicated(mesh)
+  kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
+  heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None))
+  lse_heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None))
+  stats = mesh_lib.sharding(mesh, (None, mesh_lib.BATCH, mesh_lib.KV_HEADS, None))
+  leaves = da.Partials(stats, stats, mesh_lib.sharding(mesh, (None, mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None)))
+  fmt = KVFormat.of(cfg, kv_dtype)
+  impl = da.resolve(decode_attention_choice, cfg, fmt, mesh.local_devices[0])
+  if impl == "legacy":
+    raise ValueError("a window delivered in chunks needs engine.decode_attention xla, pallas or auto, not legacy")
+
+  def query(p, x, open_page, meta):
+    return model.decode_query(p, x, open_page, Meta.start(meta), Meta.end(meta), cfg=cfg, kv_format=fmt)
+
+  def partials(q, chunk, first_row, meta, num_leaves):
+    kw = dict(num_leaves=num_leaves, kv_format=fmt, impl=impl, mesh=mesh)
+    return chunk_partials(q, chunk, first_row, Meta.start(meta), Meta.end(meta), **kw)
+
+  def out(p, x, q, last, open_page, older, meta, c_rows):
+    kw = dict(c_rows=c_rows, cfg=cfg, kv_format=fmt, impl=impl, mesh=mesh)
+    return chunked_out(p, x, q, last, open_page, older, Meta.start(meta), Meta.end(meta), **kw)
+
+  def tail(q, last, open_page, older, origin, meta, c_rows):
+    """A host-attention layer's device partial over its chunked tail (rows [origin, W)) and the open page: that of
+    jaxkv.host.calls' tail_partial."""
+    page_kv = fmt.unpack(open_page)
+    kw = dict(c_rows=c_rows, impl=impl, mesh=mesh)
+    q = q.astype(page_kv.dtype)
+    return chunked_attention(q, fmt.unpack(last), page_kv, older, Meta.start(meta), Meta.end(meta), origin, **kw)
+
+  def flush(window, open_page):
+    return cache_lib.grow(window, open_page), jnp.zeros_like(open_page)
+
+  return Calls(
+      query=jax.jit(query, out_shardings=(heads, kv), donate_argnums=(2,)),
+      partials=jax.jit(partials, out_shardings=leaves, static_argnames="num_leaves"),
+      out=jax.jit(out, out_shardings=rep, static_argnames="c_rows"),
+      tail=jax.jit(tail, out_shardings=(heads, lse_heads), static_argnames="c_rows"),
+      flush=jax.jit(flush, out_shardings=kv, donate_argnums=(1,)),
+  )
