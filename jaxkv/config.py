@@ -155,7 +155,7 @@ class KVConfig:
   window_buckets: int = field(
       1,
       "Decode window sizes per doubling: n allocates m * 2^s blocks (n <= m < 2n, >= a leaf), padded at the start: "
-      "O(n log capacity) shapes, <= (n + 1) / n of the rows, same bits; 0 = exact.",
+      "O(n log capacity) shapes, <= (n + 1) / n of the rows, same bits; 0 = exact. Streamed caches stay exact.",
   )
   budget_mib: int = field(0, "Cap on the delivery ring per device, MiB (0 = none).")
   headroom_mib: int = field(512, "Device memory kept free when sizing the ring, MiB.")

@@ -284,10 +284,10 @@ class Engine:
       if not kv.host_attention:  # Turned off: the placement of streaming (its decode groups).
         placement = place(kv)
     share = split.share if kv.host_attention and split is not None and any(placement.streamed) else None
-    # Window buckets change no bits of the leaves' decode attention; legacy's would change (jaxkv.cache). Chunked
-    # delivery (jaxkv.chunked) places its chunks at rows of an exact window: buckets where no window is chunked.
-    chunked = placement.chunk_rows and cache_lib.rows_bound(capacity, kv.block) - kv.block > placement.chunk_rows
-    exact = share is not None or chunked or any(f.decode_attention == "legacy" for f in self.stage_fns)
+    # Window buckets change no bits of the leaves' decode attention; legacy's would change (jaxkv.cache). A streamed
+    # window would carry its padding over the link every step (up to 2x its rows at kv.window_buckets 1, 1.39x on
+    # average), where the link bounds the step: buckets only where every window stays on the device.
+    exact = any(placement.streamed) or any(f.decode_attention == "legacy" for f in self.stage_fns)
     buckets = 0 if exact else kv.window_buckets
     cache = cache_lib.KVCache(
         m, kv, self.layout, batch, capacity, placement=placement, head_share=share, buckets=buckets

@@ -134,8 +134,7 @@ def test_json_has_every_field(bench):
   assert [(c["context"], c["batch"]) for c in out["cells"]] == [(16, 2), (40, 2)]
   for cell in out["cells"]:
     assert CELL_FIELDS <= set(cell)
-    # The window decode delivers: its allocation (kv.window_buckets), in these cells below a leaf: the capacity.
-    assert cell["ceilings"]["window_rows"] == cell["decode_window_rows"][0] == cell["capacity"] > cell["context"]
+    assert cell["ceilings"]["window_rows"] == cell["context"]  # Both are multiples of kv.block (8).
     assert cell["ceilings"]["h2d_layer"]["gbps_median"] > 0
     assert cell["ceilings"]["transfer_only"]["ms_median"] > 0
     assert cell["tokens_match_across_arms"] is True
@@ -237,9 +236,8 @@ def test_markdown_and_plot(bench):
     assert f"| 40 | 2 | {name} |" in md
   row = next(l for l in md.splitlines() if l.startswith("| 40 | 2 | host_d2 |")).split(" | ")
   assert float(row[7]) == round(out["cells"][1]["arms"]["host_d2"]["prefill_s"]["median"], 3)  # The prefill s column.
-  # KV MiB/step/device, then the reason: windows allocated at the cells' capacity, 24 rows (kv.window_buckets).
-  assert f"| 16 | 2 | {arms.PEER_ARM} | 0.3 | skipped" in md
-  assert "| 40 | 2 | int8 | 48 |" in md and "| 40 | 2 | int4 | 48 |" in md  # The packed arms' transfer ceilings.
+  assert f"| 16 | 2 | {arms.PEER_ARM} | 0.2 | skipped" in md  # KV MiB/step/device, then the reason.
+  assert "| 40 | 2 | int8 | 40 |" in md and "| 40 | 2 | int4 | 40 |" in md  # The packed arms' transfer ceilings.
   assert "| 40 | 2 | host_d1_ha | " in md.split("## Host attention")[1]
   helpers.import_extra("matplotlib", "plot")
   assert out["plot"] == dict(status="ok", path=paths["png"])
@@ -489,7 +487,7 @@ def test_the_link_test_is_sized_to_the_run():
   assert benchmark.link_test_bytes(config, mesh, small) == benchmark.LINK_TEST_BYTES[0]  # Tiny: the floor.
   big = _spec(contexts=(20_000,), batches=(4,))
   cfg = benchmark.cell_config(config, 20_000, big.new_tokens)
-  rows = benchmark.decode_window_rows(cfg, 20_000, big.new_tokens - 1)[-1:]
+  rows = benchmark.decode_window_rows(20_000, big.new_tokens - 1, cfg.kv.block)[-1:]
   step = benchmark.kv_step_bytes(cfg, run_lib.make_layout(cfg, mesh), 4, rows)["per_device"]
   assert benchmark.LINK_TEST_BYTES[0] < step < benchmark.LINK_TEST_BYTES[1]
   assert benchmark.link_test_bytes(config, mesh, big) == step

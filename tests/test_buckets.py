@@ -31,7 +31,7 @@ def test_window_rows_are_m_times_powers_of_two_of_blocks_from_a_leaf_to_the_capa
 def wide_blocks():
   """The tiny model with 64-row blocks at capacity 1024 and 4 window sizes per doubling: sequences of up to 449 rows
   cross 5 blocks and 4 buckets (4 to 7 blocks: the first holds windows of 2 to 4 blocks)."""
-  eng = helpers.engine(2, placement="host", depth=1, block=64, chunk=64, capacity=1024)
+  eng = helpers.engine(2, placement="device", block=64, chunk=64, capacity=1024)
   return helpers.with_kv(eng, window_buckets=4)
 
 
@@ -39,20 +39,22 @@ def test_buckets_give_the_bits_of_exact_windows(wide_blocks):
   prompts = helpers.prompts([150, 37, 90], seed=3)
   exact = helpers.with_kv(wide_blocks, window_buckets=0).generate(prompts, 300, keep_logits=True)
   bucketed = wide_blocks.generate(prompts, 300, keep_logits=True)
-  assert bucketed.tokens == exact.tokens
-  np.testing.assert_array_equal(bucketed.logits, exact.logits)
+  streamed = helpers.with_kv(wide_blocks, placement="host", pipeline_depth=1).generate(prompts, 300, keep_logits=True)
+  for other in (exact, streamed):
+    assert bucketed.tokens == other.tokens
+    np.testing.assert_array_equal(bucketed.logits, other.logits)
   decode_shapes = lambda res: res.transport["compiled_shapes"]
   assert decode_shapes(bucketed) < decode_shapes(exact)
 
 
-def test_legacy_attention_and_host_attention_keep_exact_windows(wide_blocks):
-  """Legacy attention reduces the whole window (its bits would follow A); host attention splits it at rows of W."""
+def test_legacy_attention_and_streamed_windows_keep_exact_windows(wide_blocks):
+  """Legacy attention reduces the whole window (its bits would follow A); a streamed window's padding would cross the
+  link every step (and host attention splits it at rows of W)."""
   assert wide_blocks.start(1).cache.buckets
+  assert not helpers.with_kv(wide_blocks, placement="host").start(1).cache.buckets
   cfg = wide_blocks.config
   legacy = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, decode_attention="legacy"))
   assert not type(wide_blocks)(legacy, wide_blocks.mesh, wide_blocks.params).start(1).cache.buckets
-  host = helpers.with_kv(wide_blocks, host_attention=True, host_attention_fraction=0.5)
-  assert not host.start(1).cache.buckets
 
 
 def test_a_sequence_across_many_blocks_compiles_decode_programs_per_bucket():
@@ -70,7 +72,7 @@ def test_a_sequence_across_many_blocks_compiles_decode_programs_per_bucket():
 
 
 def test_a_warm_server_compiles_no_decode_program():
-  eng = helpers.engine(2, placement="host", depth=1, capacity=600)
+  eng = helpers.engine(2, placement="device", capacity=600)
   lines = []
   done = warmup.warm_up(eng, 2, lines.append)
   assert [d["rows"] for d in done] == [0, 256, 512, 600] == [int(l.split()[2]) for l in lines]

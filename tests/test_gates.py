@@ -119,11 +119,8 @@ def test_separate_processes_that_differ_fail_the_gate(tmp_path):
 def test_the_needed_ring_is_the_slots_of_the_largest_window_delivered():
   cfg = helpers.tiny_config()  # kv.block 8, prefill_chunk 16.
   assert gate_suite.window_rows(cfg, 1, 6) == 0  # Decode windows of rows 1..5: no full block.
-  # The last step writes row 13: a window of 8 rows, allocated at the capacity (below a leaf, kv.window_buckets).
-  assert gate_suite.window_rows(cfg, 9, 6) == 128
-  assert gate_suite.window_rows(cfg, 123, 6) == 128  # Near capacity: short of the ring's 136-row slots.
-  exact = dataclasses.replace(cfg, kv=dataclasses.replace(cfg.kv, window_buckets=0))
-  assert gate_suite.window_rows(exact, 9, 6) == 8 and gate_suite.window_rows(exact, 123, 6) == 120
+  assert gate_suite.window_rows(cfg, 9, 6) == 8  # The last step writes row 13.
+  assert gate_suite.window_rows(cfg, 123, 6) == 120  # Near capacity: short of the ring's 136-row slots.
   assert gate_suite.window_rows(cfg, 40, 1) == 32  # No decode step: the last prefill chunk's window.
   assert gate_suite.row_bytes_per_device(cfg, helpers.mesh(2)) == 2 * 8 // 2 * 16 * 4  # K and V, 4 of 8 heads, f32.
 

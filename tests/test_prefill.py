@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from experiments import tiny
-from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import model
@@ -147,12 +146,9 @@ def test_host_prefill_keeps_earlier_rows_on_the_devices_with_the_same_bits(tenso
   row = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V of one row of one sequence, f32.
   # Each prompt is prefilled alone: the plan of the largest prefill, the 40-token prompt's 3 chunks.
   assert plan["bytes_per_device"] == cfg.num_layers * row // tensor * 48
-  # The rows reached the host once: each prompt's rows in its slot of the batch's 40 // 8 * 8 = 40 full-block rows,
-  # a window allocated at the capacity's 128 rows (kv.window_buckets: less than a leaf).
+  # The rows reached the host once: each prompt's rows in its slot of the batch's 40 // 8 * 8 = 40 full-block rows.
   prefill_d2h = sum(s["d2h_bytes"] for s in res.transport["steps"] if s["kind"] == "prefill")
-  kv = helpers.tiny_config().kv
-  assert cache_lib.window_rows(40, kv.block, 128, kv.window_buckets) == 128
-  assert prefill_d2h == cfg.num_layers * row * len(LENGTHS) * 128
+  assert prefill_d2h == cfg.num_layers * row * len(LENGTHS) * 40
 
 
 def test_host_prefill_past_the_device_budget_redelivers_each_chunk_with_the_same_bits():

@@ -268,7 +268,6 @@ def test_the_app_serves_and_drains_on_sigterm(reference):
       "--cpu_devices=2",
       f"--port={port}",
       "--parallel=4",
-      "--kv_placement=host",
       "--warmup",
   ]
   proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -295,7 +294,7 @@ def test_the_app_serves_and_drains_on_sigterm(reference):
             proc.send_signal(signal.SIGTERM)  # Mid-stream: the request still runs to its end.
     assert done and ids == reference(prompt, 60)
     assert proc.wait(TIMEOUT_S) == 0
-    # The tiny model's capacity (128 rows) is below a leaf: windows of 0 rows and of 128, warmed up before serving.
+    # The tiny model's capacity (128 rows) is below a leaf: device windows of 0 rows and of 128, warmed up first.
     lines = proc.stdout.read().splitlines()
     warm = [l for l in lines if l.startswith("warm-up: window ")]
     assert [l.split(",")[0] for l in warm] == ["warm-up: window 0 rows (1/2)", "warm-up: window 128 rows (2/2)"]

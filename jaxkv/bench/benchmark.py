@@ -119,13 +119,9 @@ def cell_config(config: Config, context: int, new_tokens: int) -> Config:
   return dataclasses.replace(config, engine=dataclasses.replace(config.engine, capacity=cap))
 
 
-def decode_window_rows(config: Config, context: int, decode_steps: int) -> list[int]:
-  """Rows of the window delivered at decode steps 1..decode_steps: the allocation (jaxkv.cache.window_rows, with
-  config's kv.window_buckets and capacity) of the full blocks below the row written."""
-  block, cap, buckets = config.kv.block, config.engine.capacity, config.kv.window_buckets
-  return [
-      cache_lib.window_rows((context + t - 1) // block * block, block, cap, buckets) for t in range(1, decode_steps + 1)
-  ]
+def decode_window_rows(context: int, decode_steps: int, block: int) -> list[int]:
+  """Rows of the window delivered at decode steps 1..decode_steps (full blocks below the row written)."""
+  return [(context + t - 1) // block * block for t in range(1, decode_steps + 1)]
 
 
 def skip_reason(e: Exception) -> str | None:
@@ -211,7 +207,7 @@ def _run_cell(
 ) -> dict:
   cfg = cell_config(config, context, spec.new_tokens)
   steps = spec.new_tokens - 1
-  rows = decode_window_rows(cfg, context, steps)
+  rows = decode_window_rows(context, steps, cfg.kv.block)
   layout = run_lib.make_layout(cfg, mesh)
   cell = dict(
       context=context,
@@ -486,7 +482,7 @@ def link_test_bytes(config: Config, mesh, spec: BenchSpec) -> int:
   the largest cell (as if every layer were streamed), within LINK_TEST_BYTES."""
   context, batch = max(spec.contexts), max(spec.batches)
   cfg = cell_config(config, context, spec.new_tokens)
-  rows = decode_window_rows(cfg, context, spec.new_tokens - 1)
+  rows = decode_window_rows(context, spec.new_tokens - 1, cfg.kv.block)
   step = kv_step_bytes(cfg, run_lib.make_layout(cfg, mesh), batch, rows[-1:])["per_device"]
   return int(min(max(step, LINK_TEST_BYTES[0]), LINK_TEST_BYTES[1]))
 

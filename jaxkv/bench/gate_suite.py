@@ -63,10 +63,10 @@ def parallel_requests(config: Config, sequences: int, new_tokens: int, seed: int
 
 
 def window_rows(config: Config, prompt_length: int, new_tokens: int) -> int:
-  """Rows of the largest window that a task of one prompt delivers: the last decode step's (the allocation of the full
-  blocks below the row it writes, jaxkv.cache.window_rows), or with no decode step the last prefill chunk's."""
+  """Rows of the largest window that a task of one prompt delivers: the last decode step's (full blocks below the row
+  it writes), or with no decode step the last prefill chunk's."""
   prefill = (prompt_length - 1) // config.engine.prefill_chunk * config.engine.prefill_chunk
-  return max([prefill, *benchmark.decode_window_rows(config, prompt_length, new_tokens - 1)])
+  return max([prefill, *benchmark.decode_window_rows(prompt_length, new_tokens - 1, config.kv.block)])
 
 
 def row_bytes_per_device(config: Config, mesh) -> int:
