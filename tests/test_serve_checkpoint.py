@@ -25,7 +25,6 @@ from jaxkv import checkpoint
 from jaxkv import config as config_lib
 from jaxkv import run as run_lib
 from jaxkv import tokenizer as tokenizer_lib
-from jaxkv.serving import api as serve_api
 
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 
