@@ -56,6 +56,7 @@ from jaxkv.serving import loop as loop_lib
 from jaxkv.serving import metrics as metrics_lib
 from jaxkv.serving import schemas
 from jaxkv.serving import server as server_lib
+from jaxkv.serving import slot_files
 from jaxkv.serving import tools as tools_lib
 from jaxkv.serving.requests import Request
 
@@ -262,10 +263,14 @@ class _Generation:
 
 
 def make_app(
-    model: Model, max_body_mb: float = DEFAULT_MAX_BODY_MB, access: access_lib.Access = access_lib.Access()
+    model: Model,
+    max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    access: access_lib.Access = access_lib.Access(),
+    slot_save_path: str | None = None,
 ) -> fastapi.FastAPI:
-  """The FastAPI app (request bodies up to `max_body_mb` MiB; its API key and CORS origins: `access`); starting and
-  stopping the loop is the caller's (jaxkv.serve)."""
+  """The FastAPI app (request bodies up to `max_body_mb` MiB; its API key and CORS origins: `access`; slots saved to
+  and restored from files in the folder `slot_save_path`, None: not at all); starting and stopping the loop is the
+  caller's (jaxkv.serve)."""
   app = fastapi.FastAPI(title="jaxkv", docs_url=None, redoc_url=None)
   app.add_middleware(_BodyLimit, max_bytes=int(max_body_mb * 2**20))
   access.install(app)
@@ -353,6 +358,43 @@ def make_app(
   @app.get("/slots")
   async def slots():
     return model.loop.slots()
+
+  @app.post("/slots/{id_slot}")
+  async def slot_action(id_slot: str, action: str = "", body: schemas.SlotFileRequest | None = None):
+    """llama-server's: a slot's conversation saved to a file of slot_save_path, restored from one, or erased
+    (jaxkv.serving.slot_files; the engine thread does the KV's part)."""
+    if slot_save_path is None:
+      raise ApiError(501, "this server does not save slots: start it with --slot_save_path", "not_supported_error")
+    if not id_slot.isdigit() or int(id_slot) >= model.loop.parallel:
+      raise ApiError(400, f"id_slot: no slot {id_slot!r}; the server has slots 0..{model.loop.parallel - 1}")
+    if action not in ("save", "restore", "erase"):
+      raise ApiError(400, f"action: {action!r} is none of save, restore, erase")
+    slot, t0, cfg = int(id_slot), time.perf_counter(), model.loop.server.engine.config
+    if action == "erase":
+      return {"id_slot": slot, "n_erased": await _engine_job(model.loop.erase, slot)}
+    if model.loop.server.prefix_cache is None:
+      raise ApiError(400, f"{action}: slots are saved as prefix cache blocks: start the server with --prefix_cache_gib")
+    if body is None:
+      raise ApiError(400, f'{action} needs a body {{"filename": ...}}')
+    fp = slot_files.fingerprint(cfg)
+    try:
+      path = slot_files.path_in(slot_save_path, body.filename)
+      if action == "save":
+        saved = await _engine_job(model.loop.save, slot)
+        nbytes = await concurrency.run_in_threadpool(slot_files.write, path, saved, fp)
+      else:
+        saved, nbytes = await concurrency.run_in_threadpool(slot_files.read, path, fp, cfg.engine.prefill_chunk)
+        await _engine_job(model.loop.restore, slot, saved, body.filename)
+    except FileNotFoundError as e:
+      raise ApiError(400, f"filename: no file {body.filename!r} in the slot save path") from e
+    except ValueError as e:
+      raise ApiError(400, f"{action}: {e}") from e
+    except OSError as e:
+      raise ApiError(500, f"{action}: {body.filename!r}: {e.strerror}", "server_error") from e
+    ms, head = (time.perf_counter() - t0) * 1e3, dict(id_slot=slot, filename=body.filename)
+    if action == "save":
+      return dict(head, n_saved=len(saved.tokens), n_written=nbytes, timings=dict(save_ms=ms))
+    return dict(head, n_restored=len(saved.tokens), n_read=nbytes, timings=dict(restore_ms=ms))
 
   @app.post("/v1/completions")
   async def completions(body: schemas.CompletionRequest, http: fastapi.Request):
@@ -584,6 +626,16 @@ async def _watch(http: fastapi.Request, gens: list[_Generation]) -> None:
     pass
   for gen in gens:
     gen.abort()
+
+
+async def _engine_job(queue: Callable, *args):
+  """The result of a slot job that `queue(*args)` (a ServingLoop method) hands the engine thread; ApiError (503)
+  when the loop is not running."""
+  try:
+    future = queue(*args)
+  except loop_lib.Closed as e:
+    raise ApiError(503, str(e), "server_error") from e
+  return await asyncio.wrap_future(future)
 
 
 async def _encode(model: Model, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -113,6 +113,25 @@ class SlotFiller:
     self._share(prompt, run, layers, shares)
     return run.x
 
+  def block(self, tokens, i: int, before: list[list]) -> list:
+    """Block i of `tokens` (rows [i C, (i + 1) C), C = engine.prefill_chunk), per layer [2, 1, K, C, E] in pinned
+    host memory: the prefix cache's entry, else prefilled after `before` (blocks 0 .. i - 1, each per layer) by the
+    programs of a request's prefill (chunk i alone, its window those blocks: the bits of a cold prefill) and stored in
+    the prefix cache. One chunk's work: a saved slot's blocks, one between two decode steps
+    (jaxkv.serving.slot_files)."""
+    eng, pc, chunk = self.engine, self.prefix_cache, self.engine.config.engine.prefill_chunk
+    keys = pc.keys(tokens, i + 1)
+    entry = pc.entry(keys[i])
+    if entry is not None:
+      return entry.rows
+    layers = [[rows[l] for rows in before] for l in range(eng.config.model.num_layers)]
+    moved = [jax.device_put(rows, rows[0].sharding.with_memory_kind("device")) for rows in layers if rows]
+    ids = np.asarray(tokens[: (i + 1) * chunk], np.int32)[None]
+    run = eng.prefill(self.scratch(), ids, np.zeros(1, np.int32), (i + 1) * chunk, first=i, prefix=moved or None)
+    rows = [eng.layer_fns(layer.layer).block(layer.window, np.int32(i * chunk), size=chunk) for layer in run]
+    pc.add(keys, [rows], sum(a.nbytes for a in rows))
+    return rows
+
   def _share(self, prompt: tuple, run, layers: list, shares: int) -> None:
     if shares:
       self._shared = _Shared(prompt, run, layers, shares)
