@@ -2,9 +2,10 @@
 
 POST /v1/completions (prompt: text, or token ids), POST /v1/chat/completions (the checkpoint's chat template,
 jaxkv.chat_template), GET /v1/models, GET /health, GET /metrics (Prometheus text, jaxkv.serving.metrics), GET /slots
-(each slot's request and tokens), llama-server's /tokenize, /detokenize and /props. With
-"stream": true the choices come as server-sent events, one chunk per token, then `data: [DONE]`. Every choice (and
-chunk) carries its generated ids in `token_ids`; without a tokenizer prompts are token ids and `text` is empty.
+(each slot's request and tokens), llama-server's /tokenize, /detokenize, /props and POST /slots/{id}?action=...
+(a slot's conversation saved, restored or erased, with a slot save path: jaxkv.serving.slot_files). With "stream":
+true the choices come as server-sent events, one chunk per token, then `data: [DONE]`. Every choice (and chunk)
+carries its generated ids in `token_ids`; without a tokenizer prompts are token ids and `text` is empty.
 
 Sampling fields left out take the config's sampling section (greedy by default), so a request with the same prompt
 and settings gets the tokens `python3 -m jaxkv.generate` prints; penalties, min_p, logit_bias and min_tokens reach
