@@ -248,7 +248,7 @@ class _Feed:
     self.conversations: list[tuple[int, ...] | None] = [None] * run.server.parallel  # ServingLoop.conversation.
 
   def take(self, block: bool = False) -> None:
-    """Takes the submitted requests (waits for one when `block`) and ends the cancelled ones."""
+    """Takes the submitted requests and slot jobs (waits for one when `block`) and ends the cancelled requests."""
     while True:
       try:
         handle = self.inbox.get(block=block)
