@@ -335,14 +335,18 @@ def make_app(
 
   @app.post("/tokenize")
   async def tokenize(body: schemas.TokenizeRequest):
-    ids = _tokenizer(model).encode(body.content, add_special_tokens=body.add_special)
-    if not body.with_pieces:
-      return {"tokens": ids}
-    return {"tokens": [{"id": i, "piece": model.tokenizer.decode([i], skip_special_tokens=False)} for i in ids]}
+    tok = _tokenizer(model)
+
+    def tokens() -> list:  # On a worker thread, as a prompt's.
+      ids = tok.encode(body.content, add_special_tokens=body.add_special)
+      return [{"id": i, "piece": tok.decode([i], skip_special_tokens=False)} for i in ids] if body.with_pieces else ids
+
+    return {"tokens": await concurrency.run_in_threadpool(tokens)}
 
   @app.post("/detokenize")
   async def detokenize(body: schemas.DetokenizeRequest):
-    return {"content": _tokenizer(model).decode(_ids(body.tokens, model, "tokens"), skip_special_tokens=False)}
+    ids = _ids(body.tokens, model, "tokens")
+    return {"content": await concurrency.run_in_threadpool(_tokenizer(model).decode, ids, False)}
 
   @app.get("/props")
   async def props():
