@@ -250,9 +250,15 @@ def test_a_request_counts_once_under_its_end_with_its_tokens(served, reason, str
         ({"messages": [{"role": "user", "content": "w7"}, {"role": "assistant", "content": None}]}, 200, None),
         ({"prompt": "w7 \ud800 w8"}, 400, "not valid Unicode (surrogates not allowed at character 3)"),
         ({"messages": [{"role": "user", "content": "w7 \udfff"}]}, 400, "not valid Unicode"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "w7"}]}]}, 200, None),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "w7"}, {"type": "image_url"}]}]},
+            400,
+            "messages[0].content[1]: only parts of type text with a text are served, got 'image_url'",
+        ),
     ],
 )
-def test_null_content_and_lone_surrogates_are_no_500(served, body, status, message):
+def test_null_content_parts_and_lone_surrogates_are_no_500(served, body, status, message):
   client, _, _, _ = served
   path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
   content = json.dumps(dict(body, max_tokens=2))  # Escapes the surrogates: the body is UTF-8.

@@ -255,6 +255,7 @@ def test_logit_bias_bans_and_forces_tokens(client, reference):
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"logprobs": 21}, "logprobs"),
+        ({"stream_options": {"include_usage": True}}, "stream_options: only with stream: true"),
     ],
 )
 def test_bad_sampling_fields_are_a_400(server, body, message):

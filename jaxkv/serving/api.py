@@ -431,7 +431,7 @@ def make_app(
     t0 = time.perf_counter()
     if model.tokenizer is None or model.chat_template is None:
       raise ApiError(400, "chat needs a checkpoint with a tokenizer.json and a chat template; use /v1/completions")
-    messages = [_message(m) for m in body.messages]
+    messages = [_message(m, i) for i, m in enumerate(body.messages)]
     tools, tool_format = None, None
     if body.tools:
       tool_format = tools_lib.template_format(model.chat_template.source)
@@ -466,6 +466,8 @@ def make_app(
       raise ApiError(404, f"model {body.model!r} is not served here; GET /v1/models lists {model.name!r}")
     if not ids:
       raise ApiError(400, "the prompt is empty")
+    if body.stream_options is not None and not body.stream:
+      raise ApiError(400, "stream_options: only with stream: true (a response that is not streamed has its usage)")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if stops and model.tokenizer is None:
       raise ApiError(400, "stop strings need a checkpoint with a tokenizer.json")
@@ -698,11 +700,17 @@ def _usage(prompt: int, gens: list[_Generation]) -> dict:
   return dict(usage, prompt_tokens_details={"cached_tokens": gens[0].handle.cached_tokens})
 
 
-def _message(m: schemas.Message) -> dict:
-  """A chat message as the template sees it: content parts of type text joined into one string."""
+def _message(m: schemas.Message, i: int) -> dict:
+  """Chat message i as the template sees it: content parts of type text joined into one string; a 400 for parts of
+  another type (an image, audio: a text model's server would drop them)."""
   d = m.model_dump(exclude_none=False)
   if isinstance(m.content, list):
-    d["content"] = "".join(p.get("text", "") for p in m.content if p.get("type") == "text")
+    for k, p in enumerate(m.content):
+      if p.get("type") != "text" or not isinstance(p.get("text"), str):
+        raise ApiError(
+            400, f"messages[{i}].content[{k}]: only parts of type text with a text are served, got {p.get('type')!r}"
+        )
+    d["content"] = "".join(p["text"] for p in m.content)
   elif m.content is None:  # An assistant turn of tool calls only.
     d["content"] = ""
   return d
