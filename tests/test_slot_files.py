@@ -3,7 +3,9 @@ logits hash of a server that never saved, its blocks the bits of a cold prefill;
 another model's weights, a damaged file, a name escaping the folder); and llama-server's POST /slots/{id} over HTTP
 with its errors."""
 
+import dataclasses
 import os
+import threading
 
 import helpers
 import numpy as np
@@ -24,8 +26,6 @@ def engine():
 
 def _conversation(loop, prompt, max_new_tokens=NEW):
   """Serves one request on the loop; returns its tokens and its cached prompt tokens."""
-  import threading  # pylint: disable=g-import-not-at-top
-
   done, out = threading.Event(), []
   handle = loop.submit(
       serving.Request(tuple(prompt), max_new_tokens), lambda t, _: out.append(t), lambda *_: done.set()
@@ -34,9 +34,21 @@ def _conversation(loop, prompt, max_new_tokens=NEW):
   return out, handle.cached_tokens
 
 
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  """A conversation served on slot 0 of a loop (its tokens), saved (the Saved, and its file), erased (the count
+  erased: its tokens) and restored; then its next turn there: that request's tokens and cached prompt tokens."""
+
+  conversation: tuple[int, ...]
+  saved: slot_files.Saved
+  path: str
+  erased: int
+  next_tokens: list[int]
+  next_cached: int
+
+
 @pytest.fixture(scope="module")
-def saved(engine, tmp_path_factory):
-  """A conversation served on slot 0, saved to a file: (its tokens, the file, the Saved, the loop's erase count)."""
+def saved(engine, tmp_path_factory) -> _Run:
   loop = serving.ServingLoop(serving.Server(engine, 1, prefix_cache_bytes=2**30), 4).start()
   try:
     prompt = helpers.prompts([37], seed=3)[0]
@@ -55,12 +67,12 @@ def saved(engine, tmp_path_factory):
     after = _conversation(loop, conversation + tuple(TAIL), 6)
   finally:
     loop.stop(60)
-  return conversation, path, saved, erased, after
+  return _Run(conversation, saved, path, erased, *after)
 
 
 def test_save_reads_the_conversation_s_whole_blocks_with_a_cold_prefill_s_bits(engine, saved):
-  conversation, _, s, erased, _ = saved
-  assert s.tokens == conversation and erased == len(conversation) == 37 + NEW
+  conversation, s = saved.conversation, saved.saved
+  assert s.tokens == conversation and saved.erased == len(conversation) == 37 + NEW
   assert len(s.blocks) == 3 and len(s.blocks[0]) == engine.config.model.num_layers
   # A server that prefilled the next turn cold stored the same blocks (the third holds generated tokens: Save
   # prefilled it alone).
@@ -72,10 +84,10 @@ def test_save_reads_the_conversation_s_whole_blocks_with_a_cold_prefill_s_bits(e
 
 
 def test_restored_continues_as_if_never_saved(engine, saved):
-  conversation, path, _, _, (tokens, cached) = saved
+  conversation, path = saved.conversation, saved.path
   request = serving.Request(conversation + tuple(TAIL), 6)
   want = serving.Server(engine, 1, prefix_cache_bytes=1).serve([request]).results[0]  # Never saved, nothing cached.
-  assert tokens == want.tokens and cached == 48  # The loop's restored slot: 3 blocks from the file.
+  assert saved.next_tokens == want.tokens and saved.next_cached == 48  # The loop's restored slot: 3 blocks.
   fresh = serving.Server(engine, 2, prefix_cache_bytes=2**30)  # Another server, restored from the file.
   fp = slot_files.fingerprint(engine.config)
   assert fresh.work(slot_files.Restore(slot_files.read(path, fp, 16)[0], "chat.bin")) == conversation
@@ -85,7 +97,7 @@ def test_restored_continues_as_if_never_saved(engine, saved):
 
 
 def test_the_file_is_refused_by_another_config_or_model(engine, saved):
-  _, path, s, _, _ = saved
+  path, s = saved.path, saved.saved
   other = helpers.engine(2, placement="host", depth=1, chunk=32)
   with pytest.raises(ValueError, match="saved by another model or config"):
     slot_files.read(path, slot_files.fingerprint(other.config), 32)
@@ -119,9 +131,7 @@ def test_a_damaged_file_or_a_name_outside_the_folder_is_refused(engine, tmp_path
 
 
 def test_a_save_while_another_request_decodes_runs_between_its_steps(engine, saved):
-  conversation, _, s, _, _ = saved
-  import threading  # pylint: disable=g-import-not-at-top
-
+  conversation, s = saved.conversation, saved.saved
   loop = serving.ServingLoop(serving.Server(engine, 1, prefix_cache_bytes=2**30), 4).start()
   try:
     _conversation(loop, conversation[:37])  # Slot 0 serves the conversation again (greedy: the same tokens).
@@ -155,18 +165,18 @@ def test_slots_over_http_save_erase_restore_and_continue(engine, saved, tmp_path
   import httpx  # pylint: disable=g-import-not-at-top
   import serve_helpers  # pylint: disable=g-import-not-at-top
 
-  conversation, _, _, _, (want, _) = saved
+  conversation, want = saved.conversation, saved.next_tokens
   prompt = list(conversation[:37])
   with serve_helpers.running(engine, parallel=1, prefix_cache_bytes=2**30, slot_save_path=str(tmp_path)) as (url, _):
     post = lambda path, **body: httpx.post(url + path, timeout=120, **body)
     out = post("/v1/completions", json=dict(prompt=prompt, max_tokens=NEW)).json()
     assert prompt + out["choices"][0]["token_ids"] == list(conversation)
-    saved_ = post("/slots/0?action=save", json={"filename": "c.bin"}).json()
-    assert saved_["id_slot"] == 0 and saved_["filename"] == "c.bin" and saved_["n_saved"] == len(conversation)
-    assert saved_["n_written"] == os.path.getsize(tmp_path / "c.bin") and saved_["timings"]["save_ms"] > 0
+    answer = post("/slots/0?action=save", json={"filename": "c.bin"}).json()
+    assert answer["id_slot"] == 0 and answer["filename"] == "c.bin" and answer["n_saved"] == len(conversation)
+    assert answer["n_written"] == os.path.getsize(tmp_path / "c.bin") and answer["timings"]["save_ms"] > 0
     assert post("/slots/0?action=erase").json() == {"id_slot": 0, "n_erased": len(conversation)}
     restored = post("/slots/0?action=restore", json={"filename": "c.bin"}).json()
-    assert restored["n_restored"] == len(conversation) and restored["n_read"] == saved_["n_written"]
+    assert restored["n_restored"] == len(conversation) and restored["n_read"] == answer["n_written"]
     out = post("/v1/completions", json=dict(prompt=list(conversation) + TAIL, max_tokens=6)).json()
     assert out["choices"][0]["token_ids"] == want and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
     slot_files.write(str(tmp_path / "other.bin"), slot_files.Saved((1,), []), "another model's")
