@@ -297,3 +297,28 @@ def test_chats_without_max_tokens_reserve_nothing_and_end_at_the_capacity(served
   out = client.chat.completions.create(model="tiny", messages=messages, temperature=0, extra_body={"ignore_eos": True})
   used = out.usage.prompt_tokens + out.usage.completion_tokens - 1  # The last token is not written.
   assert out.choices[0].finish_reason == "length" and used <= 128 and out.usage.completion_tokens > 64
+
+
+def test_an_assistant_s_tool_call_arguments_reach_the_template_as_a_mapping(served):
+  """As vLLM's: a template reads a tool call's arguments (JSON text in OpenAI's messages) as the mapping they hold."""
+  _, engine, tok, _ = served
+  source = TEMPLATE.replace(
+      "{{ m['content'] }}",
+      "{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}{% if c.function.arguments is mapping %}"
+      "w{{ c.function.arguments.n }} w9{% else %}w8{% endif %}{% endfor %}",
+  )
+  call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"n": 50}'}}
+  messages = [
+      {"role": "user", "content": "w30"},
+      {"role": "assistant", "content": None, "tool_calls": [call]},
+      {"role": "tool", "tool_call_id": "call_1", "content": "w31"},
+  ]
+  template = chat_template_lib.ChatTemplate(source, {"bos_token": "<bos>"})
+  with serve_helpers.running(engine, parallel=4, tokenizer=tok, template=template) as (url, _):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    want = "<bos><|user|> w30 <|assistant|> w50 w9 <|tool|> w31 <|assistant|>"
+    assert out.usage.prompt_tokens == len(tok.encode(want, add_special_tokens=False))
+    call["function"]["arguments"] = "{not json"
+    with pytest.raises(openai.BadRequestError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments: not JSON"):
+      client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import os
 import secrets
 import threading
@@ -701,8 +702,8 @@ def _usage(prompt: int, gens: list[_Generation]) -> dict:
 
 
 def _message(m: schemas.Message, i: int) -> dict:
-  """Chat message i as the template sees it: content parts of type text joined into one string; a 400 for parts of
-  another type (an image, audio: a text model's server would drop them)."""
+  """Chat message i as the template sees it: content parts of type text joined into one string (a 400 for parts of
+  another type: an image, audio), an assistant's tool call arguments as the mapping their JSON holds."""
   d = m.model_dump(exclude_none=False)
   if isinstance(m.content, list):
     for k, p in enumerate(m.content):
@@ -713,6 +714,14 @@ def _message(m: schemas.Message, i: int) -> dict:
     d["content"] = "".join(p["text"] for p in m.content)
   elif m.content is None:  # An assistant turn of tool calls only.
     d["content"] = ""
+  calls = d.get("tool_calls") if m.role == "assistant" else None
+  for k, call in enumerate(calls if isinstance(calls, list) else []):
+    fn = call.get("function") if isinstance(call, dict) else None
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):  # As vLLM: templates read them as a mapping.
+      try:
+        fn["arguments"] = json.loads(fn["arguments"]) if fn["arguments"] else {}
+      except json.JSONDecodeError as e:
+        raise ApiError(400, f"messages[{i}].tool_calls[{k}].function.arguments: not JSON ({e.msg})") from e
   return d
 
 
