@@ -95,11 +95,8 @@ class SlotFiller:
     keys, hit = pc.match(prompt)
     fresh = [[] for _ in range(len(hit), len(keys))]  # Per new block, its rows of each layer.
     try:
-      # Every layer's blocks start moving to the devices now, one transfer a layer on the host-to-device copy stream;
-      # the prefill joins each layer's just before its first chunk, so the transfers run behind the earlier layers.
-      blocks = [[e.rows[l] for e in hit] for l in range(eng.config.model.num_layers)]
-      moved = [jax.device_put(rows, rows[0].sharding.with_memory_kind("device")) for rows in blocks if rows]
-      run = eng.prefill_slot(self.scratch(), cache, slot, prompt, end, first=len(hit), prefix=moved or None)
+      prefix = self._to_devices([e.rows for e in hit])
+      run = eng.prefill_slot(self.scratch(), cache, slot, prompt, end, first=len(hit), prefix=prefix)
       for layer in run:
         if shares:
           layers.append(layer)
@@ -124,13 +121,23 @@ class SlotFiller:
     entry = pc.entry(keys[i])
     if entry is not None:
       return entry.rows
-    layers = [[rows[l] for rows in before] for l in range(eng.config.model.num_layers)]
-    moved = [jax.device_put(rows, rows[0].sharding.with_memory_kind("device")) for rows in layers if rows]
     ids = np.asarray(tokens[: (i + 1) * chunk], np.int32)[None]
-    run = eng.prefill(self.scratch(), ids, np.zeros(1, np.int32), (i + 1) * chunk, first=i, prefix=moved or None)
+    run = eng.prefill(
+        self.scratch(), ids, np.zeros(1, np.int32), (i + 1) * chunk, first=i, prefix=self._to_devices(before)
+    )
     rows = [eng.layer_fns(layer.layer).block(layer.window, np.int32(i * chunk), size=chunk) for layer in run]
     pc.add(keys, [rows], sum(a.nbytes for a in rows))
     return rows
+
+  def _to_devices(self, blocks: list[list]) -> list | None:
+    """Blocks' rows (blocks[i][l]: block i of layer l, in pinned host memory) as the prefill's `prefix`: per layer,
+    its blocks on the devices (None without blocks). Every layer's blocks start moving now, one transfer a layer on
+    the host-to-device copy stream; the prefill joins each layer's just before its first chunk, so the transfers run
+    behind the earlier layers."""
+    if not blocks:
+      return None
+    layers = [[rows[l] for rows in blocks] for l in range(self.engine.config.model.num_layers)]
+    return [jax.device_put(rows, rows[0].sharding.with_memory_kind("device")) for rows in layers]
 
   def _share(self, prompt: tuple, run, layers: list, shares: int) -> None:
     if shares:
