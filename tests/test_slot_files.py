@@ -203,3 +203,13 @@ def test_slots_over_http_save_erase_restore_and_continue(engine, saved, tmp_path
   with serve_helpers.running(engine, parallel=1, prefix_cache_bytes=2**30) as (url, _):
     response = httpx.post(url + "/slots/0?action=save", json={"filename": "c.bin"}, timeout=120)
     assert response.status_code == 501 and "start it with --slot_save_path" in response.json()["error"]["message"]
+
+
+def test_a_conversation_shorter_than_a_block_keeps_its_tokens_only(engine, tmp_path):
+  server, fp = serving.Server(engine, 1, prefix_cache_bytes=2**30), slot_files.fingerprint(engine.config)
+  short = server.work(slot_files.Save(range(15)))  # 15 tokens: no whole block of 16.
+  assert short == slot_files.Saved(tuple(range(15)), [])
+  slot_files.write(str(tmp_path / "short.bin"), short, fp)
+  saved, _ = slot_files.read(str(tmp_path / "short.bin"), fp, 16)
+  assert saved == short and server.work(slot_files.Restore(saved, "short.bin")) == tuple(range(15))
+  assert len(server.prefix_cache) == 0
