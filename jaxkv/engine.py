@@ -404,9 +404,8 @@ class Engine:
 
     One prompt is prefilled straight into the cache (its rows start at row 0, then cut into the window and the open
     page: jitted.Fns.place; next_pass: a decode pass follows, whose first deliveries may start behind the last
-    chunk); more are prefilled one by one in a
-    generation of one sequence placed like this one (the price: one prompt's rows beside the batch's), each
-    prompt's rows moved to [E - L, E) of its slot."""
+    chunk); more are prefilled one by one in a generation of one sequence placed like this one (the price: one
+    prompt's rows beside the batch's), each prompt's rows moved to [E - L, E) of its slot."""
     chunk, block = self.config.engine.prefill_chunk, self.config.kv.block
     lens = np.array([len(p) for p in prompts], np.int32)
     longest = int(lens.max())

@@ -120,19 +120,21 @@ def functions(
     return chunk if window is None else jnp.concatenate([window, chunk], axis=3)
 
   def place(window, chunk, at, a_rows, block):
-    """A prompt prefilled at rows [0, L) (its rows [0, R), R >= L, in the prefill's two parts: window [2, 1, K, W0,
-    E] or None, chunk [2, 1, K, R - W0, E]; jaxkv.engine.PrefilledLayer) -> a slot's window [2, 1, K, a_rows, E] and open page [2, 1, K, block, E] (laid out as jaxkv.cache's: the
-    window's a_rows rows, then the page's) with the prompt's rows at their positions [at, at + L) (i32[],
-    at <= a_rows + block: the prompt ends in the page at the latest; traced, so the program depends on R and a_rows,
-    not on the prompt's length or where the slot's rows end). Rows before `at` are zeros; rows after the prompt's are
-    those after it in `rows` (its last chunk's padding), then zeros, and decode masks them until it writes them.
-    Two slices of the rows padded by zeros on both sides (one fusion: the rows are not copied whole)."""
-    padded = jnp.pad(
-        joined(window, chunk), ((0, 0),) * 3 + ((a_rows + block, block), (0, 0))
-    )  # rows[i] at a_rows + block + i.
+    """A prompt prefilled at rows [0, L): its rows [0, R), R >= L, in the prefill's two parts (window [2, 1, K, W0,
+    E] or None, chunk [2, 1, K, R - W0, E]: jaxkv.engine.PrefilledLayer) -> a slot's window [2, 1, K, a_rows, E] and
+    open page [2, 1, K, block, E] (laid out as jaxkv.cache's: the window's a_rows rows, then the page's) with the
+    prompt's rows at their positions [at, at + L) (i32[], 0 <= at < a_rows + block: the prompt ends in the page at
+    the latest; traced, so the program depends on W0, R and a_rows, not on the prompt's length or where the slot's
+    rows end). Rows before `at` are zeros; rows after the prompt's are the last chunk's padding, then zeros, and
+    decode masks them until it writes them. Two slices of the rows padded with zeros on both sides (XLA:CPU
+    writes the padded rows whole: a_rows + R + 2 block rows of workspace)."""
+    pad = ((0, 0),) * 3 + ((a_rows + block, block), (0, 0))  # Row i of the prompt at a_rows + block + i.
+    padded = jnp.pad(joined(window, chunk), pad)
     first = a_rows + block - at
-    window = jax.lax.dynamic_slice_in_dim(padded, first, a_rows, axis=3)
-    return window, jax.lax.dynamic_slice_in_dim(padded, first + a_rows, block, axis=3)
+    return (
+        jax.lax.dynamic_slice_in_dim(padded, first, a_rows, axis=3),
+        jax.lax.dynamic_slice_in_dim(padded, first + a_rows, block, axis=3),
+    )
 
   def block(window, chunk, first, size):
     """A prefill's rows (window, chunk: its two parts, as place's) on the devices -> rows [first, first + size), in

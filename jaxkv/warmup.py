@@ -69,6 +69,7 @@ def warm_up(engine, batch: int, report: Callable[[str], None] | None = None) -> 
       out["decode"].append(dict(rows=a, seconds=time.perf_counter() - t0))
       if report is not None:
         report(f"warm-up: window {a} rows ({i + 1}/{len(sizes)}), {out['decode'][-1]['seconds']:.1f} s")
+    windows, slot_rows = [a for a, _, _ in sizes], gen.cache.window_rows  # A slot's buckets.
   finally:
     gen.close()
   cfg = engine.config
@@ -80,7 +81,8 @@ def warm_up(engine, batch: int, report: Callable[[str], None] | None = None) -> 
       t0 = time.perf_counter()
       mine = [(c, length) for w, c, length in shapes if w == w0]
       for c, length in mine:
-        _prefill(engine, own.cache, gen.cache, w0, c, length)
+        entered = [a for a in windows if a >= slot_rows(length // cfg.kv.block * cfg.kv.block)]
+        _prefill(engine, own.cache, w0, c, length, entered)
       out["prefill"].append(dict(rows=w0, seconds=time.perf_counter() - t0))
       if report is not None:
         report(
@@ -92,11 +94,11 @@ def warm_up(engine, batch: int, report: Callable[[str], None] | None = None) -> 
   return out
 
 
-def _prefill(engine, cache, slots, w0: int, c: int, length: int) -> None:
+def _prefill(engine, cache, w0: int, c: int, length: int, windows: list[int]) -> None:
   """The programs of a last prefill chunk of `c` rows after `w0` (the shortest prompt ending there: `length` tokens)
   in `cache` (a scratch generation's): its embedding, one layer of each stage (zeros as the window before it), the
-  grown window where it is a whole chunk before others, its last row's read, and its place into each window bucket
-  of `slots` (the server's cache) that such a prompt can enter."""
+  grown window where it is a whole chunk before others, its last row's read, and its place into a slot's window of
+  each of `windows` rows (the server's buckets that such a prompt can enter)."""
   cfg, layout = engine.config, engine.layout
   block = cfg.kv.block
   tokens = distributed.put_host(np.zeros((1, c), np.int32), mesh_lib.replicated(layout.first))
@@ -112,9 +114,8 @@ def _prefill(engine, cache, slots, w0: int, c: int, length: int) -> None:
     if c == cfg.engine.prefill_chunk and w0 + c < cfg.engine.capacity:
       out.append(fns.grow(window, rows))
     w_rows = length // block * block
-    for a, _, _ in buckets(slots):
-      if a >= slots.window_rows(w_rows):
-        out.append(fns.place(window, rows, np.int32(a - w_rows), a_rows=a, block=block))
+    for a in windows:
+      out.append(fns.place(window, rows, np.int32(a - w_rows), a_rows=a, block=block))
   out.append(engine.fns.last_row(x, engine.put(length - 1 - w0, np.int32)))
   jax.block_until_ready(out)
 
