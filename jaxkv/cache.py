@@ -1,4 +1,4 @@
-"""The KV cache: its layout, its placement, and the pure operations on its arrays (store, grow, split, insert a slot).
+"""The KV cache: its layout, its placement, and the pure operations on its arrays (store, grow, insert a slot).
 
 KVCache is data: arrays, their shardings and operations on them. It is given its layout (jaxkv.layout.Layout: the mesh
 of each layer), its placement (jaxkv.residency.Placement: which windows are streamed, the decode groups, auto's plan,
@@ -33,8 +33,10 @@ head[l] is None while r1 = 0, and always for resident layers.
 Decode compiles a program per window shape A: with buckets O(k log(capacity / P)) of them, not capacity / P. The
 padding costs memory and delivered bytes (past the smallest bucket A / W < (k + 1) / k: 2x with k = 1, 1.25x with
 k = 4) and changes no bits: decode attention's leaves are anchored at `end` and mask rows before start
-(jaxkv.decode_attention), so the rows a leaf holds and its bits do not depend on A. A prefill's windows, and the
-rows it yields, are exact (A = W): prefill attention reduces over every row of its window, so its bits would.
+(jaxkv.decode_attention), so the rows a leaf holds and its bits do not depend on A. A prefill's windows are exact
+(A = W): prefill attention reduces over every row of its window, so its bits would follow A; its last chunk is
+bucketed at its END instead (jaxkv.engine.last_chunk_rows), rows past the prompt that causal masking keeps out of
+every prompt row's attention.
 
 Row r of sequence b is valid when start[b] <= r < end. A decode step writes row `end` into the open page
 (on device); when the open page is full, `grow` appends it to the window, which is stored back in its
@@ -88,22 +90,6 @@ def window_rows(rows: int, block: int, capacity: int, buckets: int) -> int:
   return min((-(-blocks >> shift) << shift) * block, rows_bound(capacity, block) - block)
 
 
-def split_prefilled(window, chunk, *, w_rows: int, block: int):
-  """After the last prefill chunk: rows [0, w_rows) become the window, [w_rows, w_rows + block) the open page.
-
-  window [2, B, K, W0, E] or None; chunk [2, B, K, C, E] rows [W0, W0 + C), W0 <= w_rows <= W0 + C. Rows past the
-  chunk are zeros (zero bytes decode to 0). The window is made from its two parts, never from a copy of all
-  W0 + C rows: beside the old window the split holds one more (the workspace the residency planner counts).
-  """
-  w0 = 0 if window is None else window.shape[3]
-  n = w_rows - w0  # The chunk's rows that join the window.
-  head = grow(window, chunk[:, :, :, :n]) if n else window
-  page = chunk[:, :, :, n : n + block]
-  if page.shape[3] < block:
-    page = jnp.pad(page, ((0, 0),) * 3 + ((0, block - page.shape[3]), (0, 0)))
-  return head, page
-
-
 def rows_bound(capacity: int, block: int) -> int:
   """Largest window plus open page a cache can reach: capacity rounded up to a block, plus a block."""
   return -(-capacity // block) * block + block
@@ -150,11 +136,6 @@ def rows_to_device(window: jax.Array, first: int, rows: int, sharding: jax.shard
 @functools.lru_cache(maxsize=None)
 def _grow_fn(sharding: jax.sharding.Sharding):
   return jax.jit(grow, out_shardings=sharding)
-
-
-@functools.lru_cache(maxsize=None)
-def _pad_fn(sharding: jax.sharding.Sharding):
-  return jax.jit(pad_front, static_argnums=1, out_shardings=sharding)
 
 
 @functools.lru_cache(maxsize=None)
@@ -297,12 +278,6 @@ class KVCache:
     for l in range(self.model.num_layers):
       self.opens[l] = _zeros_fn(shape, self.dtype, self.device_shardings[l])()
     self.rows = rows
-
-  def store_prefilled(self, layer: int, window_device: jax.Array | None) -> Issued:
-    """store() of a window of exactly its rows [0, W) (a prefill's), allocated at window_rows(W) rows."""
-    if window_device is not None and self.window_rows(window_device.shape[3]) != window_device.shape[3]:
-      window_device = _pad_fn(self.device_shardings[layer])(window_device, self.window_rows(window_device.shape[3]))
-    return self.store(layer, window_device)
 
   def store(self, layer: int, window_device: jax.Array | None) -> Issued:
     """Places layer `layer`'s window (a device array) in the cache's memory."""

@@ -122,6 +122,7 @@ def configure(path: str | None, env: MutableMapping[str, str] = os.environ) -> N
 class _Event:
   t: float  # time.perf_counter() when the compile ended.
   from_cache: bool
+  seconds: float  # Its duration.
 
 
 class CompileCounter:
@@ -130,6 +131,7 @@ class CompileCounter:
   with CompileCounter() as counter:
     ...
   counter.counts()  # {programs_compiled, programs_from_cache}; counts(since=t): of the compiles ending after t.
+  counter.seconds()  # Their time (seconds(since=t) likewise).
   """
 
   def __init__(self):
@@ -141,11 +143,11 @@ class CompileCounter:
     if event == _HIT_EVENT:
       self._hit.value = True
 
-  def _on_duration(self, event: str, _duration: float, **_) -> None:
+  def _on_duration(self, event: str, duration: float, **_) -> None:
     if event == _COMPILE_EVENT:  # On the compiling thread, after its hit event, if any.
       hit, self._hit.value = getattr(self._hit, "value", False), False
       with self._lock:
-        self._events.append(_Event(time.perf_counter(), hit))
+        self._events.append(_Event(time.perf_counter(), hit, duration))
 
   def __enter__(self) -> CompileCounter:
     jax.monitoring.register_event_listener(self._on_event)
@@ -156,10 +158,18 @@ class CompileCounter:
     jax.monitoring.unregister_event_listener(self._on_event)
     jax.monitoring.unregister_event_duration_listener(self._on_duration)
 
+  def _since(self, since: float | None) -> list[_Event]:
+    with self._lock:
+      return [e for e in self._events if since is None or e.t > since]
+
   def counts(self, since: float | None = None) -> dict:
     """{programs_compiled, programs_from_cache}: of every compile, or of those ending after `since` (a
     time.perf_counter() value)."""
-    with self._lock:
-      events = [e for e in self._events if since is None or e.t > since]
+    events = self._since(since)
     hits = sum(e.from_cache for e in events)
     return dict(programs_compiled=len(events) - hits, programs_from_cache=hits)
+
+  def seconds(self, since: float | None = None) -> float:
+    """The seconds XLA took to compile (or load from the persistent cache) the programs, of every compile or of those
+    ending after `since`; tracing and lowering are not counted."""
+    return sum(e.seconds for e in self._since(since))

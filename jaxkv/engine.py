@@ -149,20 +149,41 @@ class Generation:
     self.transport.close()
 
 
+def last_chunk_rows(rows: int, block: int, chunk: int) -> int:
+  """The rows a prefill's last chunk computes for the `rows` (1 <= rows <= chunk) prompt rows left after its whole
+  chunks: the fewest blocks, a power of two, that hold them, at most the chunk; so a prompt of a new length meets a
+  last chunk of one of log2(chunk / block) + 1 sizes, each compiled once per chunk index. The rows past the prompt
+  are padding (token 0)."""
+  blocks = 1
+  while blocks * block < rows:
+    blocks *= 2
+  return min(blocks * block, chunk)
+
+
+def prefill_rows(length: int, block: int, chunk: int) -> int:
+  """R, the rows a prefill of a prompt of `length` tokens computes: its whole chunks, then its last chunk's
+  (last_chunk_rows)."""
+  whole = (length - 1) // chunk * chunk
+  return whole + last_chunk_rows(length - whole, block, chunk)
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefilledLayer:
-  """A layer after the last prefill chunk, to be stored: its rows [0, W) window [2, B, K, W, E] on the devices (None
-  while W = 0) and its open page [2, B, K, P, E] (rows [W, W + P))."""
+  """A layer after the last prefill chunk, to be placed (jitted.Fns.place): its rows [0, R) as the prefill computed
+  them (R = Prefill.rows), on the devices in two parts, never copied into one array (the place reads both): window
+  [2, B, K, W0, E] rows [0, W0) (None while W0 = 0) and the last chunk's rows [2, B, K, C, E] rows [W0, R). The rows
+  from the longest prompt's end on are the last chunk's padding, which decode masks until it writes them."""
 
   layer: int
   window: jax.Array | None
-  open_page: jax.Array
+  chunk: jax.Array
 
 
 class Prefill:
   """A prefill under way (Engine.prefill): iterating over it runs it and yields each layer of its last chunk
   (PrefilledLayer), which the consumer stores before it asks for the next; then `x` holds the hidden state of each
-  prompt's last row [B, D]. rows: the window rows of its last chunk (for its counters, Generation.add_counters)."""
+  prompt's last row [B, D]. rows: R, the rows it computed (prefill_rows; for its counters,
+  Generation.add_counters)."""
 
   def __init__(self, steps: Iterator[PrefilledLayer], rows: int):
     self._steps, self.rows, self.x = steps, rows, None
@@ -302,16 +323,18 @@ class Engine:
       self, gen: Generation, tokens, start, longest, *, first=0, prefix=None, next_pass=False, hidden=None
   ) -> Prefill:
     """Prefills right-aligned prompts into the generation's cache in chunks of engine.prefill_chunk rows, the last
-    one only as many kv.block rows as the prompts reach (a prompt's chunks and their bits depend on its length only);
-    returns the prefill to iterate over: the last chunk's layers (rows [0, longest // block * block) and the open
-    page), which the consumer stores, then the last prompt row's hidden state (Prefill.x).
+    one a power of two of kv.block rows that holds the rest (last_chunk_rows: a prompt's chunks and their bits depend
+    on its length only, and lengths whose last chunks share a size share its programs); returns the prefill to iterate
+    over: the last chunk's layers (PrefilledLayer: rows [0, R), R = prefill_rows(longest)), which the consumer
+    places, then the last prompt row's hidden state (Prefill.x).
 
     tokens i32[B, n * chunk] (prompt b at rows [start[b], longest)); chunks before `first` are skipped: their
     rows must already be in the cache (zeros are fine when they are left padding), or come in `prefix`: per layer,
     blocks of its rows [0, first * chunk) on the devices, joined just before the layer's first computed chunk (rows
     held elsewhere, e.g. the prefix cache's: their transfers run behind the earlier layers). next_pass: a decode
     pass follows the last chunk. hidden: a list that gets each computed chunk's last-layer output [B, width, D] (its
-    rows' hidden states, what the head reads: prompt logprobs), in order; the programs run are the same.
+    rows' hidden states, what the head reads: prompt logprobs; the last chunk's past `longest` are its padding's), in
+    order; the programs run are the same.
 
     Where the prompt's rows fit in device memory (`prefill_plan`), each layer's grown window stays on the devices
     from one chunk to the next: the first chunk gets its window (the rows below `first`, if any) through the
@@ -319,9 +342,7 @@ class Engine:
     consumer of the last chunk. Otherwise every chunk gets its window through the transport and stores it grown.
     Either way each layer's prefill function sees the same values: the same bits.
     """
-    block, chunk = self.config.kv.block, self.config.engine.prefill_chunk
-    n_chunks = -(-longest // chunk)
-    rows = (n_chunks - 1) * chunk + -(-(longest - (n_chunks - 1) * chunk) // block) * block
+    rows = prefill_rows(longest, self.config.kv.block, self.config.engine.prefill_chunk)
     return Prefill(self._prefill(gen, tokens, start, longest, first, prefix, next_pass, hidden), rows)
 
   def _prefill(self, gen, tokens, start, longest, first, prefix, next_pass, hidden) -> Iterator[PrefilledLayer]:
@@ -329,14 +350,13 @@ class Engine:
     layers, stage_of = self.params["layers"], self.layout.stage_of
     cache = gen.cache
     n_chunks = -(-longest // chunk)
-    w_final = longest // block * block
     plan = prefill_plan(cache, n_chunks - first, chunk, self.config.kv.headroom_mib)
     gen.prefill_summary = dict(plan, attention=self.stage_fns[0].prefill_attention)
     kept: list = [None] * len(layers)  # With plan["keep"]: each layer's window so far, on the devices.
     x = None
     for c in range(first, n_chunks):
       last = c == n_chunks - 1
-      width = -(-(longest - c * chunk) // block) * block if last else chunk  # The last: the blocks the prompts reach.
+      width = last_chunk_rows(longest - c * chunk, block, chunk) if last else chunk
       x = self._first.embed(self.top, distributed.put_host(tokens[:, c * chunk : c * chunk + width], self._rep_first))
       metas = self.to_stages(self.meta(start, c * chunk))
       issued = Issued()
@@ -351,7 +371,7 @@ class Engine:
           gen.shapes.add(("prefill", 0 if window is None else window.shape[3], width))
           x, rows = fns.prefill(layers[l], self.to_layer(x, l), window, metas[stage_of[l]])
           if last:
-            yield PrefilledLayer(l, *fns.split(window, rows, w_rows=w_final, block=block))
+            yield PrefilledLayer(l, window, rows)
           elif plan["keep"]:
             kept[l] = fns.grow(window, rows)
           else:
@@ -382,10 +402,10 @@ class Engine:
     a sequence's rows and last hidden state depend on its prompt only, never on the others. Rows [0, zero_rows) of
     each prompt are zeros (Engine.generate). Returns (x [B, D] of each prompt's last row, start i32[B], E).
 
-    One prompt is prefilled straight into the cache (its rows start at row 0: nothing to move; next_pass: a decode
-    pass follows, whose first deliveries may start behind the last chunk); more are prefilled one by one in a
-    generation of one sequence placed like this one (the price: one prompt's rows beside the batch's), each
-    prompt's rows moved to [E - L, E) of its slot."""
+    One prompt is prefilled straight into the cache (its rows start at row 0, then cut into the window and the open
+    page: jitted.Fns.place; next_pass: a decode pass follows, whose first deliveries may start behind the last
+    chunk); more are prefilled one by one in a generation of one sequence placed like this one (the price: one
+    prompt's rows beside the batch's), each prompt's rows moved to [E - L, E) of its slot."""
     chunk, block = self.config.engine.prefill_chunk, self.config.kv.block
     lens = np.array([len(p) for p in prompts], np.int32)
     longest = int(lens.max())
@@ -397,11 +417,13 @@ class Engine:
       run = self.prefill(
           gen, self._tokens(prompts[0]), gen.start, longest, first=zero_rows // chunk, next_pass=next_pass
       )
+      w_rows = longest // block * block
+      a_rows = gen.cache.window_rows(w_rows)
       for layer in run:
-        gen.cache.opens[layer.layer] = layer.open_page
-        issued += gen.cache.store_prefilled(layer.layer, layer.window)
+        window, gen.cache.opens[layer.layer] = self._place(layer, a_rows - w_rows, a_rows)
+        issued += gen.cache.store(layer.layer, window if w_rows else None)
       gen.add_counters("prefill", issued, run.rows)
-      gen.cache.rows = longest // block * block
+      gen.cache.rows = w_rows
       return run.x, gen.start, longest
     gen.cache.store_empty_slots(longest // block * block)
     own, xs, plans = self.start(1, counters=gen.counters, shapes=gen.shapes), [], []
@@ -430,8 +452,8 @@ class Engine:
     layer's slot is replaced while the next layers compute. Nothing may read or write `cache` meanwhile
     (Generation.drop_pending).
 
-    Returns the prefill to iterate over: each layer as prefilled from row 0 (PrefilledLayer: rows [0, R) and the open
-    page, e.g. for the prefix cache), after its slot was filled; then x [1, D], the prompt's last row."""
+    Returns the prefill to iterate over: each layer as prefilled from row 0 (PrefilledLayer: rows [0, R), e.g. for the
+    prefix cache), after its slot was filled; then x [1, D], the prompt's last row."""
     length = len(prompt)
     run = self.prefill(
         own, self._tokens(prompt), np.zeros(1, np.int32), length, first=first, prefix=prefix, hidden=hidden
@@ -462,15 +484,20 @@ class Engine:
 
   def _fill_slot(self, own: Generation, run: Prefill, cache, slot: int, offset: int, end: int):
     w_rows, issued = end // self.config.kv.block * self.config.kv.block, Issued()
+    a_rows = cache.window_rows(w_rows)  # The window's buffer holds rows [w_rows - a_rows, w_rows).
     for layer in run:
-      fns = self.layer_fns(layer.layer)
-      a_rows = cache.window_rows(w_rows)  # The window's buffer holds rows [w_rows - a_rows, w_rows).
-      window, open_page = fns.place(layer.window, layer.open_page, np.int32(offset + a_rows - w_rows), a_rows=a_rows)
+      window, open_page = self._place(layer, offset + a_rows - w_rows, a_rows)
       issued += cache.insert_slot(layer.layer, slot, window if w_rows else None, open_page)
       yield layer
     own.add_counters("prefill", issued, run.rows)
     own.cache.clear()  # The slot holds its rows now.
     return run.x
+
+  def _place(self, layer: PrefilledLayer, at: int, a_rows: int) -> tuple[jax.Array, jax.Array]:
+    """A prefilled layer's rows at rows [at, at + R) of a window of a_rows rows and the open page after it
+    (jitted.Fns.place; `at` traced: the program depends on its parts' rows and a_rows only)."""
+    fns = self.layer_fns(layer.layer)
+    return fns.place(layer.window, layer.chunk, np.int32(at), a_rows=a_rows, block=self.config.kv.block)
 
   def _generate(self, gen: Generation, rec, prompts, max_new_tokens, seed, on_step, zero_rows) -> GenerateResult:
     """Prefill, then decode; the caller closes the generation."""

@@ -36,9 +36,8 @@ class Fns:
   decode_group: object  # (ps, x, windows, opens, meta) -> x, opens.
   decode_group_full: object  # The same when the open pages fill (static grow_to): -> x, grown windows, zero pages.
   grow: object
-  split: object  # After the last prefill chunk: the window and the open page (cache.split_prefilled).
   join: object  # Blocks of rows on the devices, concatenated (a prompt's rows from the prefix cache).
-  place: object  # A prompt's rows prefilled from row 0 moved to a slot's rows.
+  place: object  # A prompt's rows prefilled from row 0 moved to a slot's window and open page.
   block: object  # A block of rows, to pinned host memory (the prefix cache's).
   head: object  # (top, DecodeState) -> HeadOut, the next step's DecodeState.
   enter: object  # (state, b, row) -> state with row b replaced (DecodeState.with_row).
@@ -116,21 +115,33 @@ def functions(
     )
     return HeadOut(logits, tokens), nxt
 
-  def place(head_rows, open_page, at, a_rows):
-    """A prompt prefilled at rows [0, L) (head_rows [2, 1, K, H, E] or None, open_page [2, 1, K, P, E] after it) ->
-    a slot's window [2, 1, K, a_rows, E] and open page [2, 1, K, P, E] (laid out as jaxkv.cache's: the window's
-    a_rows rows, then the page's) with the prompt's rows at their positions [at, at + L) (i32[]; so the program
-    depends on a_rows, not on where the slot's rows end). Rows after the prompt's are those after it in the
-    prefilled ones, and decode masks them until it writes them."""
-    full = open_page if head_rows is None else jnp.concatenate([head_rows, open_page], axis=3)
-    p = open_page.shape[3]
-    dest = jnp.zeros(full.shape[:3] + (a_rows + p + full.shape[3], full.shape[4]), full.dtype)
-    dest = jax.lax.dynamic_update_slice(dest, full, (0, 0, 0, at, 0))
-    return dest[:, :, :, :a_rows], dest[:, :, :, a_rows : a_rows + p]
+  def joined(window, chunk):
+    """A prefill's rows [0, R) from its two parts (jaxkv.engine.PrefilledLayer: window or None, last chunk)."""
+    return chunk if window is None else jnp.concatenate([window, chunk], axis=3)
 
-  def block(rows, first, size):
-    """rows [2, 1, K, R, E] on the devices -> rows [first, first + size), in pinned host memory."""
-    return jax.device_put(jax.lax.dynamic_slice_in_dim(rows, first, size, axis=3), jax.memory.Space.Host)
+  def place(window, chunk, at, a_rows, block):
+    """A prompt prefilled at rows [0, L): its rows [0, R), R >= L, in the prefill's two parts (window [2, 1, K, W0,
+    E] or None, chunk [2, 1, K, R - W0, E]: jaxkv.engine.PrefilledLayer) -> a slot's window [2, 1, K, a_rows, E] and
+    open page [2, 1, K, block, E] (laid out as jaxkv.cache's: the window's a_rows rows, then the page's) with the
+    prompt's rows at their positions [at, at + L) (i32[], 0 <= at < a_rows + block: the prompt ends in the page at
+    the latest; traced, so the program depends on W0, R and a_rows, not on the prompt's length or where the slot's
+    rows end). Rows before `at` are zeros; rows after the prompt's are the last chunk's padding, then zeros, and
+    decode masks them until it writes them. Two slices of the rows padded with zeros on both sides (XLA:CPU
+    writes the padded rows whole: a_rows + R + 2 block rows of workspace)."""
+    pad = ((0, 0),) * 3 + ((a_rows + block, block), (0, 0))  # Row i of the prompt at a_rows + block + i.
+    padded = jnp.pad(joined(window, chunk), pad)
+    first = a_rows + block - at
+    return (
+        jax.lax.dynamic_slice_in_dim(padded, first, a_rows, axis=3),
+        jax.lax.dynamic_slice_in_dim(padded, first + a_rows, block, axis=3),
+    )
+
+  def block(window, chunk, first, size):
+    """A prefill's rows (window, chunk: its two parts, as place's) on the devices -> rows [first, first + size), in
+    pinned host memory."""
+    return jax.device_put(
+        jax.lax.dynamic_slice_in_dim(joined(window, chunk), first, size, axis=3), jax.memory.Space.Host
+    )
 
   return Fns(
       prefill=jax.jit(prefill, out_shardings=(rep, kv)),
@@ -142,9 +153,8 @@ def functions(
           donate_argnums=(3,),
       ),
       grow=jax.jit(cache_lib.grow, out_shardings=kv),
-      split=jax.jit(cache_lib.split_prefilled, static_argnames=("w_rows", "block"), out_shardings=kv),
       join=jax.jit(lambda blocks: jnp.concatenate(blocks, axis=3), out_shardings=kv),
-      place=jax.jit(place, static_argnames="a_rows", out_shardings=kv),
+      place=jax.jit(place, static_argnames=("a_rows", "block"), out_shardings=kv),
       block=jax.jit(block, static_argnames="size", out_shardings=kv_host),
       head=jax.jit(head, out_shardings=rep),
       enter=jax.jit(DecodeState.with_row, out_shardings=rep, donate_argnums=(0,)),

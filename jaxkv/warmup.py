@@ -1,11 +1,17 @@
-"""Warm-up: a server's decode programs compiled for every window bucket of its capacity before it serves.
+"""Warm-up: a server's decode and prefill programs compiled for its capacity before it serves.
 
 With kv.window_buckets a decode window takes one of O(log(capacity / block)) shapes (jaxkv.cache.window_rows), so a
 server can compile them all at start-up (`python3 -m jaxkv.serve --warmup`) instead of in the first requests that
 reach each. For each bucket of A rows, `warm_up` runs the programs a request meets there on a cache of zeros of the
 server's batch: a slot's insert (jaxkv.cache.KVCache.insert_slot), a decode pass (every decode group at A rows), the
 pass whose open pages fill inside the bucket (A -> A) and the one that crosses into the next (A -> its next bucket).
-The prefill's programs follow a prompt's length, not the window's, and compile with the first prompt of each.
+
+A prefill's programs follow its chunks: one per chunk index, the last chunk one of log2(chunk / block) + 1 sizes
+(jaxkv.engine.last_chunk_rows). For each chunk index and last-chunk size that a prompt within the capacity meets,
+`warm_up` then runs, on zeros, one layer of each stage (every layer of a stage is the same program), the token
+embedding, the last row's read, the grown window of a whole chunk, and the place into a slot's window of each bucket
+that such a prompt can enter (jitted.Fns.place): a prompt of a new length then compiles nothing. The prefix cache's
+block copies (when on) and the prompt logprobs' head still compile with the first prompt of each shape.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import numpy as np
 
 from jaxkv import decode
 from jaxkv import distributed
+from jaxkv import engine as engine_lib
+from jaxkv import mesh as mesh_lib
 
 
 def buckets(cache) -> list[tuple[int, int, int]]:
@@ -31,24 +39,85 @@ def buckets(cache) -> list[tuple[int, int, int]]:
   return [(a, ws[0], ws[-1]) for a, ws in sorted(out.items())]
 
 
-def warm_up(engine, batch: int, report: Callable[[str], None] | None = None) -> list[dict]:
-  """Runs every window bucket's decode programs of `engine` (jaxkv.engine.Engine) for `batch` slots on a
-  generation of zeros, reporting one line per bucket ("warm-up: window 512 rows (3/5), 4.1 s"). Returns each
-  bucket's rows and seconds. The tokens computed are thrown away; a server's requests run later in generations of
-  their own."""
-  gen = engine.start(batch)
+def prefill_shapes(capacity: int, block: int, chunk: int) -> list[tuple[int, int, int]]:
+  """(W0, C, L) of each last prefill chunk that a prompt of up to `capacity` tokens meets: the rows before it W0 (a
+  multiple of the chunk), its rows C (jaxkv.engine.last_chunk_rows) and the shortest prompt that ends there L;
+  by W0, then C."""
   out = []
+  for w0 in range(0, capacity, chunk):
+    shortest = {}
+    for left in range(1, min(chunk, capacity - w0) + 1):
+      shortest.setdefault(engine_lib.last_chunk_rows(left, block, chunk), w0 + left)
+    out += [(w0, c, length) for c, length in shortest.items()]
+  return out
+
+
+def warm_up(engine, batch: int, report: Callable[[str], None] | None = None) -> dict:
+  """Runs every window bucket's decode programs of `engine` (jaxkv.engine.Engine) for `batch` slots on a
+  generation of zeros, reporting one line per bucket ("warm-up: window 512 rows (3/5), 4.1 s"), then every
+  prefill shape's programs (prefill_shapes) on a generation of one sequence placed as the server's scratch
+  (jaxkv.serving.slots), one line per chunk index ("warm-up: prefill chunk 2 (3/4), 256 to 1024 rows, 2.0 s").
+  Returns {"decode": each bucket's rows and seconds, "prefill": each chunk index's rows before it and seconds}. The
+  tokens computed are thrown away; a server's requests run later in generations of their own."""
+  out = dict(decode=[], prefill=[])
+  gen = engine.start(batch)
   try:
     sizes = buckets(gen.cache)
     for i, (a, first, last) in enumerate(sizes):
       t0 = time.perf_counter()
       _bucket(engine, gen, first, last)
-      out.append(dict(rows=a, seconds=time.perf_counter() - t0))
+      out["decode"].append(dict(rows=a, seconds=time.perf_counter() - t0))
       if report is not None:
-        report(f"warm-up: window {a} rows ({i + 1}/{len(sizes)}), {out[-1]['seconds']:.1f} s")
+        report(f"warm-up: window {a} rows ({i + 1}/{len(sizes)}), {out['decode'][-1]['seconds']:.1f} s")
+    windows, slot_rows = [a for a, _, _ in sizes], gen.cache.window_rows  # A slot's buckets.
   finally:
     gen.close()
+  cfg = engine.config
+  shapes = prefill_shapes(cfg.engine.capacity, cfg.kv.block, cfg.engine.prefill_chunk)
+  chunks = sorted({w0 for w0, _, _ in shapes})
+  own = engine.start(1)
+  try:
+    for i, w0 in enumerate(chunks):
+      t0 = time.perf_counter()
+      mine = [(c, length) for w, c, length in shapes if w == w0]
+      for c, length in mine:
+        entered = [a for a in windows if a >= slot_rows(length // cfg.kv.block * cfg.kv.block)]
+        _prefill(engine, own.cache, w0, c, length, entered)
+      out["prefill"].append(dict(rows=w0, seconds=time.perf_counter() - t0))
+      if report is not None:
+        report(
+            f"warm-up: prefill chunk {i} ({i + 1}/{len(chunks)}), {mine[0][0]} to {mine[-1][0]} rows, "
+            f"{out['prefill'][-1]['seconds']:.1f} s"
+        )
+  finally:
+    own.close()
   return out
+
+
+def _prefill(engine, cache, w0: int, c: int, length: int, windows: list[int]) -> None:
+  """The programs of a last prefill chunk of `c` rows after `w0` (the shortest prompt ending there: `length` tokens)
+  in `cache` (a scratch generation's): its embedding, one layer of each stage (zeros as the window before it), the
+  grown window where it is a whole chunk before others, its last row's read, and its place into a slot's window of
+  each of `windows` rows (the server's buckets that such a prompt can enter)."""
+  cfg, layout = engine.config, engine.layout
+  block = cfg.kv.block
+  tokens = distributed.put_host(np.zeros((1, c), np.int32), mesh_lib.replicated(layout.first))
+  x = engine.layer_fns(0).embed(engine.top, tokens)
+  xs, metas = engine.to_stages(x), engine.to_stages(engine.meta(np.zeros(1, np.int32), w0))
+  out = []
+  for stage in range(len(layout.meshes)):
+    l = layout.stage_of.index(stage)  # Its first layer: every layer of a stage runs the same program.
+    fns = engine.layer_fns(l)
+    window = _zeros(cache, l, w0) if w0 else None
+    x, rows = fns.prefill(engine.params["layers"][l], xs[stage], window, metas[stage])
+    out.append(x)
+    if c == cfg.engine.prefill_chunk and w0 + c < cfg.engine.capacity:
+      out.append(fns.grow(window, rows))
+    w_rows = length // block * block
+    for a in windows:
+      out.append(fns.place(window, rows, np.int32(a - w_rows), a_rows=a, block=block))
+  out.append(engine.fns.last_row(x, engine.put(length - 1 - w0, np.int32)))
+  jax.block_until_ready(out)
 
 
 def _bucket(engine, gen, first: int, last: int) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from jaxkv import cache as cache_lib
 from jaxkv import compile_cache
+from jaxkv import engine as engine_lib
 from jaxkv import serving
 from jaxkv import warmup
 
@@ -71,17 +72,38 @@ def test_a_sequence_across_many_blocks_compiles_decode_programs_per_bucket():
   assert programs() - before <= 3 * 3
 
 
-def test_a_warm_server_compiles_no_decode_program():
-  eng = helpers.engine(2, placement="device", capacity=600)
+def test_a_warm_server_compiles_nothing():
+  """Warmed up for its capacity, a started server (a first run of one-token requests on its slots: a run's batch is
+  its requests', each size compiling its head) compiles no program for prompts of new lengths: neither decode's nor
+  the prefill's."""
+  eng = helpers.engine(2, placement="device", capacity=600, chunk=128)
   lines = []
   done = warmup.warm_up(eng, 2, lines.append)
-  assert [d["rows"] for d in done] == [0, 256, 512, 600] == [int(l.split()[2]) for l in lines]
+  assert [d["rows"] for d in done["decode"]] == [0, 256, 512, 600] == [int(l.split()[2]) for l in lines[:4]]
   assert lines[1].startswith("warm-up: window 256 rows (2/4), ")
-  fns = eng.layer_fns(0)
-  sizes = lambda: (fns.decode_group._cache_size(), fns.decode_group_full._cache_size())
-  warm = sizes()
+  # Chunk indices 0 to 4 (rows before them 0, 128, ..., 512), last chunks of 8 to 128 rows.
+  assert [d["rows"] for d in done["prefill"]] == [0, 128, 256, 384, 512] and len(lines) == 4 + 5
+  assert lines[4].startswith("warm-up: prefill chunk 0 (1/5), 8 to 128 rows, ")
+  server = serving.Server(eng, 2)
+  server.serve([serving.Request((0,), 2)] * 2)
   with compile_cache.CompileCounter() as counter:
-    out = serving.Server(eng, 2).serve([serving.Request(tuple(p), 300) for p in helpers.prompts([30, 290, 45], 2)])
+    out = server.serve([serving.Request(tuple(p), 300) for p in helpers.prompts([30, 290, 45], 2)])
   assert all(r.error is None for r in out.results)
-  assert sizes() == warm
-  assert counter.counts()["programs_compiled"] + counter.counts()["programs_from_cache"] > 0  # Its prefills'.
+  assert counter.counts() == dict(programs_compiled=0, programs_from_cache=0)
+
+
+def test_a_new_prompt_length_whose_last_chunk_shares_a_size_compiles_nothing():
+  """Prompts of 84 and 92 tokens in chunks of 64 rows: a whole chunk, then a last chunk of 20 and of 28 rows, each
+  computed as 32 rows (jaxkv.engine.last_chunk_rows): the second request compiles no program (its decode passes
+  are the first's: the same window bucket, no open page filled). A third of 100 tokens, whose last chunk is 64
+  rows, compiles its prefill's."""
+  eng = helpers.engine(1, placement="device", capacity=512, chunk=64)
+  assert [engine_lib.last_chunk_rows(n, 8, 64) for n in (1, 8, 9, 20, 30, 33, 64)] == [8, 8, 16, 32, 32, 64, 64]
+  server = serving.Server(eng, 1)
+  prompts = [tuple(p) for p in helpers.prompts([84, 92, 100], 5)]
+  counts = []
+  for p in prompts:
+    with compile_cache.CompileCounter() as counter:
+      assert server.serve([serving.Request(p, 4)]).results[0].error is None
+    counts.append(counter.counts()["programs_compiled"] + counter.counts()["programs_from_cache"])
+  assert counts[0] > 0 and counts[1] == 0 and counts[2] > 0

@@ -245,15 +245,14 @@ def split_generate(prompts, new, host_rows, cfg, kv_dtype="model"):
   for b, prompt in enumerate(prompts):
     tokens[b, longest - len(prompt) : longest] = prompt
   prefill = jax.jit(functools.partial(model.prefill_layer, cfg=cfg, kv_format=fmt))
-  split = jax.jit(cache_lib.split_prefilled, static_argnames=("w_rows", "block"))
   x = model.embed(params, jnp.asarray(tokens))
   w_rows = longest // block * block
   windows, opens = [], []
   for p in params["layers"]:
     x, chunk = prefill(p, x, None, start)
-    window, open_page = split(None, chunk, w_rows=w_rows, block=block)
-    windows.append(window)
-    opens.append(open_page)
+    chunk = jnp.pad(chunk, ((0, 0),) * 3 + ((0, block), (0, 0)))  # The open page: zeros past the chunk.
+    windows.append(chunk[:, :, :, :w_rows] if w_rows else None)
+    opens.append(chunk[:, :, :, w_rows : w_rows + block])
   out = [[] for _ in prompts]
   tok = jnp.argmax(model.logits(params, x[:, longest - 1], cfg), axis=-1)
   for end in range(longest, longest + new - 1):

@@ -62,7 +62,8 @@ def test_packed_layout_widths_and_dtypes():
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4", "float8_e4m3fn", "bfloat16", "float32"])
 def test_zero_bytes_decode_to_zeros_and_zeros_pack_to_zero_bytes(kv_dtype):
-  """Open pages and the padding of split_prefilled are zero bytes: they must read as 0 in every format."""
+  """Open pages and the padding of a placed prefill (jitted.Fns.place) are zero bytes: they must read as 0 in every
+  format."""
   fmt = _format(kv_dtype)
   zeros = np.zeros((2, 1, 2, 3, fmt.width), fmt.storage_dtype)
   np.testing.assert_array_equal(np.asarray(jax.jit(fmt.unpack)(zeros), np.float32), 0.0)

@@ -294,11 +294,17 @@ def test_the_app_serves_and_drains_on_sigterm(reference):
             proc.send_signal(signal.SIGTERM)  # Mid-stream: the request still runs to its end.
     assert done and ids == reference(prompt, 60)
     assert proc.wait(TIMEOUT_S) == 0
-    # The tiny model's capacity (128 rows) is below a leaf: device windows of 0 rows and of 128, warmed up first.
+    # The tiny model's capacity (128 rows) is below a leaf: device windows of 0 rows and of 128, warmed up first,
+    # then the prefill's 8 chunks of 16 rows (last chunks of 8 or 16 rows).
     lines = proc.stdout.read().splitlines()
     warm = [l for l in lines if l.startswith("warm-up: window ")]
     assert [l.split(",")[0] for l in warm] == ["warm-up: window 0 rows (1/2)", "warm-up: window 128 rows (2/2)"]
-    assert lines.index(warm[-1]) < next(i for i, l in enumerate(lines) if l.startswith("serving "))
+    prefill = [l for l in lines if l.startswith("warm-up: prefill ")]
+    assert [l.rsplit(",", 1)[0] for l in prefill] == [
+        f"warm-up: prefill chunk {c} ({c + 1}/8), 8 to 16 rows" for c in range(8)
+    ]
+    assert lines.index(warm[-1]) < lines.index(prefill[0])
+    assert lines.index(prefill[-1]) < next(i for i, l in enumerate(lines) if l.startswith("serving "))
   finally:
     if proc.poll() is None:
       proc.kill()

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
+from jaxkv import jitted
 from jaxkv import kv_quant
 from jaxkv import transport as transport_lib
 from jaxkv.host import memory
@@ -275,17 +275,19 @@ def test_on_chunk_reports_each_prefill_chunk():
   assert rows == [16, 32, 40, 8]
 
 
-def test_split_prefilled_cuts_the_window_and_the_open_page_from_their_parts():
-  """The window is rows [0, w_rows) of window + chunk, the open page the next block of them (zeros past the chunk)."""
+def test_place_puts_a_prefills_rows_at_a_slots_rows_from_their_parts():
+  """jitted.Fns.place: rows [0, R) of window + last chunk at rows [at, at + R) of a window of a_rows rows and the
+  open page after it (zeros before `at` and past the rows), one program per (W0, C, a_rows) whatever `at`."""
   rng = np.random.default_rng(0)
   rows = lambda n: jnp.asarray(rng.standard_normal((2, 1, 2, n, 4)), jnp.float32)
-  for w0, c, w_rows in ((0, 8, 0), (0, 8, 4), (0, 8, 8), (8, 8, 8), (8, 8, 12), (8, 8, 16)):
+  place = jitted.functions(helpers.tiny_config().model, helpers.mesh(1)).place
+  before = place._cache_size()
+  cases = [(0, 8, 0, 0), (0, 8, 3, 0), (0, 8, 0, 8), (8, 8, 0, 8), (8, 8, 5, 16), (8, 8, 11, 8), (8, 4, 0, 16)]
+  for w0, c, at, a_rows in cases:
     window, chunk = (rows(w0) if w0 else None), rows(c)
-    full = np.concatenate(
-        [np.zeros((2, 1, 2, 0, 4)) if window is None else window, chunk, np.zeros((2, 1, 2, 4, 4))], 3
-    )
-    head, page = cache_lib.split_prefilled(window, chunk, w_rows=w_rows, block=4)
-    assert (head is None) == (w_rows == 0)
-    if w_rows:
-      np.testing.assert_array_equal(head, full[:, :, :, :w_rows])
-    np.testing.assert_array_equal(page, full[:, :, :, w_rows : w_rows + 4])
+    full = np.zeros((2, 1, 2, a_rows + 4 + w0 + c, 4), np.float32)
+    full[:, :, :, at : at + w0 + c] = chunk if window is None else np.concatenate([window, chunk], 3)
+    got_window, got_page = place(window, chunk, np.int32(at), a_rows=a_rows, block=4)
+    np.testing.assert_array_equal(got_window, full[:, :, :, :a_rows])
+    np.testing.assert_array_equal(got_page, full[:, :, :, a_rows : a_rows + 4])
+  assert place._cache_size() - before == len({(w0, c, a_rows) for w0, c, _, a_rows in cases})

@@ -4,10 +4,11 @@ compiles (kv.window_buckets: decode windows in buckets of m * 2^s blocks, jaxkv.
 Loads --gguf (or random weights of --config) into a server of one slot (jaxkv.serving.Server) with an empty
 compilation cache (a fresh temporary folder unless --compilation_cache_dir is given), starts it as `python3 -m
 jaxkv.serve` does (one request of one token, which compiles the head; with --warmup first every window bucket's
-decode programs, jaxkv.warmup), then serves one request of
-each of --lengths random prompt tokens with --new_tokens greedy tokens, one after another, timing each request and
-counting the programs compiled meanwhile (jaxkv.compile_cache.CompileCounter). Prints a table last and writes JSON to
---json_out (default $OUT/buckets.json when $OUT is set). The issue's case (real SmolLM2, capacity 4096, 2 CPU
+decode programs and every prefill shape's, jaxkv.warmup), then serves one request of each of --lengths random
+prompt tokens with --new_tokens greedy tokens, one after another, timing each request and its first token (the
+prefill's), and counting the programs compiled meanwhile and XLA's seconds compiling them
+(jaxkv.compile_cache.CompileCounter; the rest of a request's time is its compute, tracing and dispatch). Prints a
+table last and writes JSON to --json_out (default $OUT/buckets.json when $OUT is set). The issue's case (real SmolLM2, capacity 4096, 2 CPU
 cores), with and without buckets:
 
   python3 tools/measure_buckets.py --gguf=SmolLM2-135M-Instruct.Q4_1.gguf --capacity=4096 --lengths=2000,1500
@@ -78,7 +79,8 @@ def main(argv):
     if WARMUP.value:
       warmup.warm_up(engine, 1, lambda line: print(line, flush=True))
     server.serve([serving.Request((0,), 2)])  # As jaxkv.serving.api.build_model starts a server.
-    rows.append(dict(what="start-up", seconds=time.perf_counter() - t0, **counter.counts(since=t0)))
+    compiled = lambda t: dict(compile_s=counter.seconds(since=t), **counter.counts(since=t))
+    rows.append(dict(what="start-up", seconds=time.perf_counter() - t0, **compiled(t0)))
     for n in lengths:
       prompt = tuple(rng.integers(0, config.model.vocab_size, n).tolist())
       t0 = time.perf_counter()
@@ -86,7 +88,8 @@ def main(argv):
       seconds = time.perf_counter() - t0
       if out.results[0].error:
         raise RuntimeError(f"the request of {n} tokens was rejected: {out.results[0].error}")
-      rows.append(dict(what=f"request of {n} tokens", seconds=seconds, **counter.counts(since=t0)))
+      first = out.results[0].ttft_s
+      rows.append(dict(what=f"request of {n} tokens", seconds=seconds, first_token_s=first, **compiled(t0)))
       print(f"{rows[-1]['what']}: {seconds:.1f} s", flush=True)
   result = dict(
       rows=rows,
@@ -107,9 +110,13 @@ def main(argv):
       f"\ncapacity {config.engine.capacity}, block {config.kv.block}, chunk {config.engine.prefill_chunk}, "
       f"window_buckets {config.kv.window_buckets}, load {load_s:.1f} s"
   )
-  print(f"{'':28} {'seconds':>8} {'compiled':>9} {'from cache':>11}")
+  print(f"{'':28} {'seconds':>8} {'first token':>12} {'compiled':>9} {'from cache':>11} {'compile s':>10}")
   for r in rows:
-    print(f"{r['what']:28} {r['seconds']:8.1f} {r['programs_compiled']:9d} {r['programs_from_cache']:11d}")
+    first = "-" if r.get("first_token_s") is None else f"{r['first_token_s']:.1f}"
+    print(
+        f"{r['what']:28} {r['seconds']:8.1f} {first:>12} {r['programs_compiled']:9d} {r['programs_from_cache']:11d} "
+        f"{r['compile_s']:10.1f}"
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,8 @@ MAX_BODY_MB = flags.DEFINE_float(
 WARMUP = flags.DEFINE_bool(
     "warmup",
     False,
-    "Before listening, compile the decode programs of every window bucket of the capacity (jaxkv.warmup), a line "
-    "per bucket, so that no request waits for them.",
+    "Before listening, compile the decode programs of every window bucket of the capacity and the prefill programs of "
+    "every chunk shape (jaxkv.warmup), a line per bucket and per chunk index, so that no request waits for them.",
 )
 
 SLOT_SAVE_PATH = flags.DEFINE_string(

@@ -102,7 +102,7 @@ class SlotFiller:
           layers.append(layer)
         fns = eng.layer_fns(layer.layer)
         for i, rows in enumerate(fresh):
-          rows.append(fns.block(layer.window, np.int32((len(hit) + i) * chunk), size=chunk))
+          rows.append(fns.block(layer.window, layer.chunk, np.int32((len(hit) + i) * chunk), size=chunk))
       if fresh:  # Its own blocks stay pinned meanwhile: a block is not evicted to make room for its children.
         pc.add(keys, fresh, sum(a.nbytes for a in fresh[0]))
     finally:
