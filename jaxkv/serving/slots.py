@@ -125,7 +125,9 @@ class SlotFiller:
     run = eng.prefill(
         self.scratch(), ids, np.zeros(1, np.int32), (i + 1) * chunk, first=i, prefix=self._to_devices(before)
     )
-    rows = [eng.layer_fns(layer.layer).block(layer.window, np.int32(i * chunk), size=chunk) for layer in run]
+    rows = [
+        eng.layer_fns(layer.layer).block(layer.window, layer.chunk, np.int32(i * chunk), size=chunk) for layer in run
+    ]
     pc.add(keys, [rows], sum(a.nbytes for a in rows))
     return rows
 
