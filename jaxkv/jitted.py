@@ -41,6 +41,7 @@ class Fns:
   place: object  # A prompt's rows prefilled from row 0 moved to a slot's rows.
   block: object  # A block of rows, to pinned host memory (the prefix cache's).
   head: object  # (top, DecodeState) -> HeadOut, the next step's DecodeState.
+  verify: object  # (top, x [B, T, D], drafts i32[B, T - 1], lengths i32[B]) -> logits, tokens, accepted (verify_head).
   enter: object  # (state, b, row) -> state with row b replaced (DecodeState.with_row).
   allow: object  # (state, b, allowed bool[V]) -> state with row b's allowed tokens replaced (DecodeState.allow).
   embed: object
@@ -147,6 +148,7 @@ def functions(
       place=jax.jit(place, static_argnames="a_rows", out_shardings=kv),
       block=jax.jit(block, static_argnames="size", out_shardings=kv_host),
       head=jax.jit(head, out_shardings=rep),
+      verify=jax.jit(functools.partial(verify_head, cfg=cfg), out_shardings=rep),
       enter=jax.jit(DecodeState.with_row, out_shardings=rep, donate_argnums=(0,)),
       allow=jax.jit(DecodeState.allow, out_shardings=rep, donate_argnums=(0,)),
       embed=jax.jit(model.embed, out_shardings=rep),
@@ -155,3 +157,18 @@ def functions(
       prefill_attention=attention_impl,
       decode_attention=decode_impl,
   )
+
+
+def verify_head(top, x, drafts, lengths, *, cfg: ModelConfig):
+  """The head of a speculative verify pass (jaxkv.spec_decode), greedy: x [B, T, D], the pass's output at rows
+  end .. end + T - 1 (or [B, D], T = 1); drafts i32[B, T - 1], row b's proposed tokens for rows end + 1 .., lengths[b] of them real.
+  Returns logits f32[B, T, V] (the model's), tokens i32[B, T] (each position's greedy token, the largest logit, as
+  jaxkv.sampling.sample takes it) and accepted i32[B], the longest prefix of row b's draft equal to its tokens: its
+  tokens[:accepted + 1] follow its row end as the one-token steps would give them."""
+  if x.ndim == 2:  # A one-token pass: x [B, D].
+    x = x[:, None]
+  logits = model.logits(top, x, cfg)
+  tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  agree = (drafts == tokens[:, :-1]) & (jnp.arange(drafts.shape[1])[None, :] < lengths[:, None])
+  accepted = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+  return logits, tokens, accepted

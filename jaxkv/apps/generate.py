@@ -87,6 +87,7 @@ HELP_GROUPS = {
     "prompts": [PROMPT_LEN, BATCH, PROMPT, CHAT, MAX_NEW, IGNORE_EOS, SEED],
     "KV cache": cli.KV_GROUP,
     "split": cli.SPLIT_GROUP,
+    "speculative decoding": cli.SPECULATE_GROUP,
     "serving": [SEQUENCES, PARALLEL, PREFIX_CACHE_GIB],
     "multi-host": cli.MULTIHOST_GROUP,
     "output": [JSON_OUT],

@@ -1,0 +1,162 @@
+"""Speculative decoding (jaxkv.speculate, jaxkv.spec_decode): the drafters and their switch without a model; the
+verify layer against one-token steps, bit for bit; greedy generation with speculation gives the tokens and logits of
+generation without, over placements, depths, KV dtypes, batches and meshes; what it refuses."""
+
+import dataclasses
+
+import helpers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import config as config_lib
+from jaxkv import model
+from jaxkv import speculate
+from jaxkv.kv_quant import KVFormat
+
+NEW = 30  # Tokens per sequence: over three of the tiny config's 8-row pages past the prompts.
+
+
+def test_lookup_proposes_what_followed_the_longest_most_recent_match():
+  d = speculate.PromptLookup()
+  assert d.propose(0, [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3], 4) == [7, 8, 1, 2]  # 3-gram, its latest occurrence.
+  assert d.propose(0, [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3], 9) == [7, 8, 1, 2, 3]  # Up to the history's end.
+  assert d.propose(0, [5, 6, 7, 8, 6, 7, 1, 2, 7], 3) == [1, 2, 7]  # 1-gram: no 2-gram [2, 7] occurred before.
+  assert d.propose(0, [4, 4, 4], 2) == [4]
+  assert d.propose(0, [1, 2, 3], 4) == [] and d.propose(0, [1], 4) == [] and d.propose(0, [1, 1], 0) == []
+
+
+def test_oracle_proposes_its_right_tokens_then_wrong_ones():
+  d = speculate.Oracle([[10, 11, 12, 13, 14]], [2], right=2, vocab=14)
+  assert d.propose(0, [7, 7, 10], 3) == [11, 12, 0]  # One generated: truth[1:], the third wrong ((13 + 1) % 14).
+  assert d.propose(0, [7, 7, 10, 11, 12, 13], 4) == [14]
+
+
+def test_switch_turns_a_failing_sequence_off_and_probes_again():
+  s = speculate.Switch(window=4, min_accepted=0.5, off_passes=3)
+  for accepted in (1, 0, 0, 0):  # Mean 0.25 < 0.5 over the window: off.
+    assert s.on(0) and s.on(1)
+    s.passed(0, drafted=5, accepted=accepted)
+    s.passed(1, drafted=5, accepted=2)
+  assert not s.on(0) and s.on(1) and s.switched_off == 1
+  for _ in range(3):
+    assert not s.on(0)
+    s.passed(0, drafted=0, accepted=0)
+  assert s.on(0)
+  for _ in range(10):  # Passes without drafts count for nothing.
+    s.passed(0, drafted=0, accepted=0)
+  assert s.on(0) and s.switched_off == 1
+
+
+@pytest.mark.parametrize("kv_dtype", ["model", "int8"])
+def test_the_verify_layer_is_one_token_steps_bit_for_bit(kv_dtype):
+  """decode_layer over T tokens at rows end .. end + T - 1 gives each token the output of a one-token step at its row,
+  and the open page the same rows, bit for bit (CPU); rows past the page are not written."""
+  cfg = helpers.tiny_config(head_dim=32).model
+  fmt = KVFormat.of(cfg, kv_dtype)
+  p = model.init_params(cfg, jax.random.key(0), helpers.mesh(1))["layers"][0]
+  b, page_rows, a_rows, t = 2, 8, 16, 5
+  rng = np.random.default_rng(0)
+  xs = jnp.asarray(rng.standard_normal((b, t, cfg.d_model)), jnp.float32)
+  window = fmt.pack(jnp.asarray(rng.standard_normal((2, b, cfg.num_kv_heads, a_rows, cfg.head_dim)), jnp.float32))
+  page = jnp.zeros((2, b, cfg.num_kv_heads, page_rows, fmt.width), fmt.storage_dtype)
+  start = jnp.array([0, 11], jnp.int32)
+  layer = jax.jit(lambda x, pg, end: model.decode_layer(p, x, window, pg, start, end, cfg=cfg, kv_format=fmt))
+  for end in (16, 21):  # All T rows in the page; the last two past it.
+    verified, verified_page = layer(xs, page, jnp.int32(end))
+    steps, step_page = [], page
+    for i in range(min(t, a_rows + page_rows - end)):
+      out, step_page = layer(xs[:, i], step_page, jnp.int32(end + i))
+      steps.append(out)
+    np.testing.assert_array_equal(np.asarray(verified[:, : len(steps)]), np.stack(steps, axis=1))
+    np.testing.assert_array_equal(np.asarray(verified_page), np.asarray(step_page))
+
+
+def _speculating(eng, mode="lookup", k=8):
+  return type(eng)(
+      dataclasses.replace(eng.config, speculate=config_lib.SpeculateConfig(mode=mode, k=k)),
+      eng.mesh,
+      eng.params,
+      eng.layout,
+  )
+
+
+CASES = {
+    # name: (tensor, engine fields, prompt lengths, oracle's right tokens)
+    "device_b3": (1, dict(placement="device"), [5, 12, 1], (0, 3, 8)),
+    "host_d2_t2": (2, dict(placement="host", depth=2), [7], (2,)),
+    "auto_b3_t2": (2, dict(placement="auto", depth=1, group_layers=1), [5, 12, 1], (8,)),
+    "host_d1_int8_b3": (1, dict(placement="host", depth=1, kv_dtype="int8"), [5, 12, 1], (3,)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculation_gives_the_tokens_and_logits_of_plain_greedy_decode(case):
+  """With an oracle drafter of r right tokens (every verify accepts min(r, the rows left)) and the lookup drafter: the
+  tokens and every step's logits of the plain run, bit for bit; drafts cross pages (8 rows: the page's last row is a
+  one-token step's) and a batch advances by its smallest acceptance."""
+  tensor, fields, lengths, rights = CASES[case]
+  cfg = helpers.tiny_config(head_dim=32) if fields.get("kv_dtype") == "int8" else None
+  eng = helpers.engine(tensor, cfg=cfg, **fields)
+  if fields["placement"] == "auto":  # Two of the six layers resident, four streamed.
+    eng = helpers.with_kv(eng, device_budget_gib=2.5 * helpers.layer_bytes(eng, len(lengths)) / 2**30)
+  prompts = helpers.prompts(lengths)
+  plain = eng.generate(prompts, NEW, keep_logits=True)
+  assert "speculate" not in plain.transport
+  for right in rights:
+    drafter = speculate.Oracle(plain.tokens, lengths, right, eng.config.model.vocab_size)
+    res = eng.generate(prompts, NEW, keep_logits=True, drafter=drafter)
+    assert res.tokens == plain.tokens, right
+    np.testing.assert_array_equal(res.logits, plain.logits)
+    assert res.logits_sha256 == plain.logits_sha256
+    s = res.transport["speculate"]
+    assert s["tokens"] == NEW - 1 and s["passes"] == res.transport["decode_passes"], s
+    assert s["verify_passes"] > 0 and sum(s["accepted_histogram"][min(right, 6) + 1 :]) == 0, s
+    if right == 0:
+      assert s["accepted"] == 0 and s["passes"] == NEW - 1
+    else:
+      assert s["accepted"] > 0 and s["tokens_per_pass"] > 1.5, s
+  if fields["placement"] == "auto":
+    assert res.transport["residency"]["resident_layers"] == 2
+  res = _speculating(eng).generate(prompts, NEW, keep_logits=True)
+  assert res.tokens == plain.tokens
+  np.testing.assert_array_equal(res.logits, plain.logits)
+  assert res.transport["speculate"]["passes"] == res.transport["decode_passes"]
+
+
+def test_a_model_that_repeats_itself_gets_drafts_accepted_by_lookup():
+  """The tiny random model's greedy output falls into a loop: the lookup drafter's drafts are accepted there, and
+  the tokens stay the plain run's."""
+  eng = helpers.engine(1, capacity=128)
+  prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 4]
+  plain = eng.generate(prompts, 80)
+  res = _speculating(eng, k=4).generate(prompts, 80)
+  assert res.tokens == plain.tokens and res.logits_sha256 == plain.logits_sha256
+  s = res.transport["speculate"]
+  assert s["accepted"] > 0 and s["passes"] < 79, s
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(sampling=config_lib.SamplingConfig(temperature=0.7)), "--speculate=lookup verifies greedy drafts"),
+        (dict(sampling=config_lib.SamplingConfig(repetition_penalty=1.1)), "no presence, frequency or repetition"),
+        (
+            dict(kv=dataclasses.replace(helpers.tiny_config().kv, placement="host", host_attention=True)),
+            "host_attention",
+        ),
+        (dict(engine=config_lib.EngineConfig(decode_attention="legacy")), "not legacy"),
+    ],
+)
+def test_speculation_refuses_what_it_cannot_verify(fields, match):
+  with pytest.raises(ValueError, match=match):
+    dataclasses.replace(helpers.tiny_config(), speculate=config_lib.SpeculateConfig(mode="lookup"), **fields)
+
+
+def test_speculation_refuses_chunked_delivery_before_the_prefill():
+  eng = helpers.with_kv(
+      helpers.engine(1, placement="host", capacity=400, group_layers=1), delivery_chunk_mib=1e-4
+  )  # 256-row chunks.
+  with pytest.raises(ValueError, match="a window delivered in chunks"):
+    _speculating(eng).generate(helpers.prompts([40]), 4)
