@@ -266,7 +266,8 @@ class Engine:
     engine.prefill_chunk below the shortest prompt): each prompt's rows [0, zero_rows) are stored as zeros instead of
     prefilled through the model, a synthetic context for benchmarks (decode reads and attends them like any rows; the
     tokens differ from a full prefill's). drafter: speculative decoding with this drafter (jaxkv.speculate's
-    interface, without its switch; a test's or benchmark's) instead of config.speculate's."""
+    interface, without a switch; a test's or benchmark's), or a jaxkv.spec_decode.Speculator, instead of
+    config.speculate's."""
     self.validate(prompts, max_new_tokens, zero_rows)
     cfg, speculator = self.config, self._speculator(drafter)
     gen = self.start(len(prompts), counters=telemetry.Counters(cfg.kv.transport_debug, on_chunk))
@@ -487,7 +488,7 @@ class Engine:
     s = self.config.speculate
     if drafter is not None:
       check_speculate(dataclasses.replace(self.config, speculate=dataclasses.replace(s, mode="lookup")))
-      return spec_decode.Speculator(drafter, s.k)
+      return drafter if isinstance(drafter, spec_decode.Speculator) else spec_decode.Speculator(drafter, s.k)
     if s.mode == "off":
       return None
     return spec_decode.Speculator(speculate.PromptLookup(), s.k, speculate.Switch())

@@ -80,10 +80,31 @@ class Speculator:
       head = head + list(self.drafter.propose(b, history + head, cap - len(head)))[: cap - len(head)]
     return head
 
+  def idle_passes(self, b: int) -> int:
+    """Passes for which row b certainly drafts nothing: switched off, nothing pending (0 where it may draft)."""
+    return 0 if self.switch is None or self.pending.get(b) else self.switch.off_passes_left(b)
+
   def passed(self, b: int, drafted: int, accepted: int, pending: list[int]) -> None:
     self.pending[b] = pending
     if self.switch is not None:
       self.switch.passed(b, drafted, accepted)
+
+
+def _plain_steps(engine, gen, recorder, owners, prompts, steps: int, on_step) -> int:
+  """`steps` one-token steps of the plain loop (jaxkv.decode.DecodeLoop: the head samples on the device, each step
+  read back READ_LAG steps behind), from each row's last recorded token; greedy, so its sampling is the config's
+  (check_speculate). Returns the passes run."""
+  records = [recorder.records[o] for o in owners]
+  x = engine.embed(np.array([r.tokens[-1] for r in records], np.int32))
+  state = engine.state(x, gen.start, gen.end, engine.sampling(len(owners), 0), prompts)
+  loop = decode.DecodeLoop(engine, gen, recorder)
+  for i in range(steps):
+    state = loop.step(state, list(owners), next_pass=i < steps - 1, run_ahead=False)
+    while loop.lagging() or (i == steps - 1 and loop.pending):
+      step, _ = loop.read()
+      if on_step is not None:
+        on_step(step.index, gen.cache)
+  return steps
 
 
 def check(gen) -> None:
@@ -113,6 +134,13 @@ def run(engine, gen, recorder, owners: Sequence[int], prompts: Sequence[Sequence
     if not live:
       break
     remaining = max(records[b].max_new_tokens - len(records[b].tokens) for b in live)
+    idle = min(speculator.idle_passes(b) for b in live)
+    if idle:  # No sequence drafts for `idle` passes: one-token steps, read back behind (the plain loop's lag).
+      steps = _plain_steps(engine, gen, recorder, owners, prompts, min(idle, remaining), on_step)
+      stats.passes, stats.tokens = stats.passes + steps, stats.tokens + steps
+      for b in live:
+        speculator.switch.idle(b, min(idle, remaining))
+      continue
     end = gen.end
     cap = min(k, block - 2 - end % block, remaining - 1)  # Never the page's last row; never past the tokens wanted.
     drafts = {b: speculator.draft(b, list(prompts[b]) + records[b].tokens, cap) if cap > 0 else [] for b in live}

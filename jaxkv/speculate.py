@@ -81,6 +81,14 @@ class Switch:
   def on(self, b: int) -> bool:
     return self._off.get(b, 0) == 0
 
+  def off_passes_left(self, b: int) -> int:
+    """Passes sequence b still waits before it proposes again (0: it proposes)."""
+    return self._off.get(b, 0)
+
+  def idle(self, b: int, passes: int) -> None:
+    """`passes` passes without drafts of a switched-off sequence (at most off_passes_left(b))."""
+    self._off[b] -= passes
+
   def passed(self, b: int, drafted: int, accepted: int) -> None:
     if not self.on(b):
       self._off[b] -= 1

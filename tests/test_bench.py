@@ -393,8 +393,19 @@ def test_arm_names():
   assert arms.parse_arm("host_d2_int4") == arm("host", 2, "int4")
   assert arms.parse_arm("device_int4") == arm("device", None, "int4")
   assert arms.parse_arm("auto_d2_int4_ha") == arm("auto", 2, "int4", 0.0)
+  assert arms.parse_arm("host_d2_spec") == arm("host", 2, speculate="lookup")
+  assert arms.parse_arm("device_g1_spec3") == arm("device", group_layers=1, speculate="oracle", right=3)
+  assert arms.parse_arm("host_d2_int4_spec0") == arm("host", 2, "int4", speculate="oracle", right=0)
   bad_names = ("host", "host_d", "device_d1", "hf_offloaded", "host_d2_int2", "host_d2_model", "host_d2int8")
-  for bad in bad_names + ("device_ha", "host_d2_ha00", "host_d2_ha5", "host_d2_ha_int8", "host_d2_g", "device_g1_int8"):
+  for bad in bad_names + (
+      "device_ha",
+      "host_d2_ha00",
+      "host_d2_ha5",
+      "host_d2_ha_int8",
+      "host_d2_g",
+      "device_g1_int8",
+      "host_d2_ha_spec",
+  ):
     with pytest.raises(ValueError):
       arms.parse_arm(bad)
   cfg = from_config_dict(tiny.get_config())  # head_dim 16: int8 and int4 do not fit, before any work.

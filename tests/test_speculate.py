@@ -12,6 +12,7 @@ import pytest
 
 from jaxkv import config as config_lib
 from jaxkv import model
+from jaxkv import spec_decode
 from jaxkv import speculate
 from jaxkv.kv_quant import KVFormat
 
@@ -135,6 +136,23 @@ def test_a_model_that_repeats_itself_gets_drafts_accepted_by_lookup():
   assert res.tokens == plain.tokens and res.logits_sha256 == plain.logits_sha256
   s = res.transport["speculate"]
   assert s["accepted"] > 0 and s["passes"] < 79, s
+
+
+def test_drafts_that_fail_switch_themselves_off_into_plain_steps():
+  """A drafter that is always wrong, its switch off after 2 verifies for 5 passes: the off passes run as the plain
+  loop's steps (read back behind), the probes verify again, and the tokens and logits stay the plain run's."""
+  eng = helpers.engine(1)
+  prompts = helpers.prompts([5, 12, 1])
+  plain = eng.generate(prompts, NEW, keep_logits=True)
+  wrong = speculate.Oracle(plain.tokens, [len(p) for p in prompts], 0, eng.config.model.vocab_size)
+  switch = speculate.Switch(window=2, min_accepted=0.5, off_passes=5)
+  res = eng.generate(prompts, NEW, keep_logits=True, drafter=spec_decode.Speculator(wrong, 8, switch))
+  assert res.tokens == plain.tokens
+  np.testing.assert_array_equal(res.logits, plain.logits)
+  s = res.transport["speculate"]
+  cycles = s["switched_off"] // 3  # The three sequences switch together: 2 verifies, then 5 plain steps.
+  assert s["switched_off"] == 3 * cycles and cycles >= 3 and s["accepted"] == 0 and s["passes"] == NEW - 1, s
+  assert 2 * cycles <= s["verify_passes"] <= 2 * cycles + 2, s
 
 
 @pytest.mark.parametrize(

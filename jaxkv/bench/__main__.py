@@ -84,6 +84,7 @@ HELP_GROUPS = {
     "bench": [SWEEP, CONTEXTS, BATCHES, ARMS, NEW_TOKENS, ROUNDS, PEER, SYNTHETIC_CONTEXT, PEAK_MIB, SEED],
     "KV cache": cli.KV_GROUP,
     "split": cli.SPLIT_GROUP,
+    "speculative decoding": cli.SPECULATE_GROUP,
     "multi-host": cli.MULTIHOST_GROUP,
     "output": [JSON_OUT, MD_OUT, PLOT_OUT],
 }
