@@ -269,7 +269,7 @@ class EngineConfig:
 
   capacity: int = field(
       4096,
-      "Cache rows per sequence: the longest prompt plus its new tokens - 1 must fit (e.g. 131328 for 128k tokens).",
+      "Cache rows per sequence: the longest prompt plus its new tokens - 1 must fit (e.g. 131328 for 128k).",
   )
   prefill_chunk: int = field(1024, "Prompt rows per prefill step, a multiple of kv.block.")
   prefill_attention: str = field(
@@ -364,8 +364,7 @@ class SpeculateConfig:
 
   mode: str = field(
       "off",
-      "off, or lookup (draft from n-gram matches in the sequence's own prompt and output); greedy sampling only, "
-      "the same tokens as without.",
+      "off, or lookup: verify drafts from n-gram matches in the sequence's own text (greedy; the same tokens).",
       SPECULATE_MODES,
   )
   k: int = field(8, "Draft tokens per sequence and pass: a verify pass scores k + 1 positions.")

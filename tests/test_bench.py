@@ -414,6 +414,20 @@ def test_arm_names():
       benchmark.run(cfg, _spec(arms=(arm_name,)))
 
 
+def test_speculative_arms_give_the_plain_arm_s_tokens():
+  """host_d2_spec2 (an oracle drafter of 2 right tokens, its truth a plain run's) and host_d2_spec (the lookup
+  drafter) generate host_d2's tokens, and report their passes."""
+  out = benchmark.run(
+      _config(), _spec(contexts=(16,), batches=(1,), arms=("host_d2", "host_d2_spec2", "host_d2_spec"), peer=False)
+  )
+  cell = out["cells"][0]
+  assert cell["tokens_match_across_arms"] is True
+  oracle = cell["arms"]["host_d2_spec2"]["transport"]["speculate"]
+  assert oracle["accepted"] > 0 and oracle["passes"] < oracle["tokens"] == 7, oracle
+  assert cell["arms"]["host_d2_spec"]["transport"]["speculate"]["tokens"] == 7
+  assert "speculate" not in cell["arms"]["host_d2"]["transport"]
+
+
 def test_peer_decodes_on_the_cpu_and_says_why_it_cannot_on_cuda():
   """The peer's worker (torch and transformers, the parity extra) prefills and decodes greedily on the CPU, with a
   plain DynamicCache (offloading needs CUDA); where torch sees no CUDA device, starting it on "cuda" says so."""

@@ -201,6 +201,12 @@ def _cases(tmp) -> dict:
       "flag_value": (GEN, ["--batch=x"], "flag --batch=x", 2),
       "argument": (GEN, ["extra"], "unexpected arguments: ['extra']", 2),
       "kv_int8": (GEN, ["--kv_dtype=int8"], "must be a multiple of 32; got head_dim 16", 2),
+      "speculate_sampling": (
+          GEN,
+          ["--speculate=lookup", "--config.sampling.temperature=0.5"],
+          "--speculate=lookup verifies greedy drafts: it needs sampling.temperature 0",
+          2,
+      ),
       "checkpoint_corrupt": (GEN, [f"--checkpoint_dir={corrupt}"], "config.json is not valid JSON", 1),
       "checkpoint_incomplete": (
           GEN,
@@ -371,6 +377,7 @@ CASES = (
     "flag_value",
     "argument",
     "kv_int8",
+    "speculate_sampling",
     "checkpoint_corrupt",
     "checkpoint_incomplete",
     "checkpoint_capacity",

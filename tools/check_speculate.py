@@ -1,6 +1,6 @@
 """Check (GPU): speculative decoding over the streamed cache at 32k, batch 1, with the Llama-3-8B geometry.
 
-One `python3 -m jaxkv.bench` process (random bf16 weights, --synthetic_context, --speculate_k=K) runs host_d2 and
+One `python3 -m jaxkv.bench` process (random bf16 weights, --synthetic_context, --config.speculate.k=K) runs host_d2 and
 its speculative arms: host_d2_spec<M> for each M of --rights (an oracle drafter of K tokens whose first M are the
 plain run's, so that each verify pass accepts M where the page leaves room: tokens per pass M + 1), host_d2_spec (the
 lookup drafter on random prompt ids: drafts that fail, and its switch), then checks:
@@ -37,7 +37,7 @@ CONFIG = flags.DEFINE_string("config", "experiments/llama3_8b.py", "The bench's 
 CONTEXT = flags.DEFINE_integer("context", 32768, "Prompt tokens (a synthetic context but its last chunk).")
 NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens generated per run.")
 ROUNDS = flags.DEFINE_integer("rounds", 2, "Timed runs per arm.")
-K = flags.DEFINE_integer("k", 8, "Draft tokens per verify pass (--speculate_k).")
+K = flags.DEFINE_integer("k", 8, "Draft tokens per verify pass (speculate.k).")
 RIGHTS = flags.DEFINE_list("rights", ["0", "1", "2", "3", "4", "6", "8"], "The oracle arms' right tokens.")
 VERIFY_TARGET = flags.DEFINE_float("verify_target", 1.15, "A verify pass of k drafts over one step, at most.")
 SPEED_TARGET = flags.DEFINE_float("speed_target", 2.5, "Speculative over host_d2 tokens/s at >= 3.5 accepted.")
@@ -69,7 +69,7 @@ def _bench(arms: list[str], json_out: str) -> dict:
       f"--arms={','.join(arms)}",
       f"--new_tokens={NEW_TOKENS.value}",
       f"--rounds={ROUNDS.value}",
-      f"--speculate_k={K.value}",
+      f"--config.speculate.k={K.value}",
       f"--json_out={json_out}",
       *BENCH_ARGS.value.split(),
   ]
