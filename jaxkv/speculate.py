@@ -9,8 +9,9 @@ the last of which the next pass writes): `propose(b, history, k) -> list[int]`. 
     verify pass accepts exactly min(m, k) of them where the continuation is the greedy one.
 
 `Switch` turns proposing off for a sequence whose drafts fail (its accepted tokens per verify, a mean over the last
-SWITCH_WINDOW verifies, below SWITCH_MIN_ACCEPTED) for SWITCH_OFF_PASSES passes, then lets it probe again: a failed
-verify pass costs more than a one-token step, a pass without drafts costs the same.
+SWITCH_WINDOW verifies, below SWITCH_MIN_ACCEPTED) for SWITCH_OFF_PASSES passes, then lets it probe again, one verify
+that turns it off again while the mean stays low: a failed verify pass costs more than a one-token step, a pass
+without drafts costs the same.
 """
 
 from __future__ import annotations
@@ -98,6 +99,5 @@ class Switch:
     seen = self._accepted[b]
     seen.append(accepted)
     if len(seen) == self.window and sum(seen) < self.min_accepted * self.window:
-      self._off[b] = self.off_passes
-      seen.clear()
+      self._off[b] = self.off_passes  # The window is kept: a failing probe turns it off again at once.
       self.switched_off += 1

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from jaxkv import config as config_lib
+from jaxkv import engine as engine_lib
+from jaxkv import layout as layout_lib
 from jaxkv import model
 from jaxkv import spec_decode
 from jaxkv import speculate
@@ -42,12 +44,17 @@ def test_switch_turns_a_failing_sequence_off_and_probes_again():
     s.passed(1, drafted=5, accepted=2)
   assert not s.on(0) and s.on(1) and s.switched_off == 1
   for _ in range(3):
-    assert not s.on(0)
+    assert not s.on(0) and s.off_passes_left(0) > 0
     s.passed(0, drafted=0, accepted=0)
-  assert s.on(0)
+  assert s.on(0) and s.off_passes_left(0) == 0
   for _ in range(10):  # Passes without drafts count for nothing.
     s.passed(0, drafted=0, accepted=0)
   assert s.on(0) and s.switched_off == 1
+  s.passed(0, drafted=5, accepted=0)  # A failing probe: off again at once.
+  assert not s.on(0) and s.switched_off == 2
+  s.idle(0, 3)
+  s.passed(0, drafted=5, accepted=4)  # A probe that succeeds: the mean (0 + 0 + 0 + 4) / 4 reaches 1.
+  assert s.on(0) and s.switched_off == 2
 
 
 @pytest.mark.parametrize("kv_dtype", ["model", "int8"])
@@ -126,6 +133,22 @@ def test_speculation_gives_the_tokens_and_logits_of_plain_greedy_decode(case):
   assert res.transport["speculate"]["passes"] == res.transport["decode_passes"]
 
 
+def test_speculation_in_split_mode_layer():
+  """Two stages (layers 0-2 and 3-5 on a device each), host placement: the embedding on the first stage, the verify
+  head on the last, the hidden state crossing between them; the plain run's tokens and logits."""
+  mesh = helpers.mesh(2)
+  layout = layout_lib.make_layout("layer", mesh, 6)
+  params = model.init_params(helpers.tiny_config().model, jax.random.key(0), mesh, layout)
+  eng = engine_lib.Engine(helpers.engine(1, placement="host", depth=1).config, mesh, params, layout)
+  lengths = [5, 12, 1]
+  prompts = helpers.prompts(lengths)
+  plain = eng.generate(prompts, NEW, keep_logits=True)
+  res = eng.generate(prompts, NEW, keep_logits=True, drafter=speculate.Oracle(plain.tokens, lengths, 3, 256))
+  assert res.tokens == plain.tokens
+  np.testing.assert_array_equal(res.logits, plain.logits)
+  assert res.transport["speculate"]["accepted_histogram"][3] > 0
+
+
 def test_a_model_that_repeats_itself_gets_drafts_accepted_by_lookup():
   """The tiny random model's greedy output falls into a loop: the lookup drafter's drafts are accepted there, and
   the tokens stay the plain run's."""
@@ -140,7 +163,7 @@ def test_a_model_that_repeats_itself_gets_drafts_accepted_by_lookup():
 
 def test_drafts_that_fail_switch_themselves_off_into_plain_steps():
   """A drafter that is always wrong, its switch off after 2 verifies for 5 passes: the off passes run as the plain
-  loop's steps (read back behind), the probes verify again, and the tokens and logits stay the plain run's."""
+  loop's steps (read back behind), each probe verifies once, and the tokens and logits stay the plain run's."""
   eng = helpers.engine(1)
   prompts = helpers.prompts([5, 12, 1])
   plain = eng.generate(prompts, NEW, keep_logits=True)
@@ -150,9 +173,10 @@ def test_drafts_that_fail_switch_themselves_off_into_plain_steps():
   assert res.tokens == plain.tokens
   np.testing.assert_array_equal(res.logits, plain.logits)
   s = res.transport["speculate"]
-  cycles = s["switched_off"] // 3  # The three sequences switch together: 2 verifies, then 5 plain steps.
-  assert s["switched_off"] == 3 * cycles and cycles >= 3 and s["accepted"] == 0 and s["passes"] == NEW - 1, s
-  assert 2 * cycles <= s["verify_passes"] <= 2 * cycles + 2, s
+  # The three sequences switch together: 2 verifies, then 5 plain steps; then 1 verify (the probe), 5 plain steps.
+  cycles = s["switched_off"] // 3
+  assert s["switched_off"] == 3 * cycles and cycles >= 4 and s["accepted"] == 0 and s["passes"] == NEW - 1, s
+  assert cycles + 1 <= s["verify_passes"] <= cycles + 2, s
 
 
 @pytest.mark.parametrize(
