@@ -364,7 +364,7 @@ class SpeculateConfig:
 
   mode: str = field(
       "off",
-      "off, or lookup: verify drafts from n-gram matches in the sequence's own text (greedy; the same tokens).",
+      "off, or lookup: verify drafts from n-gram matches in the sequence's own text (the same output distribution).",
       SPECULATE_MODES,
   )
   k: int = field(8, "Draft tokens per sequence and pass: a verify pass scores k + 1 positions.")
@@ -415,13 +415,14 @@ SECTIONS = {
 
 
 def check_speculate(config: Config) -> None:
-  """Raises ValueError where speculative decoding cannot run with the config: it verifies greedy drafts (sampling
-  temperature 0 without penalties) on the device's attention (not kv.host_attention, not the legacy attention)."""
+  """Raises ValueError where speculative decoding cannot run with the config: it verifies drafts without penalties
+  (the counts they read would change along a draft) on the device's attention (not kv.host_attention, not the
+  legacy attention)."""
   s, mode = config.sampling, f"--speculate={config.speculate.mode}"
-  if s.temperature or s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0:
+  if s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0:
     raise ValueError(
-        f"{mode} verifies greedy drafts: it needs sampling.temperature 0 and no presence, frequency or repetition "
-        "penalty; drop those settings or use --speculate=off"
+        f"{mode} verifies drafts without penalties: it needs no presence, frequency or repetition penalty; drop "
+        "them or use --speculate=off"
     )
   if config.kv.host_attention:
     raise ValueError(f"{mode} does not run with kv.host_attention; use --kv_host_attention=false or --speculate=off")

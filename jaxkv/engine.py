@@ -509,7 +509,7 @@ class Engine:
     t_prefilled = time.perf_counter()
     spec = None
     if speculator is not None and not finished:
-      spec = spec_decode.run(self, gen, rec, owners, prompts, speculator, on_step)
+      spec = spec_decode.run(self, gen, rec, owners, prompts, speculator, seed, on_step)
       finished = True
     # Decode: step t writes the token of step t - 1 at row `end` and samples the token of step t; the loop reads each
     # step READ_LAG steps late. Steps dispatched after every sequence ended are discarded.

@@ -41,7 +41,7 @@ class Fns:
   place: object  # A prompt's rows prefilled from row 0 moved to a slot's rows.
   block: object  # A block of rows, to pinned host memory (the prefix cache's).
   head: object  # (top, DecodeState) -> HeadOut, the next step's DecodeState.
-  verify: object  # (top, x [B, T, D], drafts i32[B, T - 1], lengths i32[B]) -> logits, tokens, accepted (verify_head).
+  verify: object  # (top, x [B, T, D], drafts, lengths, params, index) -> logits, tokens, accepted (verify_head).
   enter: object  # (state, b, row) -> state with row b replaced (DecodeState.with_row).
   allow: object  # (state, b, allowed bool[V]) -> state with row b's allowed tokens replaced (DecodeState.allow).
   embed: object
@@ -159,16 +159,27 @@ def functions(
   )
 
 
-def verify_head(top, x, drafts, lengths, *, cfg: ModelConfig):
-  """The head of a speculative verify pass (jaxkv.spec_decode), greedy: x [B, T, D], the pass's output at rows
-  end .. end + T - 1 (or [B, D], T = 1); drafts i32[B, T - 1], row b's proposed tokens for rows end + 1 .., lengths[b] of them real.
-  Returns logits f32[B, T, V] (the model's), tokens i32[B, T] (each position's greedy token, the largest logit, as
-  jaxkv.sampling.sample takes it) and accepted i32[B], the longest prefix of row b's draft equal to its tokens: its
-  tokens[:accepted + 1] follow its row end as the one-token steps would give them."""
+def verify_head(top, x, drafts, lengths, params: sampling.SamplingParams, index, *, cfg: ModelConfig):
+  """The head of a speculative verify pass (jaxkv.spec_decode): x [B, T, D], the pass's output at rows
+  end .. end + T - 1 (or [B, D], T = 1); drafts i32[B, T - 1], row b's proposed tokens for positions 0 .., lengths[b]
+  of them real; params, each row's settings (no penalties: config.check_speculate); index i32[B], the token index of
+  each row's position 0. Returns logits f32[B, T, V] (the model's), tokens i32[B, T] and accepted i32[B]: row b's
+  tokens[:accepted + 1] follow its row end (jaxkv.sampling.verify_row; greedy rows: each position's largest logit, as
+  jaxkv.sampling.sample takes it, and the longest prefix of the draft equal to them)."""
   if x.ndim == 2:  # A one-token pass: x [B, D].
     x = x[:, None]
   logits = model.logits(top, x, cfg)
-  tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  agree = (drafts == tokens[:, :-1]) & (jnp.arange(drafts.shape[1])[None, :] < lengths[:, None])
-  accepted = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+  def greedy(lg):
+    tokens = jnp.argmax(lg, axis=-1).astype(jnp.int32)
+    agree = (drafts == tokens[:, :-1]) & (jnp.arange(drafts.shape[1])[None, :] < lengths[:, None])
+    return tokens, jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+  def drawn(lg):
+    p = params
+    return jax.vmap(sampling.verify_row)(
+        lg, drafts, lengths, p.temperature, p.top_k, p.top_p, p.min_p, p.seed, p.stream, index
+    )
+
+  tokens, accepted = jax.lax.cond(jnp.all(params.temperature == 0.0), greedy, drawn, logits)
   return logits, tokens, accepted

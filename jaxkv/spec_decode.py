@@ -1,13 +1,14 @@
-"""Speculative decoding over the cache, greedy: each pass verifies a drafted continuation of every sequence.
+"""Speculative decoding over the cache: each pass verifies a drafted continuation of every sequence.
 
 A verify pass is the decode pass (jaxkv.decode.decode_pass) with T = k + 1 tokens per sequence: the last generated
 token and k drafted ones (jaxkv.speculate), written at rows end .. end + k of the open page, token i attending rows
 [start_b, end + i] with the leaves anchored at end + i (jaxkv.model.decode_layer): one pass over the cache, which is
-what a step costs where the cache streams. The head (jaxkv.jitted.verify_head) takes each position's greedy token
-and row b's accepted count a_b, its draft's longest prefix that equals them; the tokens and counts are read back
-every pass (the drafter needs them). The batch shares `end`, so every sequence advances by n = min_b a_b + 1 rows (the
-live ones'): its tokens at positions 0 .. n - 1 are recorded as n one-token steps (logits [B, V] each, as the plain
-loop records them), and a sequence's further verified tokens head its next draft.
+what a step costs where the cache streams. The head (jaxkv.jitted.verify_head, jaxkv.sampling.verify_row) takes each
+position's token and row b's accepted count a_b (greedy: the drafts equal to those tokens; sampled: the standard
+rejection rule); the tokens and counts are read back every pass (the drafter needs them). The batch shares `end`, so
+every sequence advances by n = min_b a_b + 1 rows (the live ones'): its tokens at positions 0 .. n - 1 are recorded
+as n one-token steps (logits [B, V] each, as the plain loop records them), and a greedy sequence's further verified
+tokens head its next draft (a sampled one's are drawn again from their keys: docs/design.md).
 
 Rollback is moving `end`: rows above it, written for rejected drafts, are never read (a row is attended only by
 tokens at or after it, each of which first writes it) and are written again before it is accepted. Rows reach a
@@ -90,13 +91,14 @@ class Speculator:
       self.switch.passed(b, drafted, accepted)
 
 
-def _plain_steps(engine, gen, recorder, owners, prompts, steps: int, on_step) -> int:
+def _plain_steps(engine, gen, recorder, owners, prompts, settings, steps: int, on_step) -> int:
   """`steps` one-token steps of the plain loop (jaxkv.decode.DecodeLoop: the head samples on the device, each step
-  read back READ_LAG steps behind), from each row's last recorded token; greedy, so its sampling is the config's
-  (check_speculate). Returns the passes run."""
+  read back READ_LAG steps behind), from each row's last recorded token, sampled with `settings`
+  (jaxkv.sampling.SamplingParams host arrays) at each row's token index. Returns the passes run."""
   records = [recorder.records[o] for o in owners]
   x = engine.embed(np.array([r.tokens[-1] for r in records], np.int32))
-  state = engine.state(x, gen.start, gen.end, engine.sampling(len(owners), 0), prompts)
+  state = engine.state(x, gen.start, gen.end, settings, prompts)
+  state = dataclasses.replace(state, index=engine.put(np.array([len(r.tokens) for r in records]), np.int32))
   loop = decode.DecodeLoop(engine, gen, recorder)
   for i in range(steps):
     state = loop.step(state, list(owners), next_pass=i < steps - 1, run_ahead=False)
@@ -120,14 +122,19 @@ def check(gen) -> None:
     )
 
 
-def run(engine, gen, recorder, owners: Sequence[int], prompts: Sequence[Sequence[int]], speculator, on_step=None):
+def run(
+    engine, gen, recorder, owners: Sequence[int], prompts: Sequence[Sequence[int]], speculator, seed: int, on_step=None
+):
   """Decodes generation `gen` (jaxkv.engine.Generation, its first tokens recorded) speculatively until every owner's
-  record is done (jaxkv.telemetry.Recorder); row b is owners[b]'s, prompts[b] its prompt. on_step(step, cache) after
-  each recorded token step. Returns the Stats."""
+  record is done (jaxkv.telemetry.Recorder); row b is owners[b]'s, prompts[b] its prompt, sampled as
+  engine.sampling(B, seed) says. on_step(step, cache) after each recorded token step. Returns the Stats."""
   cache, block, k = gen.cache, gen.cache.block, speculator.k
   check(gen)
   batch, stats = len(owners), Stats(k, histogram=[0] * (k + 1))
   records = [recorder.records[o] for o in owners]
+  settings = engine.sampling(batch, seed)
+  sampled = settings.temperature > 0  # [B]
+  params = jax.tree.map(lambda a: engine.put(a, a.dtype), settings)
   t0 = time.perf_counter()
   while True:
     live = [b for b in range(batch) if not records[b].done]
@@ -136,7 +143,7 @@ def run(engine, gen, recorder, owners: Sequence[int], prompts: Sequence[Sequence
     remaining = max(records[b].max_new_tokens - len(records[b].tokens) for b in live)
     idle = min(speculator.idle_passes(b) for b in live)
     if idle:  # No sequence drafts for `idle` passes: one-token steps, read back behind (the plain loop's lag).
-      steps = _plain_steps(engine, gen, recorder, owners, prompts, min(idle, remaining), on_step)
+      steps = _plain_steps(engine, gen, recorder, owners, prompts, settings, min(idle, remaining), on_step)
       stats.passes, stats.tokens = stats.passes + steps, stats.tokens + steps
       for b in live:
         speculator.switch.idle(b, min(idle, remaining))
@@ -152,7 +159,9 @@ def run(engine, gen, recorder, owners: Sequence[int], prompts: Sequence[Sequence
       proposed[b, : len(d)], lengths[b] = d, len(d)
     x = engine.embed(np.concatenate([tokens, proposed], axis=1) if t > 1 else tokens[:, 0])
     y, issued = decode.decode_pass(engine, gen, x, engine.meta(gen.start, end), remaining > 1, run_ahead=False)
-    out = engine.fns.verify(engine.top_last, y, engine.put(proposed, np.int32), engine.put(lengths, np.int32))
+    index = np.array([len(r.tokens) for r in records], np.int32)  # Position 0's token index.
+    put = lambda a: engine.put(a, np.int32)
+    out = engine.fns.verify(engine.top_last, y, put(proposed), put(lengths), params, put(index))
     logits, verified, accepted = jax.device_get(out)
     n = 1 + min(int(accepted[b]) for b in live)
     for j in range(n):
@@ -163,6 +172,8 @@ def run(engine, gen, recorder, owners: Sequence[int], prompts: Sequence[Sequence
     gen.end = end + n
     for b in live:
       a = int(accepted[b])
+      if sampled[b]:  # Only what was recorded: position n's draw is made again, from its key, next pass.
+        a = min(a, n - 1)
       speculator.passed(b, len(drafts[b]), a, verified[b, n : a + 1].tolist())
       if drafts[b]:
         stats.drafted += len(drafts[b])

@@ -14,6 +14,7 @@ from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import layout as layout_lib
 from jaxkv import model
+from jaxkv import sampling
 from jaxkv import spec_decode
 from jaxkv import speculate
 from jaxkv.kv_quant import KVFormat
@@ -55,6 +56,42 @@ def test_switch_turns_a_failing_sequence_off_and_probes_again():
   s.idle(0, 3)
   s.passed(0, drafted=5, accepted=4)  # A probe that succeeds: the mean (0 + 0 + 0 + 4) / 4 reaches 1.
   assert s.on(0) and s.switched_off == 2
+
+
+def test_a_rejected_draft_s_residual_and_its_acceptance_give_back_p():
+  """The standard rule for a draft d proposed with certainty: accept with p(d), else draw from p without d; the
+  mixture is p, exactly (float64 over the f32 values), for every d, with top-k and temperature filtering."""
+  logits = jnp.log(jnp.array([0.1, 0.2, 0.3, 0.4, 1e-3], jnp.float32))
+  for temperature, top_k in ((1.0, 0), (0.7, 3)):
+    x = sampling.filtered(logits, temperature, top_k, 1.0, 0.0)[0]
+    p = np.asarray(jax.nn.softmax(x), np.float64)
+    for d in range(4):
+      accept, residual = sampling.draft_split(x, d)
+      mixture = float(accept) * np.eye(5)[d] + (1 - float(accept)) * np.asarray(jax.nn.softmax(residual), np.float64)
+      np.testing.assert_allclose(mixture, p, rtol=1e-6, atol=1e-7)
+      assert float(accept) == np.float32(p[d]) and float(jax.nn.softmax(residual)[d]) == 0.0
+
+
+def test_a_sampled_verify_draws_each_position_from_p():
+  """verify_row over 20,000 keys, drafts [3, 3] for a two-position pass of p = (.1, .2, .3, .4): position 0's token
+  follows p (accepted 3 in 40% of draws), position 1's too where position 0 accepted; within 4 standard errors."""
+  logits = jnp.log(jnp.array([[0.1, 0.2, 0.3, 0.4]] * 3, jnp.float32))
+  n = 20_000
+  run = jax.jit(
+      jax.vmap(
+          lambda seed: sampling.verify_row(
+              logits, jnp.array([3, 3]), 2, jnp.float32(1.0), 0, jnp.float32(1.0), jnp.float32(0.0), seed, 0, 5
+          )
+      )
+  )
+  tokens, accepted = map(np.asarray, run(jnp.arange(n, dtype=jnp.int32)))
+  p = np.array([0.1, 0.2, 0.3, 0.4])
+  tol = 4 * np.sqrt(0.25 / n)
+  np.testing.assert_allclose(np.bincount(tokens[:, 0], minlength=4) / n, p, atol=tol)
+  np.testing.assert_allclose(np.mean(accepted >= 1), 0.4, atol=tol)
+  second = tokens[accepted >= 1, 1]
+  np.testing.assert_allclose(np.bincount(second, minlength=4) / len(second), p, atol=4 * np.sqrt(0.25 / len(second)))
+  assert set(np.unique(tokens[accepted == 0, 0])) <= {0, 1, 2}  # A rejected 3 is never drawn again.
 
 
 @pytest.mark.parametrize("kv_dtype", ["model", "int8"])
@@ -133,6 +170,32 @@ def test_speculation_gives_the_tokens_and_logits_of_plain_greedy_decode(case):
   assert res.transport["speculate"]["passes"] == res.transport["decode_passes"]
 
 
+class _NoDrafts:
+
+  def propose(self, b, history, k):
+    del b, history, k
+    return []
+
+
+def test_sampled_speculation_keys_each_token_by_its_index():
+  """Sampling (temperature 0.8, top-k 50): without drafts each pass samples the plain run's tokens with the plain
+  run's keys, bit for bit; at temperature 1e-4 (p one-hot in f32) the plain run's tokens as drafts are all accepted
+  and give its tokens and logits, through the sampled verify."""
+  lengths = [5, 12, 1]
+  prompts = helpers.prompts(lengths)
+  eng = helpers.engine(1, sampling=config_lib.SamplingConfig(temperature=0.8, top_k=50))
+  plain = eng.generate(prompts, NEW, keep_logits=True, seed=3)
+  res = eng.generate(prompts, NEW, keep_logits=True, seed=3, drafter=_NoDrafts())
+  assert res.tokens == plain.tokens
+  np.testing.assert_array_equal(res.logits, plain.logits)
+  eng = helpers.engine(1, sampling=config_lib.SamplingConfig(temperature=1e-4))
+  plain = eng.generate(prompts, NEW, keep_logits=True, seed=3)
+  res = eng.generate(prompts, NEW, keep_logits=True, seed=3, drafter=speculate.Oracle(plain.tokens, lengths, 8, 256))
+  assert res.tokens == plain.tokens
+  np.testing.assert_array_equal(res.logits, plain.logits)
+  assert res.transport["speculate"]["tokens_per_pass"] > 2.5, res.transport["speculate"]
+
+
 def test_speculation_in_split_mode_layer():
   """Two stages (layers 0-2 and 3-5 on a device each), host placement: the embedding on the first stage, the verify
   head on the last, the hidden state crossing between them; the plain run's tokens and logits."""
@@ -182,7 +245,7 @@ def test_drafts_that_fail_switch_themselves_off_into_plain_steps():
 @pytest.mark.parametrize(
     "fields, match",
     [
-        (dict(sampling=config_lib.SamplingConfig(temperature=0.7)), "--speculate=lookup verifies greedy drafts"),
+        (dict(sampling=config_lib.SamplingConfig(presence_penalty=0.5)), "--speculate=lookup verifies drafts without"),
         (dict(sampling=config_lib.SamplingConfig(repetition_penalty=1.1)), "no presence, frequency or repetition"),
         (
             dict(kv=dataclasses.replace(helpers.tiny_config().kv, placement="host", host_attention=True)),
