@@ -364,7 +364,7 @@ class SpeculateConfig:
 
   mode: str = field(
       "off",
-      "off, or lookup: verify drafts from n-gram matches in the sequence's own text (the same output distribution).",
+      "off, or lookup: verify drafts from n-gram matches in the sequence's own text in one pass.",
       SPECULATE_MODES,
   )
   k: int = field(8, "Draft tokens per sequence and pass: a verify pass scores k + 1 positions.")
