@@ -14,6 +14,7 @@ import httpx
 
 from jaxkv import serving
 from jaxkv.bench import serve_load
+from jaxkv.serving import access as access_lib
 from jaxkv.serving import api as serve_api
 
 START_S = 60.0  # Bound on the server's start.
@@ -33,14 +34,16 @@ def running(
     start_loop: bool = True,
     prefix_cache_bytes: int = 0,
     access=None,
+    slot_save_path=None,
 ):
-  """Serves `engine` on 127.0.0.1 (a port the OS picks; access: its API key and CORS origins, default none); yields
-  (base url, Model); stops the server and the loop."""
+  """Serves `engine` on 127.0.0.1 (a port the OS picks; access: its API key and CORS origins, default none; slot files
+  in slot_save_path, default none); yields (base url, Model); stops the server and the loop."""
   loop = serving.ServingLoop(serving.Server(engine, parallel, prefix_cache_bytes), max_queue)
   if start_loop:
     loop.start()
   model = serve_api.Model(name, loop, tokenizer, template, eos_ids)
-  app = serve_api.make_app(model) if access is None else serve_api.make_app(model, access=access)
+  access = access_lib.Access() if access is None else access
+  app = serve_api.make_app(model, access=access, slot_save_path=slot_save_path)
   server = serve_api.uvicorn_server(app, "127.0.0.1", 0)
   thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
   thread.start()

@@ -296,6 +296,12 @@ def _cases(tmp) -> dict:
           2,
       ),
       "serve_body": (SERVE, ["--max_body_mb=0"], "--max_body_mb must be > 0, got 0", 2),
+      "serve_slot_save_path": (
+          SERVE,
+          [f"--slot_save_path={tmp}/slots"],
+          "--slot_save_path saves slots as prefix cache blocks: give --prefix_cache_gib too",
+          2,
+      ),
       "serve_gguf": (
           SERVE,
           [f"--gguf={tmp}/missing.gguf", f"--port={_free_port()}"],
@@ -405,6 +411,7 @@ CASES = (
     "serve_prompt",
     "serve_both",
     "serve_body",
+    "serve_slot_save_path",
     "serve_gguf",
 )
 

@@ -707,3 +707,35 @@ def test_smollm2_tool_calls_in_qwen3_s_format_streamed_or_not(smollm2, smollm2_s
   plain = list(plain)
   assert "".join(c.choices[0].delta.content or "" for c in plain) == "It is sunny."
   assert plain[-1].choices[0].finish_reason == "stop" and not any(c.choices[0].delta.tool_calls for c in plain)
+
+
+def test_smollm2_saved_slot_restored_continues_as_if_never_saved(smollm2, smollm2_params, smollm2_server, tmp_path):
+  """POST /slots/0?action=save|erase|restore on SmolLM2 (llama-server's shapes): a conversation of 260 tokens (its
+  second block of 128 ends in generated tokens, prefilled by the save), saved, erased, restored; its next turn through
+  the openai client takes 256 tokens from the restored blocks and gives the tokens and logprobs of a server with no
+  prefix cache (smollm2_server's: the same slots and programs)."""
+  import httpx  # pylint: disable=g-import-not-at-top  (the serve extra, as smollm2_server's)
+  import serve_helpers  # pylint: disable=g-import-not-at-top
+
+  path, tok, _, ids, _, _ = smollm2
+  cfg, params = smollm2_params(1)
+  eng = engine_lib.Engine(_device_config(cfg), helpers.mesh(1), params)
+  prompt, new = ids[2][:250], 10
+  with serve_helpers.running(
+      eng, parallel=2, tokenizer=tok, eos_ids=frozenset(), prefix_cache_bytes=2**28, slot_save_path=str(tmp_path)
+  ) as (url, _):
+    post = lambda action, **body: httpx.post(f"{url}/slots/0?action={action}", timeout=600, **body).json()
+    first = httpx.post(url + "/v1/completions", json=dict(prompt=prompt, max_tokens=new), timeout=600).json()
+    conversation = prompt + first["choices"][0]["token_ids"]
+    assert len(conversation) == 260
+    assert post("save", json={"filename": "chat.bin"})["n_saved"] == 260
+    assert post("erase") == {"id_slot": 0, "n_erased": 260}
+    assert post("restore", json={"filename": "chat.bin"})["n_restored"] == 260
+    client = smollm2_server.with_options(base_url=url + "/v1")
+    turn = conversation + tok.encode(" Next,", add_special_tokens=False)
+    out = client.completions.create(model="tiny", prompt=turn, max_tokens=8, logprobs=2)
+  assert out.usage.prompt_tokens_details.cached_tokens == 256
+  want = smollm2_server.completions.create(model="tiny", prompt=turn, max_tokens=8, logprobs=2)
+  assert out.choices[0].token_ids == want.choices[0].token_ids
+  assert out.choices[0].logprobs.token_logprobs == want.choices[0].logprobs.token_logprobs
+  assert want.usage.prompt_tokens_details.cached_tokens == 0

@@ -1,6 +1,6 @@
-"""The prefix cache: the store (hash chain, partial hits, LRU under a byte budget, pinned entries kept), and served
-requests whose prompts share prefixes: hits, partial hits, eviction under pressure and a prefix shared by
-concurrent slots all give the bits of the same schedule with no hit; one multi-turn exchange over HTTP."""
+"""The prefix cache: the store (hash chain, partial hits, LRU under a byte budget, pinned entries kept, a chain
+dropped), and served requests whose prompts share prefixes: hits, partial hits, eviction under pressure and a prefix
+shared by concurrent slots all give the bits of the same schedule with no hit; one multi-turn exchange over HTTP."""
 
 import helpers
 import numpy as np
@@ -73,6 +73,18 @@ def test_pinned_entries_are_not_evicted():
   cache.release(pinned)  # Matched twice above.
   _fill(cache, [2] * 9)
   assert cache.match([1] * 9)[1] == [] and len(cache.match([2] * 9)[1]) == 2
+
+
+def test_drop_removes_unpinned_entries_and_entry_neither_counts_nor_touches():
+  cache = _store(8)
+  keys = _fill(cache, list(range(13)))  # 3 blocks.
+  other = _fill(cache, [9] * 5)
+  before = cache.summary()
+  assert cache.entry(keys[2]).rows == [2] and cache.entry(b"none") is None and cache.summary() == before
+  _, found = cache.match(list(range(9)))  # Pins blocks 0 and 1.
+  assert cache.drop(keys) == 1 and keys[2] not in cache and cache.bytes == 30
+  cache.release(found)
+  assert cache.drop(keys) == 2 and len(cache) == 1 and cache.bytes == 10 and other[0] in cache
 
 
 def test_bad_budget_is_an_error():

@@ -250,9 +250,15 @@ def test_a_request_counts_once_under_its_end_with_its_tokens(served, reason, str
         ({"messages": [{"role": "user", "content": "w7"}, {"role": "assistant", "content": None}]}, 200, None),
         ({"prompt": "w7 \ud800 w8"}, 400, "not valid Unicode (surrogates not allowed at character 3)"),
         ({"messages": [{"role": "user", "content": "w7 \udfff"}]}, 400, "not valid Unicode"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "w7"}]}]}, 200, None),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "w7"}, {"type": "image_url"}]}]},
+            400,
+            "messages[0].content[1]: only parts of type text with a text are served, got 'image_url'",
+        ),
     ],
 )
-def test_null_content_and_lone_surrogates_are_no_500(served, body, status, message):
+def test_null_content_parts_and_lone_surrogates_are_no_500(served, body, status, message):
   client, _, _, _ = served
   path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
   content = json.dumps(dict(body, max_tokens=2))  # Escapes the surrogates: the body is UTF-8.
@@ -291,3 +297,28 @@ def test_chats_without_max_tokens_reserve_nothing_and_end_at_the_capacity(served
   out = client.chat.completions.create(model="tiny", messages=messages, temperature=0, extra_body={"ignore_eos": True})
   used = out.usage.prompt_tokens + out.usage.completion_tokens - 1  # The last token is not written.
   assert out.choices[0].finish_reason == "length" and used <= 128 and out.usage.completion_tokens > 64
+
+
+def test_an_assistant_s_tool_call_arguments_reach_the_template_as_a_mapping(served):
+  """As vLLM's: a template reads a tool call's arguments (JSON text in OpenAI's messages) as the mapping they hold."""
+  _, engine, tok, _ = served
+  source = TEMPLATE.replace(
+      "{{ m['content'] }}",
+      "{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}{% if c.function.arguments is mapping %}"
+      "w{{ c.function.arguments.n }} w9{% else %}w8{% endif %}{% endfor %}",
+  )
+  call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"n": 50}'}}
+  messages = [
+      {"role": "user", "content": "w30"},
+      {"role": "assistant", "content": None, "tool_calls": [call]},
+      {"role": "tool", "tool_call_id": "call_1", "content": "w31"},
+  ]
+  template = chat_template_lib.ChatTemplate(source, {"bos_token": "<bos>"})
+  with serve_helpers.running(engine, parallel=4, tokenizer=tok, template=template) as (url, _):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    want = "<bos><|user|> w30 <|assistant|> w50 w9 <|tool|> w31 <|assistant|>"
+    assert out.usage.prompt_tokens == len(tok.encode(want, add_special_tokens=False))
+    call["function"]["arguments"] = "{not json"
+    with pytest.raises(openai.BadRequestError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments: not JSON"):
+      client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)

@@ -1,9 +1,9 @@
 """The OpenAI request fields of the HTTP server (jaxkv.serving.api) on the tiny model, through the openai client and
 httpx: a field the server does not implement is a 400 naming it (its no-op value is accepted), logprobs are the
 float32 log-softmax of the model's logits in the OpenAI shape (streamed too), the prompt's with echo, n samples share
-one prefill, penalties and logit_bias reach the head per request, stop_token_ids and min_tokens, usage in a stream's
-last chunk, structured output's refusals without a tokenizer (tests/test_gguf.py serves it on SmolLM2); an API key
-and CORS origins guard the endpoints; /props."""
+one prefill, penalties and logit_bias reach the head per request (other values compile nothing new),
+stop_token_ids and min_tokens, usage in a stream's last chunk, structured output's refusals without a tokenizer
+(tests/test_gguf.py serves it on SmolLM2); an API key and CORS origins guard the endpoints; /props."""
 
 import json
 import threading
@@ -20,6 +20,7 @@ import httpx
 import openai
 import serve_helpers
 
+from jaxkv import compile_cache
 from jaxkv import reference as reference_lib
 from jaxkv import serving
 from jaxkv.config import SamplingConfig
@@ -255,6 +256,7 @@ def test_logit_bias_bans_and_forces_tokens(client, reference):
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"logprobs": 21}, "logprobs"),
+        ({"stream_options": {"include_usage": True}}, "stream_options: only with stream: true"),
     ],
 )
 def test_bad_sampling_fields_are_a_400(server, body, message):
@@ -334,3 +336,22 @@ def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache():
   assert warm.usage.prompt_tokens_details.cached_tokens == 32  # Its whole blocks (16 rows) before its last token.
   assert last.usage.prompt_tokens_details.cached_tokens == 16 and last.usage.prompt_tokens == 25
   assert warm.choices[0].token_ids == cold.choices[0].token_ids
+
+
+def test_sampling_values_are_per_row_arguments_that_compile_nothing_new(client):
+  prompt = helpers.prompts([11], seed=31)[0]
+  first = dict(temperature=0.7, top_p=0.9, presence_penalty=0.3, frequency_penalty=0.2, seed=1, logit_bias={"5": 2})
+  first_extra = dict(top_k=20, min_p=0.05, repetition_penalty=1.1, min_tokens=2)
+  later = [
+      (
+          dict(temperature=1.3, top_p=0.5, presence_penalty=-0.5, frequency_penalty=1.0, seed=99),
+          dict(top_k=3, min_p=0.2, repetition_penalty=0.8, min_tokens=4),
+      ),
+      (dict(temperature=0.0, logit_bias={"7": -100, "9": 5}), {}),  # Greedy, another bias.
+      ({}, {}),  # The config's sampling: greedy, no rule.
+  ]
+  client.completions.create(model="tiny", prompt=prompt, max_tokens=6, **first, extra_body=first_extra)
+  with compile_cache.CompileCounter() as counter:
+    for fields, extra in later:
+      client.completions.create(model="tiny", prompt=prompt, max_tokens=6, **fields, extra_body=extra)
+  assert counter.counts() == dict(programs_compiled=0, programs_from_cache=0)  # Nothing compiled nor loaded.

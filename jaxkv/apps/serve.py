@@ -3,7 +3,8 @@
 Takes generate's model sources and flags (--config, --kv_*, --split_mode, --cpu_devices, --checkpoint_dir or --gguf,
 --checkpoint_dtype, --ignore_eos, --seed for random weights), read as generate reads them, and serves on
 --host:--port with --parallel slots; up to --max_queue requests wait for a slot, more get 429; request bodies past
---max_body_mb get 413. generate's flags for its own prompts (--prompt, --chat, --prompt_len, --batch,
+--max_body_mb get 413; --slot_save_path is the folder of saved slots (POST /slots/{id}?action=save|restore, with
+--prefix_cache_gib). generate's flags for its own prompts (--prompt, --chat, --prompt_len, --batch,
 --max_new_tokens, --sequences, --json_out) are refused. SIGTERM (or Ctrl-C) stops taking requests, lets those in
 flight finish, then exits. Needs the `serve` extra: pip install -e '.[serve]'.
 """
@@ -45,6 +46,13 @@ WARMUP = flags.DEFINE_bool(
     "per bucket, so that no request waits for them.",
 )
 
+SLOT_SAVE_PATH = flags.DEFINE_string(
+    "slot_save_path",
+    None,
+    "A folder for POST /slots/{id}?action=save|restore files (llama-server's --slot-save-path; made if missing); "
+    "needs --prefix_cache_gib. Without it the endpoint answers 501.",
+)
+
 API_KEY = flags.DEFINE_string(
     "api_key", None, "A key every request must send as 'Authorization: Bearer <key>' (/health stays open)."
 )
@@ -75,7 +83,17 @@ HELP_GROUPS = {
         generate.IGNORE_EOS,
         generate.SEED,
     ],
-    "server": [HOST, PORT, generate.PARALLEL, MAX_QUEUE, MAX_BODY_MB, MODEL_NAME, generate.PREFIX_CACHE_GIB, WARMUP],
+    "server": [
+        HOST,
+        PORT,
+        generate.PARALLEL,
+        MAX_QUEUE,
+        MAX_BODY_MB,
+        MODEL_NAME,
+        generate.PREFIX_CACHE_GIB,
+        SLOT_SAVE_PATH,
+        WARMUP,
+    ],
     "access": [API_KEY, API_KEY_FILE, CORS_ORIGINS],
     "KV cache": cli.KV_GROUP,
     "split": cli.SPLIT_GROUP,
@@ -100,6 +118,13 @@ def main(argv):
     raise app.UsageError("--ignore_eos is for a checkpoint's end-of-sequence ids: give --checkpoint_dir or --gguf")
   if MAX_BODY_MB.value is not None and MAX_BODY_MB.value <= 0:
     raise app.UsageError(f"--max_body_mb must be > 0, got {MAX_BODY_MB.value:g}")
+  if SLOT_SAVE_PATH.value is not None:
+    if not generate.PREFIX_CACHE_GIB.value:
+      raise app.UsageError("--slot_save_path saves slots as prefix cache blocks: give --prefix_cache_gib too")
+    try:
+      os.makedirs(SLOT_SAVE_PATH.value, exist_ok=True)
+    except OSError as e:
+      raise app.UsageError(f"cannot make the folder {SLOT_SAVE_PATH.value} ({e.strerror}); fix --slot_save_path") from e
   missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "jinja2") if importlib.util.find_spec(m) is None]
   if missing:
     raise preflight.InputError(f"jaxkv.serve needs {', '.join(missing)} (the serve extra)", "pip install -e '.[serve]'")
@@ -154,7 +179,8 @@ def main(argv):
   try:
     body_mb = serve_api.DEFAULT_MAX_BODY_MB if MAX_BODY_MB.value is None else MAX_BODY_MB.value
     access = access_lib.Access(api_key, tuple(CORS_ORIGINS.value))
-    serve_api.uvicorn_server(serve_api.make_app(model, body_mb, access), HOST.value, PORT.value).run()
+    api_app = serve_api.make_app(model, body_mb, access, SLOT_SAVE_PATH.value)
+    serve_api.uvicorn_server(api_app, HOST.value, PORT.value).run()
   finally:
     model.loop.stop()
 

@@ -2,9 +2,10 @@
 
 POST /v1/completions (prompt: text, or token ids), POST /v1/chat/completions (the checkpoint's chat template,
 jaxkv.chat_template), GET /v1/models, GET /health, GET /metrics (Prometheus text, jaxkv.serving.metrics), GET /slots
-(each slot's request and tokens), llama-server's /tokenize, /detokenize and /props. With
-"stream": true the choices come as server-sent events, one chunk per token, then `data: [DONE]`. Every choice (and
-chunk) carries its generated ids in `token_ids`; without a tokenizer prompts are token ids and `text` is empty.
+(each slot's request and tokens), llama-server's /tokenize, /detokenize, /props and POST /slots/{id}?action=...
+(a slot's conversation saved, restored or erased, with a slot save path: jaxkv.serving.slot_files). With "stream":
+true the choices come as server-sent events, one chunk per token, then `data: [DONE]`. Every choice (and chunk)
+carries its generated ids in `token_ids`; without a tokenizer prompts are token ids and `text` is empty.
 
 Sampling fields left out take the config's sampling section (greedy by default), so a request with the same prompt
 and settings gets the tokens `python3 -m jaxkv.generate` prints; penalties, min_p, logit_bias and min_tokens reach
@@ -30,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import os
 import secrets
 import threading
@@ -56,6 +58,7 @@ from jaxkv.serving import loop as loop_lib
 from jaxkv.serving import metrics as metrics_lib
 from jaxkv.serving import schemas
 from jaxkv.serving import server as server_lib
+from jaxkv.serving import slot_files
 from jaxkv.serving import tools as tools_lib
 from jaxkv.serving.requests import Request
 
@@ -262,10 +265,14 @@ class _Generation:
 
 
 def make_app(
-    model: Model, max_body_mb: float = DEFAULT_MAX_BODY_MB, access: access_lib.Access = access_lib.Access()
+    model: Model,
+    max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    access: access_lib.Access = access_lib.Access(),
+    slot_save_path: str | None = None,
 ) -> fastapi.FastAPI:
-  """The FastAPI app (request bodies up to `max_body_mb` MiB; its API key and CORS origins: `access`); starting and
-  stopping the loop is the caller's (jaxkv.serve)."""
+  """The FastAPI app (request bodies up to `max_body_mb` MiB; its API key and CORS origins: `access`; slots saved to
+  and restored from files in the folder `slot_save_path`, None: not at all); starting and stopping the loop is the
+  caller's (jaxkv.serve)."""
   app = fastapi.FastAPI(title="jaxkv", docs_url=None, redoc_url=None)
   app.add_middleware(_BodyLimit, max_bytes=int(max_body_mb * 2**20))
   access.install(app)
@@ -329,14 +336,18 @@ def make_app(
 
   @app.post("/tokenize")
   async def tokenize(body: schemas.TokenizeRequest):
-    ids = _tokenizer(model).encode(body.content, add_special_tokens=body.add_special)
-    if not body.with_pieces:
-      return {"tokens": ids}
-    return {"tokens": [{"id": i, "piece": model.tokenizer.decode([i], skip_special_tokens=False)} for i in ids]}
+    tok = _tokenizer(model)
+
+    def tokens() -> list:  # On a worker thread, as a prompt's.
+      ids = tok.encode(body.content, add_special_tokens=body.add_special)
+      return [{"id": i, "piece": tok.decode([i], skip_special_tokens=False)} for i in ids] if body.with_pieces else ids
+
+    return {"tokens": await concurrency.run_in_threadpool(tokens)}
 
   @app.post("/detokenize")
   async def detokenize(body: schemas.DetokenizeRequest):
-    return {"content": _tokenizer(model).decode(_ids(body.tokens, model, "tokens"), skip_special_tokens=False)}
+    ids = _ids(body.tokens, model, "tokens")
+    return {"content": await concurrency.run_in_threadpool(_tokenizer(model).decode, ids, False)}
 
   @app.get("/props")
   async def props():
@@ -353,6 +364,43 @@ def make_app(
   @app.get("/slots")
   async def slots():
     return model.loop.slots()
+
+  @app.post("/slots/{id_slot}")
+  async def slot_action(id_slot: str, action: str = "", body: schemas.SlotFileRequest | None = None):
+    """llama-server's: a slot's conversation saved to a file of slot_save_path, restored from one, or erased
+    (jaxkv.serving.slot_files; the engine thread does the KV's part)."""
+    if slot_save_path is None:
+      raise ApiError(501, "this server does not save slots: start it with --slot_save_path", "not_supported_error")
+    if not id_slot.isdigit() or int(id_slot) >= model.loop.parallel:
+      raise ApiError(400, f"id_slot: no slot {id_slot!r}; the server has slots 0..{model.loop.parallel - 1}")
+    if action not in ("save", "restore", "erase"):
+      raise ApiError(400, f"action: {action!r} is none of save, restore, erase")
+    slot, t0, cfg = int(id_slot), time.perf_counter(), model.loop.server.engine.config
+    if action == "erase":
+      return {"id_slot": slot, "n_erased": await _engine_job(model.loop.erase, slot)}
+    if model.loop.server.prefix_cache is None:
+      raise ApiError(400, f"{action}: slots are saved as prefix cache blocks: start the server with --prefix_cache_gib")
+    if body is None:
+      raise ApiError(400, f'{action} needs a body {{"filename": ...}}')
+    fp = slot_files.fingerprint(cfg)
+    try:
+      path = slot_files.path_in(slot_save_path, body.filename)
+      if action == "save":
+        saved = await _engine_job(model.loop.save, slot)
+        nbytes = await concurrency.run_in_threadpool(slot_files.write, path, saved, fp)
+      else:
+        saved, nbytes = await concurrency.run_in_threadpool(slot_files.read, path, fp, cfg.engine.prefill_chunk)
+        await _engine_job(model.loop.restore, slot, saved, body.filename)
+    except FileNotFoundError as e:
+      raise ApiError(400, f"filename: no file {body.filename!r} in the slot save path") from e
+    except ValueError as e:
+      raise ApiError(400, f"{action}: {e}") from e
+    except OSError as e:
+      raise ApiError(500, f"{action}: {body.filename!r}: {e.strerror}", "server_error") from e
+    ms, head = (time.perf_counter() - t0) * 1e3, dict(id_slot=slot, filename=body.filename)
+    if action == "save":
+      return dict(head, n_saved=len(saved.tokens), n_written=nbytes, timings=dict(save_ms=ms))
+    return dict(head, n_restored=len(saved.tokens), n_read=nbytes, timings=dict(restore_ms=ms))
 
   @app.post("/v1/completions")
   async def completions(body: schemas.CompletionRequest, http: fastapi.Request):
@@ -384,7 +432,7 @@ def make_app(
     t0 = time.perf_counter()
     if model.tokenizer is None or model.chat_template is None:
       raise ApiError(400, "chat needs a checkpoint with a tokenizer.json and a chat template; use /v1/completions")
-    messages = [_message(m) for m in body.messages]
+    messages = [_message(m, i) for i, m in enumerate(body.messages)]
     tools, tool_format = None, None
     if body.tools:
       tool_format = tools_lib.template_format(model.chat_template.source)
@@ -419,6 +467,8 @@ def make_app(
       raise ApiError(404, f"model {body.model!r} is not served here; GET /v1/models lists {model.name!r}")
     if not ids:
       raise ApiError(400, "the prompt is empty")
+    if body.stream_options is not None and not body.stream:
+      raise ApiError(400, "stream_options: only with stream: true (a response that is not streamed has its usage)")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if stops and model.tokenizer is None:
       raise ApiError(400, "stop strings need a checkpoint with a tokenizer.json")
@@ -586,6 +636,16 @@ async def _watch(http: fastapi.Request, gens: list[_Generation]) -> None:
     gen.abort()
 
 
+async def _engine_job(queue: Callable, *args):
+  """The result of a slot job that `queue(*args)` (a ServingLoop method) hands the engine thread; ApiError (503)
+  when the loop is not running."""
+  try:
+    future = queue(*args)
+  except loop_lib.Closed as e:
+    raise ApiError(503, str(e), "server_error") from e
+  return await asyncio.wrap_future(future)
+
+
 async def _encode(model: Model, text: str, add_special_tokens: bool = True) -> list[int]:
   """The ids of a text prompt, encoded on a worker thread; ApiError (400) for text that is not Unicode (a lone
   surrogate) or whose bytes alone prove it longer than the capacity (Model.max_prompt_bytes)."""
@@ -641,13 +701,27 @@ def _usage(prompt: int, gens: list[_Generation]) -> dict:
   return dict(usage, prompt_tokens_details={"cached_tokens": gens[0].handle.cached_tokens})
 
 
-def _message(m: schemas.Message) -> dict:
-  """A chat message as the template sees it: content parts of type text joined into one string."""
+def _message(m: schemas.Message, i: int) -> dict:
+  """Chat message i as the template sees it: content parts of type text joined into one string (a 400 for parts of
+  another type: an image, audio), an assistant's tool call arguments as the mapping their JSON holds."""
   d = m.model_dump(exclude_none=False)
   if isinstance(m.content, list):
-    d["content"] = "".join(p.get("text", "") for p in m.content if p.get("type") == "text")
+    for k, p in enumerate(m.content):
+      if p.get("type") != "text" or not isinstance(p.get("text"), str):
+        raise ApiError(
+            400, f"messages[{i}].content[{k}]: only parts of type text with a text are served, got {p.get('type')!r}"
+        )
+    d["content"] = "".join(p["text"] for p in m.content)
   elif m.content is None:  # An assistant turn of tool calls only.
     d["content"] = ""
+  calls = d.get("tool_calls") if m.role == "assistant" else None
+  for k, call in enumerate(calls if isinstance(calls, list) else []):
+    fn = call.get("function") if isinstance(call, dict) else None
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):  # As vLLM: templates read them as a mapping.
+      try:
+        fn["arguments"] = json.loads(fn["arguments"]) if fn["arguments"] else {}
+      except json.JSONDecodeError as e:
+        raise ApiError(400, f"messages[{i}].tool_calls[{k}].function.arguments: not JSON ({e.msg})") from e
   return d
 
 

@@ -8,11 +8,16 @@ at the current end E when its prompt fits, L <= E; a fresh epoch when nothing fi
 change. Each token is reported as it is read back
 (`on_token`, called on the engine thread), and `Handle.cancel()` ends a request before the next step, freeing its
 slot. `stop()` lets the requests in flight finish, then ends the thread.
+
+Each slot remembers the tokens of the request it served last, prompt and those handed out (`conversation`): `save`,
+`restore` and `erase` queue a jaxkv.serving.slot_files job for them, which the thread runs one unit between two
+decode steps (or while no request runs), and return its future.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import queue
 import threading
@@ -22,6 +27,7 @@ from collections.abc import Callable
 from absl import logging
 
 from jaxkv.serving import server as server_lib
+from jaxkv.serving import slot_files
 from jaxkv.serving.requests import Request
 
 # Why a request ended: "eos", "length" (max_new_tokens), "cancelled" (Handle.cancel), "error" (the engine failed).
@@ -53,6 +59,7 @@ class Handle:
     self.cancelled = False
     self.placed_s: float | None = None
     self.cached_tokens = 0  # Its prompt tokens taken from the prefix cache (set when it takes a slot).
+    self.tokens: list[int] = []  # The tokens handed out so far.
     self.prompt_logprobs: list | None = None  # Where it asked: set when it takes a slot, before its first token.
 
   def cancel(self) -> None:
@@ -117,6 +124,52 @@ class ServingLoop:
     self._inbox.put(handle)
     return handle
 
+  def conversation(self, slot: int) -> tuple[int, ...] | None:
+    """The tokens of slot `slot`'s last request, prompt and generated, or those restored into it (None: neither)."""
+    self._check_slot(slot)
+    return self._feed.conversations[slot]
+
+  def save(self, slot: int) -> concurrent.futures.Future:
+    """Reads back the KV blocks of the slot's conversation (future: jaxkv.serving.slot_files.Saved); ValueError
+    when it has none."""
+    tokens = self.conversation(slot)
+    if tokens is None:
+      raise ValueError(f"slot {slot} holds no conversation: it served no request since the start or its erase")
+    return self._queue(slot_files.Save(tokens))
+
+  def restore(self, slot: int, saved: slot_files.Saved, filename: str) -> concurrent.futures.Future:
+    """Puts a saved conversation's blocks into the prefix cache and makes it the slot's (future: its tokens)."""
+    self._check_slot(slot)
+    future = self._queue(slot_files.Restore(saved, filename))
+
+    def restored(f: concurrent.futures.Future) -> None:
+      if f.exception() is None:
+        self._remember(slot, f.result())
+
+    future.add_done_callback(restored)
+    return future
+
+  def erase(self, slot: int) -> concurrent.futures.Future:
+    """Forgets the slot's conversation and drops its blocks from the prefix cache (future: its token count)."""
+    tokens = self.conversation(slot) or ()
+    future = self._queue(slot_files.Erase(tokens))
+    future.add_done_callback(lambda _: self._remember(slot, None))
+    return future
+
+  def _remember(self, slot: int, tokens: tuple[int, ...] | None) -> None:
+    self._feed.conversations[slot] = tokens
+
+  def _check_slot(self, slot: int) -> None:
+    if not 0 <= slot < self.parallel:
+      raise ValueError(f"slot {slot} does not exist: the server has slots 0..{self.parallel - 1}")
+
+  def _queue(self, job: slot_files.Job) -> concurrent.futures.Future:
+    with self._lock:
+      if self._closing or (self._thread.ident is not None and not self._thread.is_alive()):
+        raise Closed("the serving loop is not running")
+    self._inbox.put(job)
+    return job.future
+
   def stop(self, timeout: float | None = None) -> None:
     """Takes no new requests, lets those in flight finish, and ends the thread (waits up to `timeout` s)."""
     with self._lock:
@@ -167,9 +220,11 @@ class ServingLoop:
   def _serve(self) -> None:
     run, feed = self._run, self._feed
     while True:
-      feed.take(block=not run.scheduler.queue)
+      feed.take(block=not run.scheduler.queue and not run.jobs)
       if not run.scheduler.queue:
-        if self._closing and not feed.handles:
+        if run.jobs:
+          run.work()
+        elif self._closing and not feed.handles:
           return
         continue
       try:
@@ -190,16 +245,19 @@ class _Feed:
     self.run, self.inbox, self.stats, self.lock = run, inbox, stats, lock
     self.handles: dict[int, Handle] = {}
     self.placed: set[int] = set()
+    self.conversations: list[tuple[int, ...] | None] = [None] * run.server.parallel  # ServingLoop.conversation.
 
   def take(self, block: bool = False) -> None:
-    """Takes the submitted requests (waits for one when `block`) and ends the cancelled ones."""
+    """Takes the submitted requests and slot jobs (waits for one when `block`) and ends the cancelled requests."""
     while True:
       try:
         handle = self.inbox.get(block=block)
       except queue.Empty:
         break
       block = False
-      if handle is not None:  # None: stop() woke us.
+      if isinstance(handle, slot_files.Job):
+        self.run.jobs.append(handle)
+      elif handle is not None:  # None: stop() woke us.
         self.handles[self.run.submit(handle.request)] = handle
     for r in [r for r, h in self.handles.items() if h.cancelled]:
       self._end(r, "cancelled")
@@ -231,6 +289,7 @@ class _Feed:
       stats.recent[-1][1] += 1
     else:
       stats.recent.append([second, 1])
+    self.handles[r].tokens.append(token)
     try:
       self.handles[r].on_token(token, logprob)
     except Exception:  # pylint: disable=broad-except  (a client's callback must not stop the engine)
@@ -250,6 +309,8 @@ class _Feed:
 
   def _end(self, r: int, reason: str, error: str | None = None) -> None:
     handle = self.handles.pop(r)
+    if r in self.run.where:  # Placed: its slot's conversation.
+      self.conversations[self.run.where[r][0]] = handle.request.prompt + tuple(handle.tokens)
     self.run.end(r)
     self.run.forget(r)
     with self.lock:

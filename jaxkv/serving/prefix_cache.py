@@ -7,8 +7,9 @@ An entry holds block i's KV rows of every layer (whatever the caller stores: jax
 
 `match` walks a prompt's chain from block 0 and returns the entries of its longest cached prefix, pinned: eviction
 skips them until `release`. `add` stores new blocks and evicts the least recently used unpinned entries while the
-bytes exceed the budget. A lookup touches its chain from the last block to the first, so a chain's deepest block is
-its least recently used and goes first (a parent never leaves before its children).
+bytes exceed the budget; `drop` removes a chain's blocks (a slot's erase). A lookup touches its chain from the last
+block to the first, so a chain's deepest block is its least recently used and goes first (a parent never leaves
+before its children).
 """
 
 from __future__ import annotations
@@ -108,6 +109,22 @@ class PrefixCache:
       del self._entries[k]
       self.bytes -= e.nbytes
       self.stats["evictions"] += 1
+
+  def entry(self, key: bytes) -> Entry | None:
+    """The entry stored under `key` (None: none), neither counted as a lookup nor touched."""
+    return self._entries.get(key)
+
+  def drop(self, keys: Sequence[bytes]) -> int:
+    """Removes the unpinned entries of `keys` (a block's children stay, unreachable until evicted); returns how many
+    it removed."""
+    dropped = 0
+    for k in keys:
+      e = self._entries.get(k)
+      if e is not None and not e.pins:
+        del self._entries[k]
+        self.bytes -= e.nbytes
+        dropped += 1
+    return dropped
 
   def __len__(self) -> int:
     return len(self._entries)

@@ -163,3 +163,11 @@ class DetokenizeRequest(pydantic.BaseModel):
   model_config = pydantic.ConfigDict(strict=True, extra="forbid")
 
   tokens: list[pydantic.StrictInt]
+
+
+class SlotFileRequest(pydantic.BaseModel):
+  """llama-server's POST /slots/{id_slot}?action=save|restore: a file name in the slot save path."""
+
+  model_config = pydantic.ConfigDict(strict=True, extra="forbid")
+
+  filename: str

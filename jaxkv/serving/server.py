@@ -29,6 +29,7 @@ import json
 import time
 from collections.abc import Iterator, Sequence
 
+from absl import logging
 import jax.numpy as jnp
 import numpy as np
 
@@ -96,6 +97,17 @@ class Server:
       raise ValueError(f"every request was rejected; request 0: {errors[0]}")
     return errors
 
+  def work(self, job):
+    """Runs a slot job (jaxkv.serving.slot_files) to its end on this thread, between serves; returns its result."""
+    run = Run(self, 1)
+    run.jobs.append(job)
+    try:
+      while run.jobs:
+        run.work()
+    finally:
+      run.close()
+    return job.future.result()
+
   def serve(self, requests: Sequence[Request], on_step=None) -> ServeResult:
     """Runs every request that can run to its end, and rejects the others (their results say why); on_step(step,
     slots) after each decode step is read (for monitoring)."""
@@ -129,6 +141,8 @@ class Run:
     self.insertions = self.steps = self.epochs = 0
     self.summary: dict = {}
     self.progress = Progress()
+    self.jobs: collections.deque = collections.deque()  # Waiting jaxkv.serving.slot_files jobs, first in first out.
+    self._filler: slots_lib.SlotFiller | None = None  # The jobs' between epochs.
     self._ids = 0
 
   def submit(self, request: Request) -> int:
@@ -171,6 +185,33 @@ class Run:
     self.progress.tokens += taken
     self.progress.steps.append(step.index)
 
+  def work(self, filler: slots_lib.SlotFiller | None = None) -> None:
+    """One unit of the first waiting job (jaxkv.serving.slot_files.Job.advance: at most one prefill chunk) with
+    `filler`, an epoch's, or between epochs one of the run's own (closed once no job waits). A job that raises ends
+    with its error in its future; the run goes on."""
+    if filler is None:
+      if self._filler is None:
+        self._filler = slots_lib.SlotFiller(self.server.engine, self.server.prefix_cache, self.counters, self.shapes)
+      filler = self._filler
+    job = self.jobs[0]
+    try:
+      done = job.advance(filler)
+    except Exception as e:  # pylint: disable=broad-except  (its caller hears why; the requests go on)
+      if not isinstance(e, ValueError):
+        logging.exception("serving: a slot job failed")
+      job.future.set_exception(e)
+      done = True
+    if done:
+      self.jobs.popleft()
+    if not self.jobs:
+      self.close_filler()
+
+  def close_filler(self) -> None:
+    """Frees the jobs' filler between epochs (its scratch generation's device memory)."""
+    if self._filler is not None:
+      self._filler.close()
+      self._filler = None
+
   def take_progress(self) -> Progress:
     progress, self.progress = self.progress, Progress()
     return progress
@@ -208,6 +249,7 @@ class Run:
     return ServeResult(results, hashlib.sha256(transcript.encode()).hexdigest(), report, timing)
 
   def close(self) -> None:
+    self.close_filler()
     self.recorder.close()
 
 
@@ -221,6 +263,7 @@ class Epoch:
   def serve(self) -> Iterator[Progress]:
     run, eng = self.run, self.engine
     owners, end = self.scheduler.open_epoch(run.batch)
+    run.close_filler()  # The jobs go on with the epoch's.
     gen = eng.start(run.batch, counters=run.counters, shapes=run.shapes)
     filler = slots_lib.SlotFiller(eng, run.server.prefix_cache, run.counters, run.shapes)
     loop = decode.DecodeLoop(eng, gen, run.recorder)
@@ -248,6 +291,8 @@ class Epoch:
         state = self._enter(gen, loop, filler, state, b, r)
         run.insertions += 1
         run.placed(r, b, self.index, int(gen.start[b]))
+      if run.jobs:  # A saved slot's next block (its prefill on the filler's scratch: this cache is left alone).
+        run.work(filler)
       need = sched.need()
       if gen.end <= need:
         state = self._constrain(loop, state)

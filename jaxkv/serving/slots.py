@@ -95,11 +95,8 @@ class SlotFiller:
     keys, hit = pc.match(prompt)
     fresh = [[] for _ in range(len(hit), len(keys))]  # Per new block, its rows of each layer.
     try:
-      # Every layer's blocks start moving to the devices now, one transfer a layer on the host-to-device copy stream;
-      # the prefill joins each layer's just before its first chunk, so the transfers run behind the earlier layers.
-      blocks = [[e.rows[l] for e in hit] for l in range(eng.config.model.num_layers)]
-      moved = [jax.device_put(rows, rows[0].sharding.with_memory_kind("device")) for rows in blocks if rows]
-      run = eng.prefill_slot(self.scratch(), cache, slot, prompt, end, first=len(hit), prefix=moved or None)
+      prefix = self._to_devices([e.rows for e in hit])
+      run = eng.prefill_slot(self.scratch(), cache, slot, prompt, end, first=len(hit), prefix=prefix)
       for layer in run:
         if shares:
           layers.append(layer)
@@ -112,6 +109,35 @@ class SlotFiller:
       pc.release(hit)
     self._share(prompt, run, layers, shares)
     return run.x
+
+  def block(self, tokens, i: int, before: list[list]) -> list:
+    """Block i of `tokens` (rows [i C, (i + 1) C), C = engine.prefill_chunk), per layer [2, 1, K, C, E] in pinned
+    host memory: the prefix cache's entry, else prefilled after `before` (blocks 0 .. i - 1, each per layer) by the
+    programs of a request's prefill (chunk i alone, its window those blocks: the bits of a cold prefill) and stored in
+    the prefix cache. One chunk's work: a saved slot's blocks, one between two decode steps
+    (jaxkv.serving.slot_files)."""
+    eng, pc, chunk = self.engine, self.prefix_cache, self.engine.config.engine.prefill_chunk
+    keys = pc.keys(tokens, i + 1)
+    entry = pc.entry(keys[i])
+    if entry is not None:
+      return entry.rows
+    ids = np.asarray(tokens[: (i + 1) * chunk], np.int32)[None]
+    run = eng.prefill(
+        self.scratch(), ids, np.zeros(1, np.int32), (i + 1) * chunk, first=i, prefix=self._to_devices(before)
+    )
+    rows = [eng.layer_fns(layer.layer).block(layer.window, np.int32(i * chunk), size=chunk) for layer in run]
+    pc.add(keys, [rows], sum(a.nbytes for a in rows))
+    return rows
+
+  def _to_devices(self, blocks: list[list]) -> list | None:
+    """Blocks' rows (blocks[i][l]: block i of layer l, in pinned host memory) as the prefill's `prefix`: per layer,
+    its blocks on the devices (None without blocks). Every layer's blocks start moving now, one transfer a layer on
+    the host-to-device copy stream; the prefill joins each layer's just before its first chunk, so the transfers run
+    behind the earlier layers."""
+    if not blocks:
+      return None
+    layers = [[rows[l] for rows in blocks] for l in range(self.engine.config.model.num_layers)]
+    return [jax.device_put(rows, rows[0].sharding.with_memory_kind("device")) for rows in layers]
 
   def _share(self, prompt: tuple, run, layers: list, shares: int) -> None:
     if shares:
