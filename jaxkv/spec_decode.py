@@ -172,9 +172,10 @@ def run(
     gen.end = end + n
     for b in live:
       a = int(accepted[b])
-      if sampled[b]:  # Only what was recorded: position n's draw is made again, from its key, next pass.
-        a = min(a, n - 1)
-      speculator.passed(b, len(drafts[b]), a, verified[b, n : a + 1].tolist())
+      if sampled[b]:  # Only what was recorded: position n's decision is made again, from its key, next pass.
+        speculator.passed(b, len(drafts[b]), min(a, n), [])
+      else:
+        speculator.passed(b, len(drafts[b]), a, verified[b, n : a + 1].tolist())
       if drafts[b]:
         stats.drafted += len(drafts[b])
         stats.accepted += a
