@@ -197,12 +197,12 @@ def test_sampled_speculation_keys_each_token_by_its_index():
 
 
 def test_speculation_in_split_mode_layer():
-  """Two stages (layers 0-2 and 3-5 on a device each), host placement: the embedding on the first stage, the verify
-  head on the last, the hidden state crossing between them; the plain run's tokens and logits."""
+  """Two stages (layers 0-2 and 3-5 on a device each): the embedding on the first stage, the verify head on the last,
+  the hidden state crossing between them; the plain run's tokens and logits."""
   mesh = helpers.mesh(2)
   layout = layout_lib.make_layout("layer", mesh, 6)
   params = model.init_params(helpers.tiny_config().model, jax.random.key(0), mesh, layout)
-  eng = engine_lib.Engine(helpers.engine(1, placement="host", depth=1).config, mesh, params, layout)
+  eng = engine_lib.Engine(helpers.engine(1).config, mesh, params, layout)
   lengths = [5, 12, 1]
   prompts = helpers.prompts(lengths)
   plain = eng.generate(prompts, NEW, keep_logits=True)
