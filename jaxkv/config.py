@@ -26,6 +26,7 @@ KV_BLOCKS = {"int8": INT8_BLOCK, "int4": INT4_BLOCK}  # The KV dtypes with a sca
 
 
 ROPE_TYPES = ("llama3", "yarn")
+SPECULATE_MODES = ("off", "lookup")  # speculate.mode (jaxkv.speculate's drafters).
 
 
 def field(default, text: str, choices: tuple[str, ...] | None = None):
@@ -268,7 +269,7 @@ class EngineConfig:
 
   capacity: int = field(
       4096,
-      "Cache rows per sequence: the longest prompt plus its new tokens - 1 must fit (e.g. 131328 for 128k tokens).",
+      "Cache rows per sequence: the longest prompt plus its new tokens - 1 must fit (e.g. 131328 for 128k).",
   )
   prefill_chunk: int = field(1024, "Prompt rows per prefill step, a multiple of kv.block.")
   prefill_attention: str = field(
@@ -356,6 +357,25 @@ class SplitConfig:
       raise ValueError(f"split.mode must be one of {', '.join(SPLIT_MODES)}; got {self.mode!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class SpeculateConfig:
+  """Speculative decoding (jaxkv.spec_decode): each pass verifies a drafted continuation of every sequence, k + 1
+  query positions over the one pass through the cache."""
+
+  mode: str = field(
+      "off",
+      "off, or lookup: verify drafts from n-gram matches in the sequence's own text in one pass.",
+      SPECULATE_MODES,
+  )
+  k: int = field(8, "Draft tokens per sequence and pass: a verify pass scores k + 1 positions.")
+
+  def __post_init__(self):
+    if self.mode not in SPECULATE_MODES:
+      raise ValueError(f"speculate.mode must be one of {', '.join(SPECULATE_MODES)}, got {self.mode!r}")
+    if self.k < 1:
+      raise ValueError(f"speculate.k must be >= 1, got {self.k}")
+
+
 DEFAULT_MESH = (("tensor", -1),)  # One tensor axis over every device.
 
 
@@ -370,6 +390,7 @@ class Config:
   sampling: SamplingConfig = SamplingConfig()
   mesh: tuple[tuple[str, int], ...] = DEFAULT_MESH
   split: SplitConfig = SplitConfig()
+  speculate: SpeculateConfig = SpeculateConfig()
 
   def __post_init__(self):
     check_kv_dtype(self.kv.dtype, self.model.head_dim)
@@ -379,10 +400,34 @@ class Config:
       )
     if self.kv.placement == "auto" and self.split.mode == "layer":
       raise ValueError("kv.placement auto plans one mesh for every layer; use split mode tensor or none with it")
+    if self.speculate.mode != "off":
+      check_speculate(self)
 
 
 # The sections of a config that hold settings, by their name in the ConfigDict (the model and the mesh are apart).
-SECTIONS = {"kv": KVConfig, "engine": EngineConfig, "sampling": SamplingConfig, "split": SplitConfig}
+SECTIONS = {
+    "kv": KVConfig,
+    "engine": EngineConfig,
+    "sampling": SamplingConfig,
+    "split": SplitConfig,
+    "speculate": SpeculateConfig,
+}
+
+
+def check_speculate(config: Config) -> None:
+  """Raises ValueError where speculative decoding cannot run with the config: it verifies drafts without penalties
+  (the counts they read would change along a draft) on the device's attention (not kv.host_attention, not the
+  legacy attention)."""
+  s, mode = config.sampling, f"--speculate={config.speculate.mode}"
+  if s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0:
+    raise ValueError(
+        f"{mode} verifies drafts without penalties: it needs no presence, frequency or repetition penalty; drop "
+        "them or use --speculate=off"
+    )
+  if config.kv.host_attention:
+    raise ValueError(f"{mode} does not run with kv.host_attention; use --kv_host_attention=false or --speculate=off")
+  if config.engine.decode_attention == "legacy":
+    raise ValueError(f"{mode} needs engine.decode_attention auto, xla or pallas (not legacy), or --speculate=off")
 
 
 def _build(cls, d: dict[str, Any], where: str):
@@ -411,4 +456,5 @@ def from_config_dict(cd, model: ModelConfig | None = None) -> Config:
       sampling=_build(SamplingConfig, dict(d.get("sampling", {})), "sampling"),
       mesh=tuple((str(k), int(v)) for k, v in dict(d.get("mesh", DEFAULT_MESH)).items()),
       split=_build(SplitConfig, dict(d.get("split", {})), "split"),
+      speculate=_build(SpeculateConfig, dict(d.get("speculate", {})), "speculate"),
   )

@@ -128,7 +128,8 @@ class GroupRunner:
 def decode_pass(engine, gen, x: jax.Array, meta: jax.Array, next_pass: bool, run_ahead: bool) -> tuple:
   """One pass of generation `gen` (jaxkv.engine.Generation) over every layer, writing row meta's end (the cache's
   rows + the open page's filled rows); returns x [B, D] before the head and what it issued. When the open page
-  fills, each layer's window grows by it and cache.rows by a block.
+  fills, each layer's window grows by it and cache.rows by a block. x [B, T, D] is a speculative verify pass
+  (jaxkv.spec_decode): rows end .. end + T - 1, the page not filled; its caller then sets gen.end.
 
   next_pass: another pass follows. run_ahead: the pass returns without waiting for its host kernels (with device
   waits; the thread's wait has waited for each already), so this thread dispatches the next pass while they run; the

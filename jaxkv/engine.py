@@ -35,9 +35,11 @@ from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv import sampling as sampling_lib
+from jaxkv import spec_decode
+from jaxkv import speculate
 from jaxkv import telemetry
 from jaxkv.cache import Issued
-from jaxkv.config import Config
+from jaxkv.config import Config, check_speculate
 from jaxkv.host import decode as host_decode
 from jaxkv.host import split as split_lib
 from jaxkv.meta import DecodeState, Meta
@@ -244,6 +246,10 @@ class Engine:
     """The layers' decode state (jaxkv.meta.Meta), on the last stage's devices."""
     return self.put(Meta.pack(start, end), np.int32)
 
+  def embed(self, tokens: np.ndarray) -> jax.Array:
+    """Token ids i32[...] on the host -> their embeddings [..., D] on the first stage (layer 0's input)."""
+    return self._first.embed(self.top, distributed.put_host(np.asarray(tokens, np.int32), self._rep_first))
+
   def put(self, value, dtype) -> jax.Array:
     """A host value as an array of `dtype`, replicated on the last stage's devices (where the head runs)."""
     return distributed.put_host(np.asarray(value, dtype), self._rep)
@@ -273,20 +279,25 @@ class Engine:
       on_step=None,
       zero_rows: int = 0,
       on_chunk=None,
+      drafter=None,
   ) -> GenerateResult:
     """Generates up to max_new_tokens per prompt. on_step(step, cache), if given, runs after each decode
     step's tokens are back on the host, and on_chunk(rows) after each prefill chunk is dispatched, rows its prompt's
     rows prefilled so far (the prompts are prefilled one after another: prefill_prompts). zero_rows (a multiple of
     engine.prefill_chunk below the shortest prompt): each prompt's rows [0, zero_rows) are stored as zeros instead of
     prefilled through the model, a synthetic context for benchmarks (decode reads and attends them like any rows; the
-    tokens differ from a full prefill's)."""
+    tokens differ from a full prefill's). drafter: speculative decoding with this drafter (jaxkv.speculate's
+    interface, without a switch; a test's or benchmark's), or a jaxkv.spec_decode.Speculator, instead of
+    config.speculate's."""
     self.validate(prompts, max_new_tokens, zero_rows)
-    cfg = self.config
+    cfg, speculator = self.config, self._speculator(drafter)
     gen = self.start(len(prompts), counters=telemetry.Counters(cfg.kv.transport_debug, on_chunk))
     # The record's clock starts here: prefill_s does not count the cache's start (the host's share measured).
     rec = telemetry.Recorder(cfg.sampling.stop_ids, step_hash=True, keep_logits=keep_logits)
     try:
-      return self._generate(gen, rec, prompts, max_new_tokens, seed, on_step, zero_rows)
+      if speculator is not None:
+        spec_decode.check(gen)
+      return self._generate(gen, rec, prompts, max_new_tokens, seed, on_step, zero_rows, speculator)
     finally:
       gen.close()
       rec.close()
@@ -499,8 +510,21 @@ class Engine:
     fns = self.layer_fns(layer.layer)
     return fns.place(layer.window, layer.chunk, np.int32(at), a_rows=a_rows, block=self.config.kv.block)
 
-  def _generate(self, gen: Generation, rec, prompts, max_new_tokens, seed, on_step, zero_rows) -> GenerateResult:
-    """Prefill, then decode; the caller closes the generation."""
+  def _speculator(self, drafter) -> spec_decode.Speculator | None:
+    """The speculative decoder of a run: `drafter` (no switch), else config.speculate's (None: off)."""
+    s = self.config.speculate
+    if drafter is not None:
+      check_speculate(dataclasses.replace(self.config, speculate=dataclasses.replace(s, mode="lookup")))
+      return drafter if isinstance(drafter, spec_decode.Speculator) else spec_decode.Speculator(drafter, s.k)
+    if s.mode == "off":
+      return None
+    return spec_decode.Speculator(speculate.PromptLookup(), s.k, speculate.Switch())
+
+  def _generate(
+      self, gen: Generation, rec, prompts, max_new_tokens, seed, on_step, zero_rows, speculator
+  ) -> GenerateResult:
+    """Prefill, then decode (speculatively with a speculator: jaxkv.spec_decode); the caller closes the
+    generation."""
     cfg, batch = self.config, len(prompts)
     x_last, start, longest = self.prefill_prompts(gen, prompts, next_pass=max_new_tokens > 1, zero_rows=zero_rows)
     owners = list(range(batch))
@@ -510,6 +534,10 @@ class Engine:
     state = loop.first(self.state(x_last, start, longest - 1, self.sampling(batch, seed), prompts), owners)
     finished = self._read(loop, None)  # Waits for the prefill: decode timing starts here.
     t_prefilled = time.perf_counter()
+    spec = None
+    if speculator is not None and not finished:
+      spec = spec_decode.run(self, gen, rec, owners, prompts, speculator, seed, on_step)
+      finished = True
     # Decode: step t writes the token of step t - 1 at row `end` and samples the token of step t; the loop reads each
     # step READ_LAG steps late. Steps dispatched after every sequence ended are discarded.
     with gen.kernels_collected():  # The passes run ahead of their host kernels; all end here.
@@ -524,6 +552,8 @@ class Engine:
     c = gen.counters
     telemetry_out = dict(gen.summary(), compiled_shapes=len(gen.shapes), prefill=gen.prefill_summary, **c.totals())
     telemetry_out["steps_read"] = rec.steps_read
+    if spec is not None:
+      telemetry_out["speculate"] = spec.summary()
     if cfg.kv.transport_debug >= 1:
       telemetry_out["steps"] = c.steps
     if cfg.kv.transport_debug >= 2:

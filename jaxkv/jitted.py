@@ -40,6 +40,7 @@ class Fns:
   place: object  # A prompt's rows prefilled from row 0 moved to a slot's window and open page.
   block: object  # A block of rows, to pinned host memory (the prefix cache's).
   head: object  # (top, DecodeState) -> HeadOut, the next step's DecodeState.
+  verify: object  # (top, x [B, T, D], drafts, lengths, params, index) -> logits, tokens, accepted (verify_head).
   enter: object  # (state, b, row) -> state with row b replaced (DecodeState.with_row).
   allow: object  # (state, b, allowed bool[V]) -> state with row b's allowed tokens replaced (DecodeState.allow).
   embed: object
@@ -157,6 +158,7 @@ def functions(
       place=jax.jit(place, static_argnames=("a_rows", "block"), out_shardings=kv),
       block=jax.jit(block, static_argnames="size", out_shardings=kv_host),
       head=jax.jit(head, out_shardings=rep),
+      verify=jax.jit(functools.partial(verify_head, cfg=cfg), out_shardings=rep),
       enter=jax.jit(DecodeState.with_row, out_shardings=rep, donate_argnums=(0,)),
       allow=jax.jit(DecodeState.allow, out_shardings=rep, donate_argnums=(0,)),
       embed=jax.jit(model.embed, out_shardings=rep),
@@ -165,3 +167,29 @@ def functions(
       prefill_attention=attention_impl,
       decode_attention=decode_impl,
   )
+
+
+def verify_head(top, x, drafts, lengths, params: sampling.SamplingParams, index, *, cfg: ModelConfig):
+  """The head of a speculative verify pass (jaxkv.spec_decode): x [B, T, D], the pass's output at rows
+  end .. end + T - 1 (or [B, D], T = 1); drafts i32[B, T - 1], row b's proposed tokens for positions 0 .., lengths[b]
+  of them real; params, each row's settings (no penalties: config.check_speculate); index i32[B], the token index of
+  each row's position 0. Returns logits f32[B, T, V] (the model's), tokens i32[B, T] and accepted i32[B]: row b's
+  tokens[:accepted + 1] follow its row end (jaxkv.sampling.verify_row; greedy rows: each position's largest logit, as
+  jaxkv.sampling.sample takes it, and the longest prefix of the draft equal to them)."""
+  if x.ndim == 2:  # A one-token pass: x [B, D].
+    x = x[:, None]
+  logits = model.logits(top, x, cfg)
+
+  def greedy(lg):
+    tokens = jnp.argmax(lg, axis=-1).astype(jnp.int32)
+    agree = (drafts == tokens[:, :-1]) & (jnp.arange(drafts.shape[1])[None, :] < lengths[:, None])
+    return tokens, jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+  def drawn(lg):
+    p = params
+    return jax.vmap(sampling.verify_row)(
+        lg, drafts, lengths, p.temperature, p.top_k, p.top_p, p.min_p, p.seed, p.stream, index
+    )
+
+  tokens, accepted = jax.lax.cond(jnp.all(params.temperature == 0.0), greedy, drawn, logits)
+  return logits, tokens, accepted

@@ -428,35 +428,49 @@ def decode_layer(
     attention_impl: str = "xla",
     mesh: jax.sharding.Mesh | None = None,
 ):
-  """One layer for one new token per sequence, written at row `end` of every sequence.
+  """One layer for one new token per sequence, written at row `end` of every sequence; or for T tokens per sequence
+  (a speculative verify pass, jaxkv.spec_decode), written at rows end .. end + T - 1.
 
-  x [B, D]; window stored [2, B, K, A, E] rows [W - A, W) (A >= W: rows below 0 are a start padding, jaxkv.cache),
-  or None while W = 0; open_page stored [2, B, K, P, E] rows [W, W + P), on device; start i32[B]; end i32[] with
-  W <= end < W + P and W a multiple of P (so W = end - end % P: a traced value, the program depends on A only);
-  kv_format: how rows are stored (default: the model dtype); attention_impl: "xla" or "pallas"
+  x [B, D] (one token) or [B, T, D]; window stored [2, B, K, A, E] rows [W - A, W) (A >= W: rows below 0 are a start
+  padding, jaxkv.cache), or None while W = 0; open_page stored [2, B, K, P, E] rows [W, W + P), on device; start
+  i32[B]; end i32[] with W <= end < W + P and W a multiple of P (so W = end - end % P: a traced value, the program
+  depends on A only); kv_format: how rows are stored (default: the model dtype); attention_impl: "xla" or "pallas"
   (jaxkv.decode_attention: end-anchored leaves over the window and the open page, read where they are, folded in a
   fixed tree; a sequence's bits do not depend on A, W or the batch around it) or "legacy"
-  (`legacy_decode_attention`); mesh: the devices the kv heads are sharded over (the Pallas kernel runs per shard).
-  Returns x [B, D] and the open page with the new row written (packed).
+  (`legacy_decode_attention`, one token only); mesh: the devices the kv heads are sharded over (the Pallas kernel
+  runs per shard).
+
+  With T tokens, token i attends rows [start_b, end + i] with its leaves anchored at end + i: the computation of a
+  one-token step at row end + i, so causal within the T rows. Rows past the open page are not written, and a token
+  there attends as the page's last row (its output is meaningless: the caller discards it).
+  Returns x of x's shape and the open page with the new rows written (packed).
   """
   fmt = kv_format or KVFormat.of(cfg)
   a_rows, page = (0 if window is None else window.shape[3]), open_page.shape[3]
+  t = 1 if x.ndim == 2 else x.shape[1]
   q, open_page = query_and_write(p, x, open_page, start, end, end % page, cfg, fmt)
   first_row = end - end % page - a_rows  # The window's first row: W - A.
   b, _, h, dh = q.shape
   k = open_page.shape[2]
   page_kv = fmt.unpack(open_page)
-  qg = q[:, 0].reshape(b, k, h // k, dh).astype(page_kv.dtype)
   parts = (page_kv,) if window is None else (fmt.unpack(window), page_kv)
   if attention_impl == "legacy":
+    if t != 1:
+      raise ValueError("engine.decode_attention legacy decodes one token per pass (no speculative verify pass)")
+    qg = q[:, 0].reshape(b, k, h // k, dh).astype(page_kv.dtype)
     o = legacy_decode_attention(qg, parts, start, end, first_row)
   else:
-    # Fenced: no fusion joins the attention (whose fold has more levels at a longer W) to the projections around it,
-    # so that they compile to the same fusions, and the GPU autotuner's picks, at every W.
-    qg = jax.lax.optimization_barrier(qg)
-    o, _ = decode_attention.attend(qg, parts, first_row, start, end, impl=attention_impl, mesh=mesh)
-    o = jax.lax.optimization_barrier(o)
-  return attn_out_and_mlp(p, x[:, None, :], o.reshape(b, 1, h, dh).astype(x.dtype), cfg)[:, 0, :], open_page
+    outs = []
+    for i in range(t):
+      # Fenced: no fusion joins the attention (whose fold has more levels at a longer W) to the projections around
+      # it, so that they compile to the same fusions, and the GPU autotuner's picks, at every W.
+      qg = jax.lax.optimization_barrier(q[:, i].reshape(b, k, h // k, dh).astype(page_kv.dtype))
+      row = end if t == 1 else jnp.minimum(end + i, end - end % page + page - 1)
+      o, _ = decode_attention.attend(qg, parts, first_row, start, row, impl=attention_impl, mesh=mesh)
+      outs.append(jax.lax.optimization_barrier(o))
+    o = outs[0] if t == 1 else jnp.stack(outs, axis=1)  # [B, K, G, Dh] or [B, T, K, G, Dh]
+  out = attn_out_and_mlp(p, x.reshape(b * t, 1, -1), o.reshape(b * t, 1, h, dh).astype(x.dtype), cfg)
+  return out.reshape(x.shape), open_page
 
 
 def legacy_decode_attention(q, parts, start, end, first_row=0):
@@ -476,11 +490,18 @@ def legacy_decode_attention(q, parts, start, end, first_row=0):
 
 
 def query_and_write(p, x, open_page, start, end, page_row, cfg: ModelConfig, fmt: KVFormat):
-  """x [B, D] -> q [B, 1, H, Dh] and the open page with the new row (packed) written at page_row."""
-  pos = (end - start)[:, None]  # [B, 1]
-  q, k, v = qkv(p, x[:, None, :], pos, cfg)
-  new = fmt.pack(jnp.stack([k, v]).transpose(0, 1, 3, 2, 4))  # [2, B, K, 1, E]
-  return q, jax.lax.dynamic_update_slice(open_page, new, (0, 0, 0, page_row, 0))
+  """x [B, D] -> q [B, 1, H, Dh] and the open page with the new row (packed) written at page_row; or x [B, T, D] ->
+  q [B, T, H, Dh], the rows written at page_row .. page_row + T - 1 (those past the page dropped). The projections
+  run over the B * T rows as one matmul, each row as `project` runs a decode's."""
+  b, t = x.shape[0], 1 if x.ndim == 2 else x.shape[1]
+  pos = (end - start)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+  q, k, v = qkv(p, x.reshape(b * t, 1, -1), pos.reshape(b * t, 1), cfg)
+  new = fmt.pack(jnp.stack([k, v]).reshape(2, b, t, *k.shape[2:]).transpose(0, 1, 3, 2, 4))  # [2, B, K, T, E]
+  q = q.reshape(b, t, *q.shape[2:])
+  if t == 1:
+    return q, jax.lax.dynamic_update_slice(open_page, new, (0, 0, 0, page_row, 0))
+  rows = page_row + jnp.arange(t, dtype=jnp.int32)
+  return q, open_page.at[:, :, :, rows].set(new, mode="drop")
 
 
 # Split attention: rows [0, r1) of a layer's window are attended on the host (jaxkv.host.attention), rows [r1, W)

@@ -176,11 +176,17 @@ def sample(logits: jax.Array, params: SamplingParams, index: jax.Array) -> jax.A
 def sample_row(logits, key, temperature, top_k, top_p, min_p=0.0):
   """One row: logits f32[V]; temperature f32[], top_k i32[], top_p f32[], min_p f32[] -> i32[].
 
-  Greedy when temperature == 0 (key unused). Otherwise logits / temperature, keep the tokens at least min_p times as
-  likely as the most likely, then the top_k largest (0 = all), then the smallest set whose probability reaches top_p,
-  and draw one token."""
+  Greedy when temperature == 0 (key unused). Otherwise the tokens that `filtered` keeps, drawn from."""
+  greedy = jnp.argmax(logits[None], axis=-1).astype(jnp.int32)
+  drawn = jax.random.categorical(key, filtered(logits, temperature, top_k, top_p, min_p), axis=-1).astype(jnp.int32)
+  return jnp.where(temperature == 0.0, greedy, drawn)[0]
+
+
+def filtered(logits, temperature, top_k, top_p, min_p):
+  """One row's logits f32[V] -> f32[1, V], what a sampled row draws from: logits / temperature (1 where it is 0),
+  -inf but for the tokens at least min_p times as likely as the most likely, then the top_k largest (0 = all), then
+  the smallest set whose probability reaches top_p."""
   x = logits[None]
-  greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
   x = x / jnp.where(temperature == 0.0, 1.0, temperature)
   probs = jax.nn.softmax(x, axis=-1)
   x = jnp.where(probs >= min_p * jnp.max(probs, axis=-1, keepdims=True), x, -jnp.inf)
@@ -193,9 +199,44 @@ def sample_row(logits, key, temperature, top_k, top_p, min_p=0.0):
   # Keep a token if the mass before it is < top_p (the first token is always kept).
   keep_sorted = (cum - jax.nn.softmax(sorted_x, axis=-1)) < top_p
   keep = jnp.zeros_like(keep_sorted).at[jnp.arange(x.shape[0])[:, None], order].set(keep_sorted)
-  x = jnp.where(keep | (top_p >= 1.0), x, -jnp.inf)
-  drawn = jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
-  return jnp.where(temperature == 0.0, greedy, drawn)[0]
+  return jnp.where(keep | (top_p >= 1.0), x, -jnp.inf)
+
+
+ACCEPT_STREAM = 1  # A draft's acceptance draws from fold_in(key(b, i), ACCEPT_STREAM), token i from key(b, i).
+
+
+def draft_split(x, draft):
+  """The standard rule's two branches for a draft token d proposed with certainty (a drafter's one-hot q): x f32[V]
+  (`filtered`, p = softmax(x)) -> p(d), the probability to accept d, and f32[V], the logits of the residual
+  distribution p with d removed, renormalized, drawn from where d is rejected: p(d) [t = d] + (1 - p(d)) residual(t)
+  = p(t), so the token's distribution is p whatever d is."""
+  return jax.nn.softmax(x)[draft], x.at[draft].set(-jnp.inf)
+
+
+def verify_row(logits, drafts, length, temperature, top_k, top_p, min_p, seed, stream, index):
+  """One row of a speculative verify pass (jaxkv.jitted.verify_head): logits f32[T, V] at its positions, drafts
+  i32[T - 1] (the first `length` real: drafts[j] proposed for position j), its settings, index i32[] (the token
+  index of position 0). Returns its tokens i32[T] and accepted i32[]: tokens[:accepted + 1] follow its row end.
+
+  Greedy (temperature 0): each position's largest logit; drafts accepted while they equal them. Sampled: position j
+  accepts drafts[j] with probability p_j(drafts[j]) (`draft_split`, uniform from the ACCEPT_STREAM of token index
+  index + j's key) while all before did; the first rejected position draws from its residual, and with every draft
+  accepted the next position from p (key(index + j), as `sample_row` draws: with no draft a row samples the plain
+  loop's token)."""
+  t = logits.shape[0]
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [T]
+  keys = jax.vmap(lambda j: row_key(seed, stream, index + j))(jnp.arange(t))
+  xs = jax.vmap(lambda lg: filtered(lg, temperature, top_k, top_p, min_p)[0])(logits)  # [T, V]
+  accept, residual = jax.vmap(draft_split)(xs[:-1], drafts)  # [T - 1], [T - 1, V]
+  u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, ACCEPT_STREAM)))(keys[:-1])
+  drafted = jnp.arange(t - 1) < length
+  is_greedy = temperature == 0.0
+  agree = drafted & jnp.where(is_greedy, drafts == greedy[:-1], u < accept)
+  accepted = jnp.sum(jnp.cumprod(agree.astype(jnp.int32))).astype(jnp.int32)
+  source = jnp.where(jnp.append(drafted, False)[:, None], jnp.concatenate([residual, xs[-1:]]), xs)
+  drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x[None], axis=-1)[0].astype(jnp.int32))(keys, source)
+  own = jnp.where(jnp.arange(t) < accepted, jnp.append(drafts, 0), drawn)
+  return jnp.where(is_greedy, greedy, own), accepted
 
 
 def logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:

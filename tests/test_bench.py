@@ -393,14 +393,39 @@ def test_arm_names():
   assert arms.parse_arm("host_d2_int4") == arm("host", 2, "int4")
   assert arms.parse_arm("device_int4") == arm("device", None, "int4")
   assert arms.parse_arm("auto_d2_int4_ha") == arm("auto", 2, "int4", 0.0)
+  assert arms.parse_arm("host_d2_spec") == arm("host", 2, speculate="lookup")
+  assert arms.parse_arm("device_g1_spec3") == arm("device", group_layers=1, speculate="oracle", right=3)
+  assert arms.parse_arm("host_d2_int4_spec0") == arm("host", 2, "int4", speculate="oracle", right=0)
   bad_names = ("host", "host_d", "device_d1", "hf_offloaded", "host_d2_int2", "host_d2_model", "host_d2int8")
-  for bad in bad_names + ("device_ha", "host_d2_ha00", "host_d2_ha5", "host_d2_ha_int8", "host_d2_g", "device_g1_int8"):
+  for bad in bad_names + (
+      "device_ha",
+      "host_d2_ha00",
+      "host_d2_ha5",
+      "host_d2_ha_int8",
+      "host_d2_g",
+      "device_g1_int8",
+      "host_d2_ha_spec",
+  ):
     with pytest.raises(ValueError):
       arms.parse_arm(bad)
   cfg = from_config_dict(tiny.get_config())  # head_dim 16: int8 and int4 do not fit, before any work.
   for arm_name in ("host_d2_int8", "device_int4"):
     with pytest.raises(ValueError, match="head_dim"):
       benchmark.run(cfg, _spec(arms=(arm_name,)))
+
+
+def test_speculative_arms_give_the_plain_arm_s_tokens():
+  """host_d2_spec2 (an oracle drafter of 2 right tokens, its truth a plain run's) and host_d2_spec (the lookup
+  drafter) generate host_d2's tokens, and report their passes."""
+  out = benchmark.run(
+      _config(), _spec(contexts=(16,), batches=(1,), arms=("host_d2", "host_d2_spec2", "host_d2_spec"), peer=False)
+  )
+  cell = out["cells"][0]
+  assert cell["tokens_match_across_arms"] is True
+  oracle = cell["arms"]["host_d2_spec2"]["transport"]["speculate"]
+  assert oracle["accepted"] > 0 and oracle["passes"] < oracle["tokens"] == 7, oracle
+  assert cell["arms"]["host_d2_spec"]["transport"]["speculate"]["tokens"] == 7
+  assert "speculate" not in cell["arms"]["host_d2"]["transport"]
 
 
 def test_peer_decodes_on_the_cpu_and_says_why_it_cannot_on_cuda():

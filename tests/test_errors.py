@@ -201,6 +201,12 @@ def _cases(tmp) -> dict:
       "flag_value": (GEN, ["--batch=x"], "flag --batch=x", 2),
       "argument": (GEN, ["extra"], "unexpected arguments: ['extra']", 2),
       "kv_int8": (GEN, ["--kv_dtype=int8"], "must be a multiple of 32; got head_dim 16", 2),
+      "speculate_penalty": (
+          GEN,
+          ["--speculate=lookup", "--config.sampling.presence_penalty=0.5"],
+          "--speculate=lookup verifies drafts without penalties: it needs no presence, frequency or repetition penalty",
+          2,
+      ),
       "checkpoint_corrupt": (GEN, [f"--checkpoint_dir={corrupt}"], "config.json is not valid JSON", 1),
       "checkpoint_incomplete": (
           GEN,
@@ -377,6 +383,7 @@ CASES = (
     "flag_value",
     "argument",
     "kv_int8",
+    "speculate_penalty",
     "checkpoint_corrupt",
     "checkpoint_incomplete",
     "checkpoint_capacity",

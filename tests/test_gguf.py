@@ -447,6 +447,24 @@ def test_kv_quality_tool_on_a_short_text(smollm2, smollm2_params):
   assert res["int4"]["mean_kl"] > res["float8_e4m3fn"]["mean_kl"] > res["int8"]["mean_kl"]
 
 
+def test_smollm2_speculation_gives_the_plain_greedy_tokens(smollm2_file, smollm2_params):
+  """The real model copying a paragraph it read twice: the lookup drafter's drafts are accepted, and the tokens are
+  those of plain greedy decode. The logits are not bitwise (docs/design.md, "Speculative decoding": XLA:CPU's matmul
+  over the pass's 9 rows rounds otherwise than over one step's row): within 1e-4 of the plain run's."""
+  cfg, params = smollm2_params(1)
+  with open(TEXT) as f:
+    paragraph = f.read()[:300]
+  ids = gguf_loader.tokenizer(smollm2_file).encode(paragraph + "\n\n" + paragraph + "\n\n" + paragraph[:150])
+  config = _device_config(cfg)
+  plain = engine_lib.Engine(config, helpers.mesh(1), params).generate([ids], 40, keep_logits=True)
+  config = dataclasses.replace(config, speculate=config_lib.SpeculateConfig(mode="lookup"))
+  res = engine_lib.Engine(config, helpers.mesh(1), params).generate([ids], 40, keep_logits=True)
+  assert res.tokens == plain.tokens
+  assert np.abs(res.logits - plain.logits).max() < 1e-4
+  s = res.transport["speculate"]
+  assert s["accepted_per_verify"] > 2 and s["passes"] < 20, s
+
+
 def _tokenizer_file(path, kind: str, pre: str, add_bos: bool | None) -> str:
   """A GGUF file holding only a tokenizer: a byte-level BPE (gpt2) vocabulary with merges, or a SentencePiece (llama)
   one with scores and byte tokens; control tokens, a user-defined one, and a chat template."""

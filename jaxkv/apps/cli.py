@@ -96,6 +96,7 @@ SHORTHANDS = {
     "kv_delivery_chunk_mib": ("kv", "delivery_chunk_mib"),
     "split_mode": ("split", "mode"),
     "layer_split": ("split", "layer_split"),
+    "speculate": ("speculate", "mode"),
 }
 
 
@@ -117,6 +118,7 @@ SHORTHAND_FLAGS = {name: _define_shorthand(name, *field) for name, field in SHOR
 CONFIG_GROUP = [CONFIG, CPU_DEVICES, SHORTHAND_FLAGS["capacity"], COMPILATION_CACHE_DIR]
 KV_GROUP = [h for name, h in SHORTHAND_FLAGS.items() if name.startswith("kv_")]
 SPLIT_GROUP = [SHORTHAND_FLAGS["split_mode"], SHORTHAND_FLAGS["layer_split"]]
+SPECULATE_FLAG = SHORTHAND_FLAGS["speculate"]
 MULTIHOST_GROUP = [COORDINATOR_ADDRESS, NUM_PROCESSES, PROCESS_ID, DISTRIBUTED_TIMEOUT]
 
 _CONFIG_GIVEN = [False]  # Whether the command line names --config (run() sets it).

@@ -49,7 +49,7 @@ COMMAND = "jaxkv.gates"  # python3 -m COMMAND runs this app (each arm's process 
 
 HELP_GROUPS = {
     "model and config": cli.CONFIG_GROUP,
-    "gates": [ARMS, NEW_TOKENS, PARALLEL, SEQUENCES, SEED, SEPARATE],
+    "gates": [ARMS, NEW_TOKENS, PARALLEL, SEQUENCES, SEED, SEPARATE, cli.SPECULATE_FLAG],
     "KV cache": cli.KV_GROUP,
     "split": cli.SPLIT_GROUP,
     "multi-host": cli.MULTIHOST_GROUP,

@@ -84,7 +84,7 @@ CHECKPOINT_DTYPE = flags.DEFINE_enum(
 
 HELP_GROUPS = {
     "model and config": [*cli.CONFIG_GROUP, CHECKPOINT_DIR, GGUF, CHECKPOINT_DTYPE],
-    "prompts": [PROMPT_LEN, BATCH, PROMPT, CHAT, MAX_NEW, IGNORE_EOS, SEED],
+    "prompts": [PROMPT_LEN, BATCH, PROMPT, CHAT, MAX_NEW, IGNORE_EOS, SEED, cli.SPECULATE_FLAG],
     "KV cache": cli.KV_GROUP,
     "split": cli.SPLIT_GROUP,
     "serving": [SEQUENCES, PARALLEL, PREFIX_CACHE_GIB],
@@ -226,6 +226,12 @@ def _report(out: dict, json_out: str | None) -> None:
       f"kv placement {t['placement']}, {_delivery(t)}, h2d {t['h2d_bytes']} B, d2h {t['d2h_bytes']} B, "
       f"compiled shapes {t['compiled_shapes']}"
   )
+  if "speculate" in t:
+    s = t["speculate"]
+    print(
+        f"speculate: {s['passes']} passes ({s['verify_passes']} verified), {s['tokens_per_pass']:.2f} tokens per "
+        f"pass, {s['accepted_per_verify']:.2f} accepted per verify of up to {s['k']}"
+    )
   print(_compilation_line(out["compilation"]))
   launch.write_json(out, json_out)
 

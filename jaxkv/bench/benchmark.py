@@ -41,6 +41,7 @@ from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv import run as run_lib
+from jaxkv import speculate
 from jaxkv.bench import ceilings
 from jaxkv.bench import peer_hf
 from jaxkv.bench import report
@@ -193,9 +194,20 @@ class _Arm:
     return s
 
 
-def _jax_runner(engine: Engine, prompts, new_tokens: int, seed: int, zero_rows: int) -> Callable[[], dict]:
+def _jax_runner(
+    engine: Engine, prompts, new_tokens: int, seed: int, zero_rows: int, right: int | None = None
+) -> Callable[[], dict]:
+  """A run of the arm's engine; with `right`, speculative with an oracle drafter of that many right tokens, whose
+  truth is a plain run's tokens (run once, untimed)."""
+  truth = []
+
   def run_once():
-    res = engine.generate(prompts, new_tokens, seed=seed, zero_rows=zero_rows)
+    drafter = None
+    if right is not None:
+      if not truth:
+        truth.append(engine.generate(prompts, new_tokens, seed=seed, zero_rows=zero_rows).tokens)
+      drafter = speculate.Oracle(truth[0], [len(p) for p in prompts], right, engine.config.model.vocab_size)
+    res = engine.generate(prompts, new_tokens, seed=seed, zero_rows=zero_rows, drafter=drafter)
     transport = {k: v for k, v in res.transport.items() if k not in ("steps", "layer_times_ms")}
     return dict(res.timing, tokens_sha256=res.tokens_sha256, transport=transport)
 
@@ -239,7 +251,12 @@ def _run_cell(
       _Arm(
           name,
           _jax_runner(
-              Engine(arm_config(cfg, name), mesh, params, layout), prompts, spec.new_tokens, spec.seed, zero_rows
+              Engine(arm_config(cfg, name), mesh, params, layout),
+              prompts,
+              spec.new_tokens,
+              spec.seed,
+              zero_rows,
+              parse_arm(name).right,
           ),
       )
       for name in spec.arms

@@ -65,6 +65,10 @@ class Server:
     jaxkv.serving.prefix_cache), kept across serve() calls and epochs."""
     if parallel < 1:
       raise ValueError(f"parallel must be >= 1, got {parallel}")
+    if engine.config.speculate.mode != "off":
+      raise ValueError(
+          "the server decodes one token per pass (speculative decoding is generate's); use --speculate=off"
+      )
     slots_lib.check_prefix_cache_budget(prefix_cache_bytes)
     self.engine, self.parallel = engine, parallel
     self.prefix_cache = None

@@ -1,0 +1,267 @@
+"""Speculative decoding (jaxkv.speculate, jaxkv.spec_decode): the drafters and their switch without a model; the
+verify layer against one-token steps, bit for bit; greedy generation with speculation gives the tokens and logits of
+generation without, over placements, depths, KV dtypes, batches and meshes; what it refuses."""
+
+import dataclasses
+
+import helpers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import config as config_lib
+from jaxkv import engine as engine_lib
+from jaxkv import layout as layout_lib
+from jaxkv import model
+from jaxkv import sampling
+from jaxkv import spec_decode
+from jaxkv import speculate
+from jaxkv.kv_quant import KVFormat
+
+NEW = 30  # Tokens per sequence: over three of the tiny config's 8-row pages past the prompts.
+
+
+def test_lookup_proposes_what_followed_the_longest_most_recent_match():
+  d = speculate.PromptLookup()
+  assert d.propose(0, [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3], 4) == [7, 8, 1, 2]  # 3-gram, its latest occurrence.
+  assert d.propose(0, [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3], 9) == [7, 8, 1, 2, 3]  # Up to the history's end.
+  assert d.propose(0, [5, 6, 7, 8, 6, 7, 1, 2, 7], 3) == [1, 2, 7]  # 1-gram: no 2-gram [2, 7] occurred before.
+  assert d.propose(0, [4, 4, 4], 2) == [4]
+  assert d.propose(0, [1, 2, 3], 4) == [] and d.propose(0, [1], 4) == [] and d.propose(0, [1, 1], 0) == []
+
+
+def test_oracle_proposes_its_right_tokens_then_wrong_ones():
+  d = speculate.Oracle([[10, 11, 12, 13, 14]], [2], right=2, vocab=14)
+  assert d.propose(0, [7, 7, 10], 3) == [11, 12, 0]  # One generated: truth[1:], the third wrong ((13 + 1) % 14).
+  assert d.propose(0, [7, 7, 10, 11, 12, 13], 4) == [14]
+
+
+def test_switch_turns_a_failing_sequence_off_and_probes_again():
+  s = speculate.Switch(window=4, min_accepted=0.5, off_passes=3)
+  for accepted in (1, 0, 0, 0):  # Mean 0.25 < 0.5 over the window: off.
+    assert s.on(0) and s.on(1)
+    s.passed(0, drafted=5, accepted=accepted)
+    s.passed(1, drafted=5, accepted=2)
+  assert not s.on(0) and s.on(1) and s.switched_off == 1
+  for _ in range(3):
+    assert not s.on(0) and s.off_passes_left(0) > 0
+    s.passed(0, drafted=0, accepted=0)
+  assert s.on(0) and s.off_passes_left(0) == 0
+  for _ in range(10):  # Passes without drafts count for nothing.
+    s.passed(0, drafted=0, accepted=0)
+  assert s.on(0) and s.switched_off == 1
+  s.passed(0, drafted=5, accepted=0)  # A failing probe: off again at once.
+  assert not s.on(0) and s.switched_off == 2
+  s.idle(0, 3)
+  s.passed(0, drafted=5, accepted=4)  # A probe that succeeds: the mean (0 + 0 + 0 + 4) / 4 reaches 1.
+  assert s.on(0) and s.switched_off == 2
+
+
+def test_a_rejected_draft_s_residual_and_its_acceptance_give_back_p():
+  """The standard rule for a draft d proposed with certainty: accept with p(d), else draw from p without d; the
+  mixture is p, exactly (float64 over the f32 values), for every d, with top-k and temperature filtering."""
+  logits = jnp.log(jnp.array([0.1, 0.2, 0.3, 0.4, 1e-3], jnp.float32))
+  for temperature, top_k in ((1.0, 0), (0.7, 3)):
+    x = sampling.filtered(logits, temperature, top_k, 1.0, 0.0)[0]
+    p = np.asarray(jax.nn.softmax(x), np.float64)
+    for d in range(4):
+      accept, residual = sampling.draft_split(x, d)
+      mixture = float(accept) * np.eye(5)[d] + (1 - float(accept)) * np.asarray(jax.nn.softmax(residual), np.float64)
+      np.testing.assert_allclose(mixture, p, rtol=1e-6, atol=1e-7)
+      assert float(accept) == np.float32(p[d]) and float(jax.nn.softmax(residual)[d]) == 0.0
+
+
+def test_a_sampled_verify_draws_each_position_from_p():
+  """verify_row over 20,000 keys, drafts [3, 3] for a two-position pass of p = (.1, .2, .3, .4): position 0's token
+  follows p (accepted 3 in 40% of draws), position 1's too where position 0 accepted; within 4 standard errors."""
+  logits = jnp.log(jnp.array([[0.1, 0.2, 0.3, 0.4]] * 3, jnp.float32))
+  n = 20_000
+  run = jax.jit(
+      jax.vmap(
+          lambda seed: sampling.verify_row(
+              logits, jnp.array([3, 3]), 2, jnp.float32(1.0), 0, jnp.float32(1.0), jnp.float32(0.0), seed, 0, 5
+          )
+      )
+  )
+  tokens, accepted = map(np.asarray, run(jnp.arange(n, dtype=jnp.int32)))
+  p = np.array([0.1, 0.2, 0.3, 0.4])
+  tol = 4 * np.sqrt(0.25 / n)
+  np.testing.assert_allclose(np.bincount(tokens[:, 0], minlength=4) / n, p, atol=tol)
+  np.testing.assert_allclose(np.mean(accepted >= 1), 0.4, atol=tol)
+  second = tokens[accepted >= 1, 1]
+  np.testing.assert_allclose(np.bincount(second, minlength=4) / len(second), p, atol=4 * np.sqrt(0.25 / len(second)))
+  assert set(np.unique(tokens[accepted == 0, 0])) <= {0, 1, 2}  # A rejected 3 is never drawn again.
+
+
+@pytest.mark.parametrize("kv_dtype", ["model", "int8"])
+def test_the_verify_layer_is_one_token_steps_bit_for_bit(kv_dtype):
+  """decode_layer over T tokens at rows end .. end + T - 1 gives each token the output of a one-token step at its row,
+  and the open page the same rows, bit for bit (CPU); rows past the page are not written."""
+  cfg = helpers.tiny_config(head_dim=32).model
+  fmt = KVFormat.of(cfg, kv_dtype)
+  p = model.init_params(cfg, jax.random.key(0), helpers.mesh(1))["layers"][0]
+  b, page_rows, a_rows, t = 2, 8, 16, 5
+  rng = np.random.default_rng(0)
+  xs = jnp.asarray(rng.standard_normal((b, t, cfg.d_model)), jnp.float32)
+  window = fmt.pack(jnp.asarray(rng.standard_normal((2, b, cfg.num_kv_heads, a_rows, cfg.head_dim)), jnp.float32))
+  page = jnp.zeros((2, b, cfg.num_kv_heads, page_rows, fmt.width), fmt.storage_dtype)
+  start = jnp.array([0, 11], jnp.int32)
+  layer = jax.jit(lambda x, pg, end: model.decode_layer(p, x, window, pg, start, end, cfg=cfg, kv_format=fmt))
+  for end in (16, 21):  # All T rows in the page; the last two past it.
+    verified, verified_page = layer(xs, page, jnp.int32(end))
+    steps, step_page = [], page
+    for i in range(min(t, a_rows + page_rows - end)):
+      out, step_page = layer(xs[:, i], step_page, jnp.int32(end + i))
+      steps.append(out)
+    np.testing.assert_array_equal(np.asarray(verified[:, : len(steps)]), np.stack(steps, axis=1))
+    np.testing.assert_array_equal(np.asarray(verified_page), np.asarray(step_page))
+
+
+def _speculating(eng, mode="lookup", k=8):
+  return type(eng)(
+      dataclasses.replace(eng.config, speculate=config_lib.SpeculateConfig(mode=mode, k=k)),
+      eng.mesh,
+      eng.params,
+      eng.layout,
+  )
+
+
+CASES = {
+    # name: (tensor, engine fields, prompt lengths, oracle's right tokens)
+    "device_b3": (1, dict(placement="device"), [5, 12, 1], (0, 3, 8)),
+    "host_d2_t2": (2, dict(placement="host", depth=2), [7], (2,)),
+    "auto_b3_t2": (2, dict(placement="auto", depth=1, group_layers=1), [5, 12, 1], (8,)),
+    "host_d1_int8_b3": (1, dict(placement="host", depth=1, kv_dtype="int8"), [5, 12, 1], (3,)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculation_gives_the_tokens_and_logits_of_plain_greedy_decode(case):
+  """With an oracle drafter of r right tokens (every verify accepts min(r, the rows left)) and the lookup drafter: the
+  tokens and every step's logits of the plain run, bit for bit; drafts cross pages (8 rows: the page's last row is a
+  one-token step's) and a batch advances by its smallest acceptance."""
+  tensor, fields, lengths, rights = CASES[case]
+  cfg = helpers.tiny_config(head_dim=32) if fields.get("kv_dtype") == "int8" else None
+  eng = helpers.engine(tensor, cfg=cfg, **fields)
+  if fields["placement"] == "auto":  # Two of the six layers resident, four streamed.
+    eng = helpers.with_kv(eng, device_budget_gib=2.5 * helpers.layer_bytes(eng, len(lengths)) / 2**30)
+  prompts = helpers.prompts(lengths)
+  plain = eng.generate(prompts, NEW, keep_logits=True)
+  assert "speculate" not in plain.transport
+  for right in rights:
+    drafter = speculate.Oracle(plain.tokens, lengths, right, eng.config.model.vocab_size)
+    res = eng.generate(prompts, NEW, keep_logits=True, drafter=drafter)
+    assert res.tokens == plain.tokens, right
+    np.testing.assert_array_equal(res.logits, plain.logits)
+    assert res.logits_sha256 == plain.logits_sha256
+    s = res.transport["speculate"]
+    assert s["tokens"] == NEW - 1 and s["passes"] == res.transport["decode_passes"], s
+    assert s["verify_passes"] > 0 and sum(s["accepted_histogram"][min(right, 6) + 1 :]) == 0, s
+    if right == 0:
+      assert s["accepted"] == 0 and s["passes"] == NEW - 1
+    else:
+      assert s["accepted"] > 0 and s["tokens_per_pass"] > 1.5, s
+  if fields["placement"] == "auto":
+    assert res.transport["residency"]["resident_layers"] == 2
+  res = _speculating(eng).generate(prompts, NEW, keep_logits=True)
+  assert res.tokens == plain.tokens
+  np.testing.assert_array_equal(res.logits, plain.logits)
+  assert res.transport["speculate"]["passes"] == res.transport["decode_passes"]
+
+
+class _NoDrafts:
+
+  def propose(self, b, history, k):
+    del b, history, k
+    return []
+
+
+def test_sampled_speculation_keys_each_token_by_its_index():
+  """Sampling (temperature 0.8, top-k 50): without drafts each pass samples the plain run's tokens with the plain
+  run's keys, bit for bit; at temperature 1e-4 (p one-hot in f32) the plain run's tokens as drafts are all accepted
+  and give its tokens and logits, through the sampled verify."""
+  lengths = [5, 12, 1]
+  prompts = helpers.prompts(lengths)
+  eng = helpers.engine(1, sampling=config_lib.SamplingConfig(temperature=0.8, top_k=50))
+  plain = eng.generate(prompts, NEW, keep_logits=True, seed=3)
+  res = eng.generate(prompts, NEW, keep_logits=True, seed=3, drafter=_NoDrafts())
+  assert res.tokens == plain.tokens
+  np.testing.assert_array_equal(res.logits, plain.logits)
+  eng = helpers.engine(1, sampling=config_lib.SamplingConfig(temperature=1e-4))
+  plain = eng.generate(prompts, NEW, keep_logits=True, seed=3)
+  res = eng.generate(prompts, NEW, keep_logits=True, seed=3, drafter=speculate.Oracle(plain.tokens, lengths, 8, 256))
+  assert res.tokens == plain.tokens
+  np.testing.assert_array_equal(res.logits, plain.logits)
+  assert res.transport["speculate"]["tokens_per_pass"] > 2.5, res.transport["speculate"]
+
+
+def test_speculation_in_split_mode_layer():
+  """Two stages (layers 0-2 and 3-5 on a device each): the embedding on the first stage, the verify head on the last,
+  the hidden state crossing between them; the plain run's tokens and logits."""
+  mesh = helpers.mesh(2)
+  layout = layout_lib.make_layout("layer", mesh, 6)
+  params = model.init_params(helpers.tiny_config().model, jax.random.key(0), mesh, layout)
+  eng = engine_lib.Engine(helpers.engine(1).config, mesh, params, layout)
+  lengths = [5, 12, 1]
+  prompts = helpers.prompts(lengths)
+  plain = eng.generate(prompts, NEW, keep_logits=True)
+  res = eng.generate(prompts, NEW, keep_logits=True, drafter=speculate.Oracle(plain.tokens, lengths, 3, 256))
+  assert res.tokens == plain.tokens
+  np.testing.assert_array_equal(res.logits, plain.logits)
+  assert res.transport["speculate"]["accepted_histogram"][3] > 0
+
+
+def test_a_model_that_repeats_itself_gets_drafts_accepted_by_lookup():
+  """The tiny random model's greedy output falls into a loop: the lookup drafter's drafts are accepted there, and
+  the tokens stay the plain run's."""
+  eng = helpers.engine(1, capacity=128)
+  prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 4]
+  plain = eng.generate(prompts, 80)
+  res = _speculating(eng, k=4).generate(prompts, 80)
+  assert res.tokens == plain.tokens and res.logits_sha256 == plain.logits_sha256
+  s = res.transport["speculate"]
+  assert s["accepted"] > 0 and s["passes"] < 79, s
+
+
+def test_drafts_that_fail_switch_themselves_off_into_plain_steps():
+  """A drafter that is always wrong, its switch off after 2 verifies for 5 passes: the off passes run as the plain
+  loop's steps (read back behind), each probe verifies once, and the tokens and logits stay the plain run's."""
+  eng = helpers.engine(1)
+  prompts = helpers.prompts([5, 12, 1])
+  plain = eng.generate(prompts, NEW, keep_logits=True)
+  wrong = speculate.Oracle(plain.tokens, [len(p) for p in prompts], 0, eng.config.model.vocab_size)
+  switch = speculate.Switch(window=2, min_accepted=0.5, off_passes=5)
+  res = eng.generate(prompts, NEW, keep_logits=True, drafter=spec_decode.Speculator(wrong, 8, switch))
+  assert res.tokens == plain.tokens
+  np.testing.assert_array_equal(res.logits, plain.logits)
+  s = res.transport["speculate"]
+  # The three sequences switch together: 2 verifies, then 5 plain steps; then 1 verify (the probe), 5 plain steps.
+  cycles = s["switched_off"] // 3
+  assert s["switched_off"] == 3 * cycles and cycles >= 4 and s["accepted"] == 0 and s["passes"] == NEW - 1, s
+  assert cycles + 1 <= s["verify_passes"] <= cycles + 2, s
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(sampling=config_lib.SamplingConfig(presence_penalty=0.5)), "--speculate=lookup verifies drafts without"),
+        (dict(sampling=config_lib.SamplingConfig(repetition_penalty=1.1)), "no presence, frequency or repetition"),
+        (
+            dict(kv=dataclasses.replace(helpers.tiny_config().kv, placement="host", host_attention=True)),
+            "host_attention",
+        ),
+        (dict(engine=config_lib.EngineConfig(decode_attention="legacy")), "not legacy"),
+    ],
+)
+def test_speculation_refuses_what_it_cannot_verify(fields, match):
+  with pytest.raises(ValueError, match=match):
+    dataclasses.replace(helpers.tiny_config(), speculate=config_lib.SpeculateConfig(mode="lookup"), **fields)
+
+
+def test_speculation_refuses_chunked_delivery_before_the_prefill():
+  eng = helpers.with_kv(
+      helpers.engine(1, placement="host", capacity=400, group_layers=1), delivery_chunk_mib=1e-4
+  )  # 256-row chunks.
+  with pytest.raises(ValueError, match="a window delivered in chunks"):
+    _speculating(eng).generate(helpers.prompts([40]), 4)
