@@ -105,37 +105,54 @@ def chunked_attention(
   return da.normalized(da.fold(da.placed(da.leaf_count(t_rows + open_page.shape[3]), pieces)))
 
 
+def token_rows(end, tokens: int, page: int) -> list:
+  """Each token's row (i32[]) in a pass of `tokens` tokens from row end (page: the open page's rows): end alone, or
+  a verify pass's model.token_row, the row its leaves are anchored at."""
+  return [end] if tokens == 1 else [model.token_row(end, i, page) for i in range(tokens)]
+
+
 def chunked_out(p, x, q, last, open_page, older, start, end, *, c_rows: int, cfg: ModelConfig, kv_format, impl, mesh):
   """The end of a chunked layer: chunked_attention, then the rest of the layer (as model.decode_layer's). x [B, D],
   the layer's input; q f32[B, K, G, Dh]; last, open_page stored (chunked_attention's, packed); the new row written.
-  Returns x [B, D]."""
-  page_kv = kv_format.unpack(open_page)
-  b, k, g, dh = q.shape
-  qg = jax.lax.optimization_barrier(q.astype(page_kv.dtype))
+  Returns x [B, D]. A verify pass (model.decode_layer's T tokens): x [B, T, D], q f32[B, T, K, G, Dh], older[c] a
+  tuple of each token's partials of chunk c; token i attends as a one-token step at its row (token_rows), and the
+  rest of the layer runs over the B * T rows."""
+  page_kv, last_kv = kv_format.unpack(open_page), kv_format.unpack(last)
+  b, t = x.shape[0], 1 if x.ndim == 2 else x.shape[1]
+  k, g, dh = q.shape[-3:]
   kw = dict(c_rows=c_rows, impl=impl, mesh=mesh)
-  o, _ = chunked_attention(qg, kv_format.unpack(last), page_kv, older, start, end, **kw)
-  o = jax.lax.optimization_barrier(o)
-  return model.attn_out_and_mlp(p, x[:, None, :], o.reshape(b, 1, k * g, dh).astype(x.dtype), cfg)[:, 0, :]
+  outs = []
+  for i, row in enumerate(token_rows(end, t, open_page.shape[3])):
+    qg = jax.lax.optimization_barrier((q if t == 1 else q[:, i]).astype(page_kv.dtype))
+    token_older = older if t == 1 else tuple(c[i] for c in older)
+    o, _ = chunked_attention(qg, last_kv, page_kv, token_older, start, row, **kw)
+    outs.append(jax.lax.optimization_barrier(o))
+  o = outs[0] if t == 1 else jnp.stack(outs, axis=1)  # [B, K, G, Dh] or [B, T, K, G, Dh]
+  out = model.attn_out_and_mlp(p, x.reshape(b * t, 1, -1), o.reshape(b * t, 1, k * g, dh).astype(x.dtype), cfg)
+  return out.reshape(x.shape)
 
 
 @dataclasses.dataclass(frozen=True)
 class Calls:
   """One stage's calls of a chunked layer (B = batch, K = kv heads, G = query heads per kv head, Dh = head_dim)."""
 
-  query: object  # (p, x, open_page, meta) -> q f32[B, K, G, Dh], open_page with the new row.
-  partials: object  # (q, chunk, first_row, meta, num_leaves=) -> Partials of the chunk's leaves.
+  query: object  # (p, x, open_page, meta) -> q f32[B, K, G, Dh] ([B, T, K, G, Dh]), open_page with the new rows.
+  partials: object  # (q, chunk, first_row, meta, num_leaves=, page=) -> Partials of the chunk's leaves (per token).
   out: object  # (p, x, q, last, open_page, older, meta, c_rows=) -> x.
   tail: object  # (q, last, open_page, older, origin, meta, c_rows=) -> o f32[B, K, G, Dh], lse f32[B, K, G].
   flush: object  # (window, open_page) -> the grown window, a zero open page.
 
 
 @functools.lru_cache(maxsize=None)
-def calls(cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, decode_attention_choice: str) -> Calls:
+def calls(
+    cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, decode_attention_choice: str, tokens: int = 1
+) -> Calls:
   """The chunked layer's jitted calls on one mesh and KV dtype, attending with engine.decode_attention
-  (jaxkv.decode_attention.resolve)."""
+  (jaxkv.decode_attention.resolve), for passes of `tokens` tokens per sequence (T > 1: a verify pass,
+  jaxkv.spec_decode; `partials` then returns a tuple of each token's, its leaves anchored at its row)."""
   rep = mesh_lib.replicated(mesh)
   kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
-  heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None))
+  heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH,) + (None,) * (tokens > 1) + (mesh_lib.KV_HEADS, None, None))
   lse_heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None))
   stats = mesh_lib.sharding(mesh, (None, mesh_lib.BATCH, mesh_lib.KV_HEADS, None))
   leaves = da.Partials(stats, stats, mesh_lib.sharding(mesh, (None, mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None)))
@@ -147,9 +164,12 @@ def calls(cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, decode_atten
   def query(p, x, open_page, meta):
     return model.decode_query(p, x, open_page, Meta.start(meta), Meta.end(meta), cfg=cfg, kv_format=fmt)
 
-  def partials(q, chunk, first_row, meta, num_leaves):
+  def partials(q, chunk, first_row, meta, num_leaves, page):
     kw = dict(num_leaves=num_leaves, kv_format=fmt, impl=impl, mesh=mesh)
-    return chunk_partials(q, chunk, first_row, Meta.start(meta), Meta.end(meta), **kw)
+    if tokens == 1:
+      return chunk_partials(q, chunk, first_row, Meta.start(meta), Meta.end(meta), **kw)
+    rows = token_rows(Meta.end(meta), tokens, page)
+    return tuple(chunk_partials(q[:, i], chunk, first_row, Meta.start(meta), row, **kw) for i, row in enumerate(rows))
 
   def out(p, x, q, last, open_page, older, meta, c_rows):
     kw = dict(c_rows=c_rows, cfg=cfg, kv_format=fmt, impl=impl, mesh=mesh)
@@ -168,7 +188,9 @@ def calls(cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, decode_atten
 
   return Calls(
       query=jax.jit(query, out_shardings=(heads, kv), donate_argnums=(2,)),
-      partials=jax.jit(partials, out_shardings=leaves, static_argnames="num_leaves"),
+      partials=jax.jit(
+          partials, out_shardings=leaves if tokens == 1 else (leaves,) * tokens, static_argnames=("num_leaves", "page")
+      ),
       out=jax.jit(out, out_shardings=rep, static_argnames="c_rows"),
       tail=jax.jit(tail, out_shardings=(heads, lse_heads), static_argnames="c_rows"),
       flush=jax.jit(flush, out_shardings=kv, donate_argnums=(1,)),

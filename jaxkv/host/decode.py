@@ -281,7 +281,9 @@ class HostDecode:
     ctx.issued += cache_lib.Issued(calls=1)
     if chunk.index < chunk.count - 1:
       leaves = cache.chunk_rows // decode_attention.LEAF_ROWS
-      older.append(chunk_calls.partials(q, d.windows[0], r1 + chunk.first_row, ctx.meta(l), num_leaves=leaves))
+      older.append(
+          chunk_calls.partials(q, d.windows[0], r1 + chunk.first_row, ctx.meta(l), num_leaves=leaves, page=cache.block)
+      )
       return x
     self._chunked = None
     t1 = time.perf_counter()
