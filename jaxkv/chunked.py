@@ -10,7 +10,9 @@ every chunk's partials placed at their leaves (jaxkv.decode_attention.placed), o
 The leaves and the fold are the unchunked window's, so the bits are too (tests/test_chunked.py checks them against
 every placement). With host attention the delivered tail, rows [r1, W), is chunked the same way from r1, and its
 last call (`Calls.tail`) returns the device's partial that the host's is merged with (jaxkv.host.decode). The ring
-then holds chunks, not windows (jaxkv.transport, jaxkv.residency.ring_bytes).
+then holds chunks, not windows (jaxkv.transport, jaxkv.residency.ring_bytes). A speculative verify pass of T tokens
+(jaxkv.spec_decode) runs the same calls (`calls(..., tokens=T)`), each token with its leaves anchored at its own row
+(`token_rows`): a chunk's partials are each token's, and the end folds each token's as its one-token step would.
 
 Where the open page fills, the whole window is moved to the devices once more and grown there (`Calls.flush`), one
 step in kv.block: the workspace's two windows of a group (jaxkv.residency.workspace_bytes).

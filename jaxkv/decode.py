@@ -96,7 +96,8 @@ class GroupRunner:
   def run_chunk(self, ctx: Pass, d, x: jax.Array) -> jax.Array:
     """Chunk d.chunk of layer d.layers[0]'s window (a jaxkv.transport.Delivery; oldest first), x the layer's input:
     the first also runs the query, each but the last its partials, the last the end of the layer, whose output it
-    returns (the others return x). Where the open page fills, the whole window is moved to the devices and grown."""
+    returns (the others return x). Where the open page fills, the whole window is moved to the devices and grown.
+    x [B, T, D]: a verify pass, each chunk's partials per token (jaxkv.chunked.calls' tokens)."""
     eng, cache, chunk = self.engine, self.cache, d.chunk
     (l,) = d.layers
     tokens = 1 if x.ndim == 2 else x.shape[1]  # T > 1: a verify pass (jaxkv.spec_decode).

@@ -17,6 +17,9 @@ root:
 
   python3 tools/check_speculate.py
 
+The issue's 128k target: --context=131072 (its streamed windows come in chunks of kv.delivery_chunk_mib, jaxkv.chunked,
+at the defaults).
+
 A try of the plumbing on the CPU (the speed checks mean nothing there): python3 tools/check_speculate.py
 --config=experiments/tiny.py --context=64 --new_tokens=24 --rounds=1 --bench_args=--cpu_devices=2
 """
