@@ -107,41 +107,44 @@ def chunked_attention(
   return da.normalized(da.fold(da.placed(da.leaf_count(t_rows + open_page.shape[3]), pieces)))
 
 
-def token_rows(end, tokens: int, page: int) -> list:
-  """Each token's row (i32[]) in a pass of `tokens` tokens from row end (page: the open page's rows): end alone, or
-  a verify pass's model.token_row, the row its leaves are anchored at."""
-  return [end] if tokens == 1 else [model.token_row(end, i, page) for i in range(tokens)]
+def token_steps(q, end, g: int, page: int) -> list[tuple]:
+  """Each token's query [B, K, G, Dh] and row i32[] in a pass's q [B, K, T * G, Dh] (model.decode_query; g = G) from
+  row end (page: the open page's rows): q and end for one token; a verify pass's model.token_queries, each with its
+  model.token_row, the row its leaves are anchored at."""
+  qs = model.token_queries(q, g)
+  return [(q, end)] if len(qs) == 1 else [(qi, model.token_row(end, i, page)) for i, qi in enumerate(qs)]
 
 
 def chunked_out(p, x, q, last, open_page, older, start, end, *, c_rows: int, cfg: ModelConfig, kv_format, impl, mesh):
   """The end of a chunked layer: chunked_attention, then the rest of the layer (as model.decode_layer's). x [B, D],
   the layer's input; q f32[B, K, G, Dh]; last, open_page stored (chunked_attention's, packed); the new row written.
-  Returns x [B, D]. A verify pass (model.decode_layer's T tokens): x [B, T, D], q f32[B, T, K, G, Dh], older[c] a
-  tuple of each token's partials of chunk c; token i attends as a one-token step at its row (token_rows), and the
+  Returns x [B, D]. A verify pass (model.decode_layer's T tokens): x [B, T, D], q f32[B, K, T * G, Dh], older[c] a
+  tuple of each token's partials of chunk c; token i attends as a one-token step at its row (token_steps), and the
   rest of the layer runs over the B * T rows."""
   page_kv, last_kv = kv_format.unpack(open_page), kv_format.unpack(last)
   b, t = x.shape[0], 1 if x.ndim == 2 else x.shape[1]
-  k, g, dh = q.shape[-3:]
+  k, dh = q.shape[1], q.shape[3]
   kw = dict(c_rows=c_rows, impl=impl, mesh=mesh)
   outs = []
-  for i, row in enumerate(token_rows(end, t, open_page.shape[3])):
-    qg = jax.lax.optimization_barrier((q if t == 1 else q[:, i]).astype(page_kv.dtype))
+  for i, (qi, row) in enumerate(token_steps(q, end, cfg.num_heads // cfg.num_kv_heads, open_page.shape[3])):
+    qg = jax.lax.optimization_barrier(qi.astype(page_kv.dtype))
     token_older = older if t == 1 else tuple(c[i] for c in older)
     o, _ = chunked_attention(qg, last_kv, page_kv, token_older, start, row, **kw)
     outs.append(jax.lax.optimization_barrier(o))
   o = outs[0] if t == 1 else jnp.stack(outs, axis=1)  # [B, K, G, Dh] or [B, T, K, G, Dh]
-  out = model.attn_out_and_mlp(p, x.reshape(b * t, 1, -1), o.reshape(b * t, 1, k * g, dh).astype(x.dtype), cfg)
-  return out.reshape(x.shape)
+  o = o.reshape(b * t, 1, cfg.num_heads, dh).astype(x.dtype)
+  return model.attn_out_and_mlp(p, x.reshape(b * t, 1, -1), o, cfg).reshape(x.shape)
 
 
 @dataclasses.dataclass(frozen=True)
 class Calls:
   """One stage's calls of a chunked layer (B = batch, K = kv heads, G = query heads per kv head, Dh = head_dim)."""
 
-  query: object  # (p, x, open_page, meta) -> q f32[B, K, G, Dh] ([B, T, K, G, Dh]), open_page with the new rows.
+  query: object  # (p, x, open_page, meta) -> q f32[B, K, G, Dh] ([B, K, T * G, Dh]), open_page with the new rows.
   partials: object  # (q, chunk, first_row, meta, num_leaves=, page=) -> Partials of the chunk's leaves (per token).
   out: object  # (p, x, q, last, open_page, older, meta, c_rows=) -> x.
-  tail: object  # (q, last, open_page, older, origin, meta, c_rows=) -> o f32[B, K, G, Dh], lse f32[B, K, G].
+  tail: object  # (q, last, open_page, older, origin, meta, c_rows=, page=) -> o f32[B, K, G, Dh], lse f32[B, K, G]
+  #   (per token: [B, K, T * G, ...]).
   flush: object  # (window, open_page) -> the grown window, a zero open page.
 
 
@@ -154,11 +157,12 @@ def calls(
   jaxkv.spec_decode; `partials` then returns a tuple of each token's, its leaves anchored at its row)."""
   rep = mesh_lib.replicated(mesh)
   kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
-  heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH,) + (None,) * (tokens > 1) + (mesh_lib.KV_HEADS, None, None))
+  heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None))
   lse_heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None))
   stats = mesh_lib.sharding(mesh, (None, mesh_lib.BATCH, mesh_lib.KV_HEADS, None))
   leaves = da.Partials(stats, stats, mesh_lib.sharding(mesh, (None, mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None)))
   fmt = KVFormat.of(cfg, kv_dtype)
+  g = cfg.num_heads // cfg.num_kv_heads
   impl = da.resolve(decode_attention_choice, cfg, fmt, mesh.local_devices[0])
   if impl == "legacy":
     raise ValueError("a window delivered in chunks needs engine.decode_attention xla, pallas or auto, not legacy")
@@ -168,10 +172,11 @@ def calls(
 
   def partials(q, chunk, first_row, meta, num_leaves, page):
     kw = dict(num_leaves=num_leaves, kv_format=fmt, impl=impl, mesh=mesh)
-    if tokens == 1:
-      return chunk_partials(q, chunk, first_row, Meta.start(meta), Meta.end(meta), **kw)
-    rows = token_rows(Meta.end(meta), tokens, page)
-    return tuple(chunk_partials(q[:, i], chunk, first_row, Meta.start(meta), row, **kw) for i, row in enumerate(rows))
+    steps = [
+        chunk_partials(qi, chunk, first_row, Meta.start(meta), row, **kw)
+        for qi, row in token_steps(q, Meta.end(meta), g, page)
+    ]
+    return steps[0] if tokens == 1 else tuple(steps)
 
   def out(p, x, q, last, open_page, older, meta, c_rows):
     kw = dict(c_rows=c_rows, cfg=cfg, kv_format=fmt, impl=impl, mesh=mesh)
@@ -179,11 +184,24 @@ def calls(
 
   def tail(q, last, open_page, older, origin, meta, c_rows):
     """A host-attention layer's device partial over its chunked tail (rows [origin, W)) and the open page: that of
-    jaxkv.host.calls' tail_partial."""
-    page_kv = fmt.unpack(open_page)
+    jaxkv.host.calls' tail_partial (a verify pass: each token's, concatenated as q's query heads)."""
+    page_kv, last_kv = fmt.unpack(open_page), fmt.unpack(last)
     kw = dict(c_rows=c_rows, impl=impl, mesh=mesh)
-    q = q.astype(page_kv.dtype)
-    return chunked_attention(q, fmt.unpack(last), page_kv, older, Meta.start(meta), Meta.end(meta), origin, **kw)
+    steps = token_steps(q, Meta.end(meta), g, open_page.shape[3])
+    parts = [
+        chunked_attention(
+            qi.astype(page_kv.dtype),
+            last_kv,
+            page_kv,
+            older if tokens == 1 else tuple(c[i] for c in older),
+            Meta.start(meta),
+            row,
+            origin,
+            **kw,
+        )
+        for i, (qi, row) in enumerate(steps)
+    ]
+    return parts[0] if tokens == 1 else tuple(jnp.concatenate(a, axis=2) for a in zip(*parts))
 
   def flush(window, open_page):
     return cache_lib.grow(window, open_page), jnp.zeros_like(open_page)
