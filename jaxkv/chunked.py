@@ -12,7 +12,7 @@ every placement). With host attention the delivered tail, rows [r1, W), is chunk
 last call (`Calls.tail`) returns the device's partial that the host's is merged with (jaxkv.host.decode). The ring
 then holds chunks, not windows (jaxkv.transport, jaxkv.residency.ring_bytes). A speculative verify pass of T tokens
 (jaxkv.spec_decode) runs the same calls (`calls(..., tokens=T)`), each token with its leaves anchored at its own row
-(`token_rows`): a chunk's partials are each token's, and the end folds each token's as its one-token step would.
+(`token_steps`): a chunk's partials are each token's, and the end folds each token's as its one-token step would.
 
 Where the open page fills, the whole window is moved to the devices once more and grown there (`Calls.flush`), one
 step in kv.block: the workspace's two windows of a group (jaxkv.residency.workspace_bytes).
@@ -143,7 +143,7 @@ class Calls:
   query: object  # (p, x, open_page, meta) -> q f32[B, K, G, Dh] ([B, K, T * G, Dh]), open_page with the new rows.
   partials: object  # (q, chunk, first_row, meta, num_leaves=, page=) -> Partials of the chunk's leaves (per token).
   out: object  # (p, x, q, last, open_page, older, meta, c_rows=) -> x.
-  tail: object  # (q, last, open_page, older, origin, meta, c_rows=, page=) -> o f32[B, K, G, Dh], lse f32[B, K, G]
+  tail: object  # (q, last, open_page, older, origin, meta, c_rows=) -> o f32[B, K, G, Dh], lse f32[B, K, G]
   #   (per token: [B, K, T * G, ...]).
   flush: object  # (window, open_page) -> the grown window, a zero open page.
 
