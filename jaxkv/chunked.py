@@ -10,7 +10,9 @@ every chunk's partials placed at their leaves (jaxkv.decode_attention.placed), o
 The leaves and the fold are the unchunked window's, so the bits are too (tests/test_chunked.py checks them against
 every placement). With host attention the delivered tail, rows [r1, W), is chunked the same way from r1, and its
 last call (`Calls.tail`) returns the device's partial that the host's is merged with (jaxkv.host.decode). The ring
-then holds chunks, not windows (jaxkv.transport, jaxkv.residency.ring_bytes).
+then holds chunks, not windows (jaxkv.transport, jaxkv.residency.ring_bytes). A speculative verify pass of T tokens
+(jaxkv.spec_decode) runs the same calls (`calls(..., tokens=T)`), each token with its leaves anchored at its own row
+(`token_steps`): a chunk's partials are each token's, and the end folds each token's as its one-token step would.
 
 Where the open page fills, the whole window is moved to the devices once more and grown there (`Calls.flush`), one
 step in kv.block: the workspace's two windows of a group (jaxkv.residency.workspace_bytes).
@@ -105,34 +107,54 @@ def chunked_attention(
   return da.normalized(da.fold(da.placed(da.leaf_count(t_rows + open_page.shape[3]), pieces)))
 
 
+def token_steps(q, end, g: int, page: int) -> list[tuple]:
+  """Each token's query [B, K, G, Dh] and row i32[] in a pass's q [B, K, T * G, Dh] (model.decode_query; g = G) from
+  row end (page: the open page's rows): q and end for one token; a verify pass's model.token_queries, each with its
+  model.token_row, the row its leaves are anchored at."""
+  qs = model.token_queries(q, g)
+  return [(q, end)] if len(qs) == 1 else [(qi, model.token_row(end, i, page)) for i, qi in enumerate(qs)]
+
+
 def chunked_out(p, x, q, last, open_page, older, start, end, *, c_rows: int, cfg: ModelConfig, kv_format, impl, mesh):
   """The end of a chunked layer: chunked_attention, then the rest of the layer (as model.decode_layer's). x [B, D],
   the layer's input; q f32[B, K, G, Dh]; last, open_page stored (chunked_attention's, packed); the new row written.
-  Returns x [B, D]."""
-  page_kv = kv_format.unpack(open_page)
-  b, k, g, dh = q.shape
-  qg = jax.lax.optimization_barrier(q.astype(page_kv.dtype))
+  Returns x [B, D]. A verify pass (model.decode_layer's T tokens): x [B, T, D], q f32[B, K, T * G, Dh], older[c] a
+  tuple of each token's partials of chunk c; token i attends as a one-token step at its row (token_steps), and the
+  rest of the layer runs over the B * T rows."""
+  page_kv, last_kv = kv_format.unpack(open_page), kv_format.unpack(last)
+  b, t = x.shape[0], 1 if x.ndim == 2 else x.shape[1]
+  k, dh = q.shape[1], q.shape[3]
   kw = dict(c_rows=c_rows, impl=impl, mesh=mesh)
-  o, _ = chunked_attention(qg, kv_format.unpack(last), page_kv, older, start, end, **kw)
-  o = jax.lax.optimization_barrier(o)
-  return model.attn_out_and_mlp(p, x[:, None, :], o.reshape(b, 1, k * g, dh).astype(x.dtype), cfg)[:, 0, :]
+  outs = []
+  for i, (qi, row) in enumerate(token_steps(q, end, cfg.num_heads // cfg.num_kv_heads, open_page.shape[3])):
+    qg = jax.lax.optimization_barrier(qi.astype(page_kv.dtype))
+    token_older = older if t == 1 else tuple(c[i] for c in older)
+    o, _ = chunked_attention(qg, last_kv, page_kv, token_older, start, row, **kw)
+    outs.append(jax.lax.optimization_barrier(o))
+  o = outs[0] if t == 1 else jnp.stack(outs, axis=1)  # [B, K, G, Dh] or [B, T, K, G, Dh]
+  o = o.reshape(b * t, 1, cfg.num_heads, dh).astype(x.dtype)
+  return model.attn_out_and_mlp(p, x.reshape(b * t, 1, -1), o, cfg).reshape(x.shape)
 
 
 @dataclasses.dataclass(frozen=True)
 class Calls:
   """One stage's calls of a chunked layer (B = batch, K = kv heads, G = query heads per kv head, Dh = head_dim)."""
 
-  query: object  # (p, x, open_page, meta) -> q f32[B, K, G, Dh], open_page with the new row.
-  partials: object  # (q, chunk, first_row, meta, num_leaves=) -> Partials of the chunk's leaves.
+  query: object  # (p, x, open_page, meta) -> q f32[B, K, G, Dh] ([B, K, T * G, Dh]), open_page with the new rows.
+  partials: object  # (q, chunk, first_row, meta, num_leaves=, page=) -> Partials of the chunk's leaves (per token).
   out: object  # (p, x, q, last, open_page, older, meta, c_rows=) -> x.
-  tail: object  # (q, last, open_page, older, origin, meta, c_rows=) -> o f32[B, K, G, Dh], lse f32[B, K, G].
+  tail: object  # (q, last, open_page, older, origin, meta, c_rows=) -> o f32[B, K, G, Dh], lse f32[B, K, G]
+  #   (per token: [B, K, T * G, ...]).
   flush: object  # (window, open_page) -> the grown window, a zero open page.
 
 
 @functools.lru_cache(maxsize=None)
-def calls(cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, decode_attention_choice: str) -> Calls:
+def calls(
+    cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, decode_attention_choice: str, tokens: int = 1
+) -> Calls:
   """The chunked layer's jitted calls on one mesh and KV dtype, attending with engine.decode_attention
-  (jaxkv.decode_attention.resolve)."""
+  (jaxkv.decode_attention.resolve), for passes of `tokens` tokens per sequence (T > 1: a verify pass,
+  jaxkv.spec_decode; `partials` then returns a tuple of each token's, its leaves anchored at its row)."""
   rep = mesh_lib.replicated(mesh)
   kv = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
   heads = mesh_lib.sharding(mesh, (mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None))
@@ -140,6 +162,7 @@ def calls(cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, decode_atten
   stats = mesh_lib.sharding(mesh, (None, mesh_lib.BATCH, mesh_lib.KV_HEADS, None))
   leaves = da.Partials(stats, stats, mesh_lib.sharding(mesh, (None, mesh_lib.BATCH, mesh_lib.KV_HEADS, None, None)))
   fmt = KVFormat.of(cfg, kv_dtype)
+  g = cfg.num_heads // cfg.num_kv_heads
   impl = da.resolve(decode_attention_choice, cfg, fmt, mesh.local_devices[0])
   if impl == "legacy":
     raise ValueError("a window delivered in chunks needs engine.decode_attention xla, pallas or auto, not legacy")
@@ -147,9 +170,13 @@ def calls(cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, decode_atten
   def query(p, x, open_page, meta):
     return model.decode_query(p, x, open_page, Meta.start(meta), Meta.end(meta), cfg=cfg, kv_format=fmt)
 
-  def partials(q, chunk, first_row, meta, num_leaves):
+  def partials(q, chunk, first_row, meta, num_leaves, page):
     kw = dict(num_leaves=num_leaves, kv_format=fmt, impl=impl, mesh=mesh)
-    return chunk_partials(q, chunk, first_row, Meta.start(meta), Meta.end(meta), **kw)
+    steps = [
+        chunk_partials(qi, chunk, first_row, Meta.start(meta), row, **kw)
+        for qi, row in token_steps(q, Meta.end(meta), g, page)
+    ]
+    return steps[0] if tokens == 1 else tuple(steps)
 
   def out(p, x, q, last, open_page, older, meta, c_rows):
     kw = dict(c_rows=c_rows, cfg=cfg, kv_format=fmt, impl=impl, mesh=mesh)
@@ -157,18 +184,33 @@ def calls(cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, decode_atten
 
   def tail(q, last, open_page, older, origin, meta, c_rows):
     """A host-attention layer's device partial over its chunked tail (rows [origin, W)) and the open page: that of
-    jaxkv.host.calls' tail_partial."""
-    page_kv = fmt.unpack(open_page)
+    jaxkv.host.calls' tail_partial (a verify pass: each token's, concatenated as q's query heads)."""
+    page_kv, last_kv = fmt.unpack(open_page), fmt.unpack(last)
     kw = dict(c_rows=c_rows, impl=impl, mesh=mesh)
-    q = q.astype(page_kv.dtype)
-    return chunked_attention(q, fmt.unpack(last), page_kv, older, Meta.start(meta), Meta.end(meta), origin, **kw)
+    steps = token_steps(q, Meta.end(meta), g, open_page.shape[3])
+    parts = [
+        chunked_attention(
+            qi.astype(page_kv.dtype),
+            last_kv,
+            page_kv,
+            older if tokens == 1 else tuple(c[i] for c in older),
+            Meta.start(meta),
+            row,
+            origin,
+            **kw,
+        )
+        for i, (qi, row) in enumerate(steps)
+    ]
+    return parts[0] if tokens == 1 else tuple(jnp.concatenate(a, axis=2) for a in zip(*parts))
 
   def flush(window, open_page):
     return cache_lib.grow(window, open_page), jnp.zeros_like(open_page)
 
   return Calls(
       query=jax.jit(query, out_shardings=(heads, kv), donate_argnums=(2,)),
-      partials=jax.jit(partials, out_shardings=leaves, static_argnames="num_leaves"),
+      partials=jax.jit(
+          partials, out_shardings=leaves if tokens == 1 else (leaves,) * tokens, static_argnames=("num_leaves", "page")
+      ),
       out=jax.jit(out, out_shardings=rep, static_argnames="c_rows"),
       tail=jax.jit(tail, out_shardings=(heads, lse_heads), static_argnames="c_rows"),
       flush=jax.jit(flush, out_shardings=kv, donate_argnums=(1,)),

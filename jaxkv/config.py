@@ -416,16 +416,13 @@ SECTIONS = {
 
 def check_speculate(config: Config) -> None:
   """Raises ValueError where speculative decoding cannot run with the config: it verifies drafts without penalties
-  (the counts they read would change along a draft) on the device's attention (not kv.host_attention, not the
-  legacy attention)."""
+  (the counts they read would change along a draft) with end-anchored leaves (not the legacy attention)."""
   s, mode = config.sampling, f"--speculate={config.speculate.mode}"
   if s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0:
     raise ValueError(
         f"{mode} verifies drafts without penalties: it needs no presence, frequency or repetition penalty; drop "
         "them or use --speculate=off"
     )
-  if config.kv.host_attention:
-    raise ValueError(f"{mode} does not run with kv.host_attention; use --kv_host_attention=false or --speculate=off")
   if config.engine.decode_attention == "legacy":
     raise ValueError(f"{mode} needs engine.decode_attention auto, xla or pallas (not legacy), or --speculate=off")
 

@@ -96,10 +96,12 @@ class GroupRunner:
   def run_chunk(self, ctx: Pass, d, x: jax.Array) -> jax.Array:
     """Chunk d.chunk of layer d.layers[0]'s window (a jaxkv.transport.Delivery; oldest first), x the layer's input:
     the first also runs the query, each but the last its partials, the last the end of the layer, whose output it
-    returns (the others return x). Where the open page fills, the whole window is moved to the devices and grown."""
+    returns (the others return x). Where the open page fills, the whole window is moved to the devices and grown.
+    x [B, T, D]: a verify pass, each chunk's partials per token (jaxkv.chunked.calls' tokens)."""
     eng, cache, chunk = self.engine, self.cache, d.chunk
     (l,) = d.layers
-    calls = chunked.calls(cache.model, cache.layout.mesh(l), cache.kv.dtype, eng.config.engine.decode_attention)
+    tokens = 1 if x.ndim == 2 else x.shape[1]  # T > 1: a verify pass (jaxkv.spec_decode).
+    calls = chunked.calls(cache.model, cache.layout.mesh(l), cache.kv.dtype, eng.config.engine.decode_attention, tokens)
     p, meta = eng.params["layers"][l], ctx.meta(l)
     if chunk.index == 0:
       moved = eng.to_layer(x, l)
@@ -110,7 +112,7 @@ class GroupRunner:
     ctx.issued += Issued(calls=1)
     if chunk.index < chunk.count - 1:
       leaves = cache.chunk_rows // decode_attention.LEAF_ROWS
-      older.append(calls.partials(q, d.windows[0], chunk.first_row, meta, num_leaves=leaves))
+      older.append(calls.partials(q, d.windows[0], chunk.first_row, meta, num_leaves=leaves, page=cache.block))
       return x
     self._chunked = None
     x = calls.out(p, x_in, q, d.windows[0], cache.opens[l], tuple(older), meta, c_rows=cache.chunk_rows)

@@ -295,8 +295,6 @@ class Engine:
     # The record's clock starts here: prefill_s does not count the cache's start (the host's share measured).
     rec = telemetry.Recorder(cfg.sampling.stop_ids, step_hash=True, keep_logits=keep_logits)
     try:
-      if speculator is not None:
-        spec_decode.check(gen)
       return self._generate(gen, rec, prompts, max_new_tokens, seed, on_step, zero_rows, speculator)
     finally:
       gen.close()

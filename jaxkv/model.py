@@ -465,12 +465,18 @@ def decode_layer(
       # Fenced: no fusion joins the attention (whose fold has more levels at a longer W) to the projections around
       # it, so that they compile to the same fusions, and the GPU autotuner's picks, at every W.
       qg = jax.lax.optimization_barrier(q[:, i].reshape(b, k, h // k, dh).astype(page_kv.dtype))
-      row = end if t == 1 else jnp.minimum(end + i, end - end % page + page - 1)
+      row = end if t == 1 else token_row(end, i, page)
       o, _ = decode_attention.attend(qg, parts, first_row, start, row, impl=attention_impl, mesh=mesh)
       outs.append(jax.lax.optimization_barrier(o))
     o = outs[0] if t == 1 else jnp.stack(outs, axis=1)  # [B, K, G, Dh] or [B, T, K, G, Dh]
   out = attn_out_and_mlp(p, x.reshape(b * t, 1, -1), o.reshape(b * t, 1, h, dh).astype(x.dtype), cfg)
   return out.reshape(x.shape), open_page
+
+
+def token_row(end, i: int, page: int):
+  """Token i's row in a verify pass of tokens at rows end .. end + T - 1 (end i32[], page: the open page's rows P):
+  end + i, or the page's last row for a token past the page (decode_layer)."""
+  return jnp.minimum(end + i, end - end % page + page - 1)
 
 
 def legacy_decode_attention(q, parts, start, end, first_row=0):
@@ -517,13 +523,24 @@ def decode_query(p, x, open_page, start, end, *, cfg: ModelConfig, kv_format: KV
   x [B, D]; open_page stored [2, B, K, P, E] rows [W, W + P); start i32[B]; end i32[] with W <= end < W + P and W a
   multiple of P, so the new row goes to page row end % P (no window argument: this function compiles once).
   Returns q f32[B, K, G, Dh] (query head k * G + g; the model dtype's values, widened) and the open page with the
-  new row written (packed).
+  new row written (packed). x [B, T, D] (a verify pass): q f32[B, K, T * G, Dh], token t's query head k * G + g at
+  [:, k, t * G + g] (token_queries), the rows end .. end + T - 1 written (query_and_write).
   """
   fmt = kv_format or KVFormat.of(cfg)
   q, open_page = query_and_write(p, x, open_page, start, end, end % open_page.shape[3], cfg, fmt)
-  b, _, h, dh = q.shape
+  b, t, h, dh = q.shape
   k = open_page.shape[2]
-  return q[:, 0].reshape(b, k, h // k, dh).astype(jnp.float32), open_page
+  if x.ndim == 2:
+    return q[:, 0].reshape(b, k, h // k, dh).astype(jnp.float32), open_page
+  return (
+      q.reshape(b, t, k, h // k, dh).transpose(0, 2, 1, 3, 4).reshape(b, k, t * h // k, dh).astype(jnp.float32),
+      open_page,
+  )
+
+
+def token_queries(q, g: int) -> list:
+  """A verify pass's queries q [B, K, T * G, Dh] (decode_query) -> each token's [B, K, G, Dh], g = G."""
+  return [q[:, :, i * g : (i + 1) * g] for i in range(q.shape[2] // g)]
 
 
 def partial_attention(q, kv, mask):
@@ -588,10 +605,15 @@ def decode_tail_partial(
 def decode_merge(p, x, o, lse, host_o, host_lse, *, cfg: ModelConfig):
   """The end of a split layer: the device's partial (o, lse) merged with the host's (host_o f32[B, K, G, Dh],
   host_lse f32[B, K, G] over rows [0, W - T); o = 0, lse = -inf where no row was valid), then the rest of the
-  layer. x [B, D] -> x [B, D]."""
+  layer. x [B, D] -> x [B, D]; a verify pass: x [B, T, D], the partials over T * G query heads per kv head
+  (decode_query), the rest of the layer over the B * T rows."""
   o, _ = merge_partials(host_o, host_lse, o, lse)
-  b, k, g, dh = o.shape
-  return attn_out_and_mlp(p, x[:, None, :], o.reshape(b, 1, k * g, dh).astype(x.dtype), cfg)[:, 0, :]
+  if x.ndim == 2:
+    b, k, g, dh = o.shape
+    return attn_out_and_mlp(p, x[:, None, :], o.reshape(b, 1, k * g, dh).astype(x.dtype), cfg)[:, 0, :]
+  (b, t, _), (k, dh) = x.shape, o.shape[1::2]
+  o = o.reshape(b, k, t, -1, dh).transpose(0, 2, 1, 3, 4).reshape(b * t, 1, -1, dh)
+  return attn_out_and_mlp(p, x.reshape(b * t, 1, -1), o.astype(x.dtype), cfg).reshape(x.shape)
 
 
 def embed(params, tokens):

@@ -109,19 +109,6 @@ def _plain_steps(engine, gen, recorder, owners, prompts, settings, steps: int, o
   return steps
 
 
-def check(gen) -> None:
-  """Raises ValueError where generation `gen`'s placement has a path that decodes one token per pass: host
-  attention, or a window that reaches a delivery chunk's rows (jaxkv.chunked) at the capacity. Before its
-  prefill."""
-  cache = gen.cache
-  if gen.host is not None or (cache.chunk_rows and any(cache.streamed) and cache.rows_bound() > cache.chunk_rows):
-    raise ValueError(
-        "speculative decoding does not run with host attention or a window delivered in chunks "
-        f"(a streamed window over kv.delivery_chunk_mib={cache.kv.delivery_chunk_mib} at the capacity); set "
-        "--kv_delivery_chunk_mib=0 or --speculate=off"
-    )
-
-
 def run(
     engine, gen, recorder, owners: Sequence[int], prompts: Sequence[Sequence[int]], speculator, seed: int, on_step=None
 ):
@@ -129,7 +116,6 @@ def run(
   record is done (jaxkv.telemetry.Recorder); row b is owners[b]'s, prompts[b] its prompt, sampled as
   engine.sampling(B, seed) says. on_step(step, cache) after each recorded token step. Returns the Stats."""
   cache, block, k = gen.cache, gen.cache.block, speculator.k
-  check(gen)
   batch, stats = len(owners), Stats(k, histogram=[0] * (k + 1))
   records = [recorder.records[o] for o in owners]
   settings = engine.sampling(batch, seed)

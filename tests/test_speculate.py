@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxkv import config as config_lib
+from jaxkv import decode_attention as da
 from jaxkv import engine as engine_lib
 from jaxkv import layout as layout_lib
 from jaxkv import model
@@ -247,10 +248,6 @@ def test_drafts_that_fail_switch_themselves_off_into_plain_steps():
     [
         (dict(sampling=config_lib.SamplingConfig(presence_penalty=0.5)), "--speculate=lookup verifies drafts without"),
         (dict(sampling=config_lib.SamplingConfig(repetition_penalty=1.1)), "no presence, frequency or repetition"),
-        (
-            dict(kv=dataclasses.replace(helpers.tiny_config().kv, placement="host", host_attention=True)),
-            "host_attention",
-        ),
         (dict(engine=config_lib.EngineConfig(decode_attention="legacy")), "not legacy"),
     ],
 )
@@ -259,9 +256,47 @@ def test_speculation_refuses_what_it_cannot_verify(fields, match):
     dataclasses.replace(helpers.tiny_config(), speculate=config_lib.SpeculateConfig(mode="lookup"), **fields)
 
 
-def test_speculation_refuses_chunked_delivery_before_the_prefill():
-  eng = helpers.with_kv(
-      helpers.engine(1, placement="host", capacity=400, group_layers=1), delivery_chunk_mib=1e-4
-  )  # 256-row chunks.
-  with pytest.raises(ValueError, match="a window delivered in chunks"):
-    _speculating(eng).generate(helpers.prompts([40]), 4)
+CHUNKED_LENGTHS = (800, 790)
+CHUNKED_ZERO_ROWS = 768  # A synthetic context (tests/test_chunked.py): windows of 784-832 rows, 4 chunks of S rows.
+
+
+def test_speculation_through_chunked_delivery_gives_the_device_placements_bits():
+  """Windows delivered in chunks of S = 256 rows (jaxkv.chunked), each token of a verify pass with its own leaves in
+  each chunk: the tokens and logits of plain decode with chunks and of the device placement, bit for bit."""
+  kw = dict(capacity=832, chunk=256, group_layers=1)
+  device = helpers.engine(1, placement="device", **kw)
+  eng = helpers.engine(1, placement="host", depth=2, **kw)
+  row = helpers.layer_bytes(eng, len(CHUNKED_LENGTHS)) // (832 + 8)  # Rows bound: capacity plus a block.
+  eng = helpers.with_kv(eng, delivery_chunk_mib=da.LEAF_ROWS * row / 2**20)
+  prompts = helpers.prompts(CHUNKED_LENGTHS)
+  run = lambda e, **d: e.generate(prompts, NEW, keep_logits=True, zero_rows=CHUNKED_ZERO_ROWS, **d)
+  reference, plain = run(device), run(eng)
+  assert plain.transport["delivery_chunk_rows"] == da.LEAF_ROWS
+  np.testing.assert_array_equal(plain.logits, reference.logits)
+  res = run(eng, drafter=speculate.Oracle(reference.tokens, CHUNKED_LENGTHS, 3, eng.config.model.vocab_size))
+  assert res.tokens == reference.tokens
+  np.testing.assert_array_equal(res.logits, reference.logits)
+  assert res.logits_sha256 == reference.logits_sha256
+  s = res.transport["speculate"]
+  assert s["accepted_histogram"][3] > 0 and s["tokens_per_pass"] > 1.5, s
+
+
+def test_speculation_with_host_attention_gives_the_tokens_of_plain_decode():
+  """Host attention on a quarter of each window (the kernel attends a verify pass's T tokens as T * G query heads),
+  the tail delivered whole and in chunks of S rows: the tokens of plain decode with host attention."""
+  eng = helpers.engine(
+      1, placement="host", depth=2, capacity=832, chunk=256, host_attention=True, host_attention_fraction=0.25
+  )
+  row = helpers.layer_bytes(eng, len(CHUNKED_LENGTHS)) // (832 + 8)
+  prompts = helpers.prompts(CHUNKED_LENGTHS)
+  run = lambda e, **d: e.generate(prompts, NEW, keep_logits=True, zero_rows=CHUNKED_ZERO_ROWS, **d)
+  plain = run(eng)
+  assert plain.transport["host_attention"]["wait"] == "thread"
+  for mib in (0.0, da.LEAF_ROWS * row / 2**20):
+    e = helpers.with_kv(eng, delivery_chunk_mib=mib)
+    res = run(e, drafter=speculate.Oracle(plain.tokens, CHUNKED_LENGTHS, 3, eng.config.model.vocab_size))
+    assert res.tokens == plain.tokens, mib
+    np.testing.assert_allclose(res.logits, plain.logits, rtol=1e-5, atol=1e-5)  # Bit for bit here; not promised.
+    s = res.transport["speculate"]
+    assert s["accepted_histogram"][3] > 0 and s["tokens_per_pass"] > 1.5, s
+    assert res.transport["delivery_chunk_rows"] == (0 if mib == 0 else da.LEAF_ROWS)

@@ -1,9 +1,10 @@
 """Check (GPU): speculative decoding over the streamed cache at 32k, batch 1, with the Llama-3-8B geometry.
 
-One `python3 -m jaxkv.bench` process (random bf16 weights, --synthetic_context, --config.speculate.k=K) runs host_d2 and
-its speculative arms: host_d2_spec<M> for each M of --rights (an oracle drafter of K tokens whose first M are the
-plain run's, so that each verify pass accepts M where the page leaves room: tokens per pass M + 1), host_d2_spec (the
-lookup drafter on random prompt ids: drafts that fail, and its switch), then checks:
+One `python3 -m jaxkv.bench` process (random bf16 weights, --synthetic_context, --config.speculate.k=K) runs host_d2
+(the --plain arm, written host_d2 below; host_d2_ha: through host attention) and its speculative arms: host_d2_spec<M>
+for each M of --rights (an oracle drafter of K tokens whose first M are the plain run's, so that each verify pass
+accepts M where the page leaves room: tokens per pass M + 1), host_d2_spec (the lookup drafter on random prompt ids:
+drafts that fail, and its switch), then checks:
 
   verify:  host_d2_spec0's time per pass (every pass verifies K drafts, accepts none) <= --verify_target (1.15) x
            host_d2's time per step;
@@ -16,6 +17,9 @@ the bench's JSON to --json_out ($OUT/check_speculate.json by default) and the pl
 root:
 
   python3 tools/check_speculate.py
+
+The issue's 128k target: --context=131072 (its streamed windows come in chunks of kv.delivery_chunk_mib, jaxkv.chunked,
+at the defaults). Through host attention: --plain=host_d2_ha.
 
 A try of the plumbing on the CPU (the speed checks mean nothing there): python3 tools/check_speculate.py
 --config=experiments/tiny.py --context=64 --new_tokens=24 --rounds=1 --bench_args=--cpu_devices=2
@@ -43,15 +47,22 @@ VERIFY_TARGET = flags.DEFINE_float("verify_target", 1.15, "A verify pass of k dr
 SPEED_TARGET = flags.DEFINE_float("speed_target", 2.5, "Speculative over host_d2 tokens/s at >= 3.5 accepted.")
 FAIL_TARGET = flags.DEFINE_float("fail_target", 0.97, "The lookup drafter on random ids over host_d2, at least.")
 TIMEOUT_S = flags.DEFINE_float("timeout_s", 570, "The bench process's time limit.")
+PLAIN = flags.DEFINE_string("plain", "host_d2", "The plain arm (jaxkv.bench.arms), e.g. host_d2_ha: host attention.")
 BENCH_ARGS = flags.DEFINE_string("bench_args", "", "More flags for the bench, e.g. '--cpu_devices=2' (a CPU try).")
 JSON_OUT = flags.DEFINE_string("json_out", os.path.join(os.environ.get("OUT", "."), "check_speculate.json"), "")
 PLOT_OUT = flags.DEFINE_string("plot_out", os.path.join(os.environ.get("OUT", "."), "check_speculate.png"), "")
 
-_PLAIN, _LOOKUP = "host_d2", "host_d2_spec"
+
+def _plain() -> str:
+  return PLAIN.value
+
+
+def _lookup() -> str:
+  return f"{PLAIN.value}_spec"
 
 
 def _oracle(m: int) -> str:
-  return f"host_d2_spec{m}"
+  return f"{PLAIN.value}_spec{m}"
 
 
 def _bench(arms: list[str], json_out: str) -> dict:
@@ -92,7 +103,7 @@ def _bench(arms: list[str], json_out: str) -> dict:
 def curve(cell: dict, rights: list[int]) -> list[dict]:
   """Per oracle arm that ran: m, accepted and tokens per pass (measured), tokens/s and its ratio to host_d2's."""
   arms = cell["arms"]
-  plain = arms[_PLAIN]["tok_s"]["median"] if arms.get(_PLAIN, {}).get("status") == "ok" else None
+  plain = arms[_plain()]["tok_s"]["median"] if arms.get(_plain(), {}).get("status") == "ok" else None
   rows = []
   for m in rights:
     rec = arms.get(_oracle(m), {})
@@ -119,9 +130,9 @@ def checks(cell: dict, rows: list[dict]) -> list[dict]:
   ok = lambda name: arms.get(name, {}).get("status") == "ok"
   med = lambda name, key: arms[name][key]["median"]
   out = []
-  if not ok(_PLAIN):
-    return [dict(name=_PLAIN, passed=False, detail=f"not run: {arms.get(_PLAIN, {}).get('reason')}")]
-  step_ms = med(_PLAIN, "ms_per_step")
+  if not ok(_plain()):
+    return [dict(name=_plain(), passed=False, detail=f"not run: {arms.get(_plain(), {}).get('reason')}")]
+  step_ms = med(_plain(), "ms_per_step")
   zero = next((r for r in rows if r["right"] == 0), None)
   out.append(
       dict(
@@ -136,30 +147,32 @@ def checks(cell: dict, rows: list[dict]) -> list[dict]:
   slow = [r for r in fast if r["x_plain"] < SPEED_TARGET.value]
   out.append(
       dict(
-          name=f"speed: >= {SPEED_TARGET.value}x {_PLAIN} at >= 3.5 accepted per pass",
+          name=f"speed: >= {SPEED_TARGET.value}x {_plain()} at >= 3.5 accepted per pass",
           passed=bool(fast) and not slow,
           detail=", ".join(f"{r['accepted_per_pass']:.2f} accepted: {r['x_plain']:.2f}x" for r in fast) or "none ran",
       )
   )
-  if ok(_LOOKUP):
-    s = arms[_LOOKUP]["transport"]["speculate"]
-    ratio = med(_LOOKUP, "tok_s") / med(_PLAIN, "tok_s")
+  if ok(_lookup()):
+    s = arms[_lookup()]["transport"]["speculate"]
+    ratio = med(_lookup(), "tok_s") / med(_plain(), "tok_s")
     out.append(
         dict(
-            name=f"fail: {_LOOKUP} (random ids) >= {FAIL_TARGET.value}x {_PLAIN}",
+            name=f"fail: {_lookup()} (random ids) >= {FAIL_TARGET.value}x {_plain()}",
             passed=ratio >= FAIL_TARGET.value,
             detail=f"{ratio:.3f}x; {s['verify_passes']} of {s['passes']} passes verified, "
             f"{s['accepted_per_verify']:.2f} accepted per verify, switched off {s['switched_off']} times",
         )
     )
   else:
-    out.append(dict(name=f"fail: {_LOOKUP}", passed=False, detail=f"not run: {arms.get(_LOOKUP, {}).get('reason')}"))
-  spec = [n for n in arms if n.startswith("host_d2_spec") and ok(n)]
-  want = {s["tokens_sha256"] for s in arms[_PLAIN]["samples"]}
+    out.append(
+        dict(name=f"fail: {_lookup()}", passed=False, detail=f"not run: {arms.get(_lookup(), {}).get('reason')}")
+    )
+  spec = [n for n in arms if n.startswith(_lookup()) and ok(n)]
+  want = {s["tokens_sha256"] for s in arms[_plain()]["samples"]}
   differ = [n for n in spec if {s["tokens_sha256"] for s in arms[n]["samples"]} != want]
   out.append(
       dict(
-          name=f"tokens: every speculative arm gives {_PLAIN}'s",
+          name=f"tokens: every speculative arm gives {_plain()}'s",
           passed=len(want) == 1 and not differ and len(spec) == len(rows) + 1,
           detail=f"{len(spec)} arms ran; differ: {differ or 'none'}",
       )
@@ -177,8 +190,8 @@ def plot(rows: list[dict], plain_tok_s: float, path: str) -> str | None:
   except ImportError as e:
     return f"no plot: {e}"
   fig, ax = plt.subplots(figsize=(6, 4))
-  ax.plot([r["accepted_per_pass"] for r in rows], [r["tok_s"] for r in rows], "o-", label="host_d2_spec (oracle)")
-  ax.axhline(plain_tok_s, color="gray", ls="--", label=_PLAIN)
+  ax.plot([r["accepted_per_pass"] for r in rows], [r["tok_s"] for r in rows], "o-", label=f"{_lookup()} (oracle)")
+  ax.axhline(plain_tok_s, color="gray", ls="--", label=_plain())
   ax.set_xlabel("accepted tokens per pass")
   ax.set_ylabel("tokens/s")
   ax.set_title(f"speculative decoding, k = {K.value}, {CONTEXT.value} context, batch 1")
@@ -191,13 +204,13 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   rights = [int(m) for m in RIGHTS.value]
-  arms = [_PLAIN, *map(_oracle, rights), _LOOKUP]
+  arms = [_plain(), *map(_oracle, rights), _lookup()]
   with tempfile.TemporaryDirectory() as tmp:
     out = _bench(arms, os.path.join(tmp, "bench.json"))
   cell = out["cells"][0] if out.get("cells") else None
   rows = curve(cell, rights) if cell else []
   results = checks(cell, rows) if cell else [dict(name="bench", passed=False, detail="no cell")]
-  plain = cell and cell["arms"].get(_PLAIN, {}).get("tok_s")
+  plain = cell and cell["arms"].get(_plain(), {}).get("tok_s")
   no_plot = plot(rows, plain["median"], PLOT_OUT.value) if rows and plain else "no plot: nothing ran"
   os.makedirs(os.path.dirname(os.path.abspath(JSON_OUT.value)), exist_ok=True)
   with open(JSON_OUT.value, "w") as f:
@@ -205,7 +218,9 @@ def main(argv):
   print(f"wrote {JSON_OUT.value}" + (f" and {PLOT_OUT.value}" if not no_plot else f" ({no_plot})"))
   if "error" in out:
     print(out["error"])
-  print("\n| right drafts | accepted per pass | tokens/s | x host_d2 | ms per pass |\n| --- | --- | --- | --- | --- |")
+  print(
+      f"\n| right drafts | accepted per pass | tokens/s | x {_plain()} | ms per pass |\n| --- | --- | --- | --- | --- |"
+  )
   for r in rows:
     x = "n/a" if r["x_plain"] is None else f"{r['x_plain']:.2f}"
     print(f"| {r['right']} | {r['accepted_per_pass']:.2f} | {r['tok_s']:.2f} | {x} | {r['ms_per_pass']:.2f} |")

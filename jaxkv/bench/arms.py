@@ -44,16 +44,16 @@ class ArmSpec:
 
 def parse_arm(name: str) -> ArmSpec:
   """Arm name -> ArmSpec: "device"; "host_d<N>" / "auto_d<N>"; then "_<kv dtype>", then "_ha" or "_ha<NN>", then
-  "_g<N>" (kv.group_layers N), then "_spec" or "_spec<M>" (not with "_ha")."""
+  "_g<N>" (kv.group_layers N), then "_spec" or "_spec<M>"."""
   m = _ARM_RE.match(name)
-  if not m or (m.group(5) and m.group(2) is None) or m.group(6) == "00" or (m.group(5) and m.group(8)):
+  if not m or (m.group(5) and m.group(2) is None) or m.group(6) == "00":
     raise ValueError(
         f"unknown arm {name!r}: use 'device', 'host_d<depth>' (host_d0 = ordered) or 'auto_d<depth>' (residency "
         f"planner), optionally followed by '_<kv dtype>' with a kv dtype of {', '.join(ARM_KV_DTYPES)} "
         "(e.g. host_d2_int8, host_d2_int4), then for a host or auto arm '_ha' (host attention, share measured) or "
         "'_ha<NN>' (share NN / 100, e.g. host_d2_ha40), and last optionally '_g<N>' (N layers per decode call at most, "
         "kv.group_layers; e.g. device_g1, one call per layer), then '_spec' (speculative decoding, the lookup drafter) "
-        "or '_spec<M>' (an oracle drafter of M right tokens), not with '_ha'"
+        "or '_spec<M>' (an oracle drafter of M right tokens)"
     )
   ha = None if not m.group(5) else int(m.group(6) or 0) / 100
   group_layers = None if m.group(7) is None else int(m.group(7))

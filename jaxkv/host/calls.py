@@ -28,7 +28,9 @@ from jaxkv.meta import Meta
 class Calls:
   """One stage's split-layer calls (B = batch, K = kv heads, G = query heads per kv head, Dh = head_dim)."""
 
-  query: object  # (p, x, open_page, meta) -> q f32[B, K, G, Dh], q in pinned host memory, open_page.
+  query: object  # (p, x, open_page, meta) -> q f32[B, K, G, Dh], q in pinned host memory, open_page. A verify pass
+  #   (x [B, T, D]): q f32[B, K, T * G, Dh] (model.decode_query), the partials likewise: the host's kernel attends
+  #   the T tokens as T * G query heads per kv head (every token reads all of the head's rows).
   query_published: object  # (p, x, open_page, meta, q_slot=) -> q, open_page: q reaches the host through q_slot.
   tail_partial: object  # (q, tail, open_page, meta) -> o f32[B, K, G, Dh], lse f32[B, K, G].
   merge: object  # (p, x, o, lse, host_part, slot=) -> x.
@@ -51,9 +53,15 @@ def calls(cfg: ModelConfig, mesh: jax.sharding.Mesh, kv_dtype: str, decode_atten
   decode_impl = decode_attention.resolve(decode_attention_choice, cfg, fmt, mesh.local_devices[0])
 
   def tail_partial(q, tail, open_page, meta):
-    return model.decode_tail_partial(
-        q, tail, open_page, Meta.start(meta), Meta.end(meta), kv_format=fmt, attention_impl=decode_impl, mesh=mesh
-    )
+    """A verify pass (q f32[B, K, T * G, Dh], model.decode_query): each token's partial, its leaves anchored at its
+    row (model.token_row), concatenated as q's query heads."""
+    kw = dict(kv_format=fmt, attention_impl=decode_impl, mesh=mesh)
+    qs = model.token_queries(q, cfg.num_heads // cfg.num_kv_heads)
+    if len(qs) == 1:
+      return model.decode_tail_partial(q, tail, open_page, Meta.start(meta), Meta.end(meta), **kw)
+    rows = [model.token_row(Meta.end(meta), i, open_page.shape[3]) for i in range(len(qs))]
+    parts = [model.decode_tail_partial(qi, tail, open_page, Meta.start(meta), r, **kw) for qi, r in zip(qs, rows)]
+    return tuple(jnp.concatenate(a, axis=2) for a in zip(*parts))
 
   def query(p, x, open_page, meta, q_slot=None):
     q, open_page = model.decode_query(p, x, open_page, Meta.start(meta), Meta.end(meta), cfg=cfg, kv_format=fmt)

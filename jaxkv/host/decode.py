@@ -139,18 +139,19 @@ class HostDecode:
     self.times: collections.Counter = collections.Counter()
     self.pending: collections.deque = collections.deque()  # The kernel's futures not yet collected.
     self.held: HeldMerge | None = None  # The pass's last split layer's merge, not dispatched yet.
-    self._hand_backs: dict[jax.sharding.Sharding, attention.HandBack] = {}
+    self._hand_backs: dict[tuple[jax.sharding.Sharding, int], attention.HandBack] = {}
     self._views: dict[int, tuple[jax.Array, list]] = {}  # Layer -> (its head, the kernel's views of it).
     self._chunked = None  # A chunked tail under way (run_chunk): the layer's weights, q, hand-back, partials.
 
-  def hand_back(self, sharding: jax.sharding.Sharding) -> attention.HandBack:
-    """The array that carries the host's partials f32[B, K, G, Dh + 1] to a stage's devices, in `sharding` (its
-    heads, pinned host memory); one per stage, made at first use."""
-    if sharding not in self._hand_backs:
+  def hand_back(self, sharding: jax.sharding.Sharding, tokens: int = 1) -> attention.HandBack:
+    """The array that carries the host's partials f32[B, K, T * G, Dh + 1] of passes of T = `tokens` tokens
+    (jaxkv.host.calls) to a stage's devices, in `sharding` (its heads, pinned host memory); one per stage and T,
+    made at first use."""
+    if (sharding, tokens) not in self._hand_backs:
       m = self.cache.model
-      shape = (self.cache.batch, m.num_kv_heads, m.num_heads // m.num_kv_heads, m.head_dim + 1)
-      self._hand_backs[sharding] = attention.HandBack(shape, sharding, self.device_wait)
-    return self._hand_backs[sharding]
+      shape = (self.cache.batch, m.num_kv_heads, tokens * m.num_heads // m.num_kv_heads, m.head_dim + 1)
+      self._hand_backs[sharding, tokens] = attention.HandBack(shape, sharding, self.device_wait)
+    return self._hand_backs[sharding, tokens]
 
   def views(self, layer: int) -> list:
     """The kernel's zero-copy views of the layer's head (attention.kernel_views), made once per head: every decode
@@ -224,7 +225,7 @@ class HostDecode:
     """decode_layer's first part: the query (with the held merge), the host kernel submitted; returns layer l's
     input, q and the hand-back array."""
     cache = self.cache
-    hand_back = self.hand_back(calls.pinned_heads)
+    hand_back = self.hand_back(calls.pinned_heads, 1 if x.ndim == 2 else x.shape[1])
     t0 = time.perf_counter()
     # The held merge reads the hand-back array before this query, hence before the worker writes it again (with
     # device waits it waits on the devices for the worker's signal). q f32[B, K, G, Dh] also lands in pinned host
@@ -265,8 +266,9 @@ class HostDecode:
     the tail and the open page from them, whose merge is held as `run` holds it. Returns layer l's input."""
     (l,) = d.layers
     cache, chunk, calls = self.cache, d.chunk, self.calls[l]
+    tokens = 1 if x.ndim == 2 else x.shape[1]  # T > 1: a verify pass (jaxkv.spec_decode).
     chunk_calls = chunked.calls(
-        cache.model, cache.layout.mesh(l), cache.kv.dtype, self.engine.config.engine.decode_attention
+        cache.model, cache.layout.mesh(l), cache.kv.dtype, self.engine.config.engine.decode_attention, tokens
     )
     r1 = cache.head_rows(l)
     if chunk.index == 0:
@@ -281,7 +283,9 @@ class HostDecode:
     ctx.issued += cache_lib.Issued(calls=1)
     if chunk.index < chunk.count - 1:
       leaves = cache.chunk_rows // decode_attention.LEAF_ROWS
-      older.append(chunk_calls.partials(q, d.windows[0], r1 + chunk.first_row, ctx.meta(l), num_leaves=leaves))
+      older.append(
+          chunk_calls.partials(q, d.windows[0], r1 + chunk.first_row, ctx.meta(l), num_leaves=leaves, page=cache.block)
+      )
       return x
     self._chunked = None
     t1 = time.perf_counter()
