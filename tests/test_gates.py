@@ -2,15 +2,11 @@
 slots fails the gate; the gates app exits non-zero when one fails."""
 
 import dataclasses
-import os
-import subprocess
-import sys
-import threading
-
 import json
 import os
 import subprocess
 import sys
+import threading
 
 import helpers
 import pytest

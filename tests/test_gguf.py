@@ -596,17 +596,15 @@ def smollm2_server(smollm2, smollm2_params):
     yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600.0)
 
 
-def test_smollm2_echoed_prompt_logprobs_match_transformers(smollm2, smollm2_server):
+def test_smollm2_echoed_prompt_logprobs_match_transformers(smollm2, smollm2_net, smollm2_server):
   """lm-eval's loglikelihood request through the openai client (echo, logprobs, max_tokens 0) on a text prompt of
   three prefill chunks: its text comes back, each prompt token's logprob (the first null) and its 5 most likely ones
   equal transformers' float32 log-softmax on the same file within 1e-4."""
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  path, tok, prompts, ids, _, _ = smollm2
-  folder, file = os.path.split(path)
-  net = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+  import torch  # pylint: disable=g-import-not-at-top  (the parity extra, as smollm2_net's)
+
+  _, tok, prompts, ids, _, _ = smollm2
   with torch.no_grad():
-    ref = torch.log_softmax(net(torch.tensor([ids[2]])).logits[0].float(), -1).numpy()
+    ref = torch.log_softmax(smollm2_net(torch.tensor([ids[2]])).logits[0].float(), -1).numpy()
   out = smollm2_server.completions.create(model="tiny", prompt=prompts[2], max_tokens=0, echo=True, logprobs=5)
   choice, n = out.choices[0], len(ids[2])
   assert choice.text == prompts[2] and choice.token_ids == [] and out.usage.prompt_tokens == n > 2 * 128
