@@ -393,8 +393,8 @@ def smollm2_file() -> str:
 
 def test_smollm2_with_default_flags_stops_at_its_end_of_turn(smollm2_file, tmp_path):
   """The generate app end to end with default flags but the file, its text and --chat (a subprocess: the CPU devices
-  are set before JAX starts): 3 simulated devices (its 3 KV heads), the engine's sizes (not the tiny config's), and the
-  file's end-of-sequence id (tokenizer.ggml.eos_token_id, its template's <|im_end|>) ends the answer."""
+  are set before JAX starts): 3 simulated devices (its 3 KV heads), float32 on them, the engine's sizes (not the tiny
+  config's), and the file's end-of-sequence id (tokenizer.ggml.eos_token_id, its template's <|im_end|>) ends the answer."""
   out = tmp_path / "out.json"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   question = "What is the capital of France?"
@@ -407,7 +407,7 @@ def test_smollm2_with_default_flags_stops_at_its_end_of_turn(smollm2_file, tmp_p
   res = json.loads(out.read_text())
   tok = gguf_loader.tokenizer(smollm2_file)
   assert res["chat"] and res["prompt_tokens"] == [tok.encode_chat([{"role": "user", "content": question}])]
-  assert res["gguf"] == smollm2_file and res["model"]["num_layers"] == 30 and res["model"]["dtype"] == "bfloat16"
+  assert res["gguf"] == smollm2_file and res["model"]["num_layers"] == 30 and res["model"]["dtype"] == "float32"
   assert len(res["devices"]) == 3 and res["eos_ids"] == [2] and tok.end_of_turn_id() == 2
   engine_defaults = dataclasses.asdict(config_lib.EngineConfig())
   assert res["config"]["kv"]["block"] == config_lib.KVConfig.block and res["config"]["engine"] == engine_defaults

@@ -51,7 +51,7 @@ def main(argv):
   if not flags.FLAGS["compilation_cache_dir"].present:
     flags.FLAGS.compilation_cache_dir = tempfile.mkdtemp(prefix="jaxkv-buckets-cache-")
   cd = cli.resolved_config_dict(checkpoint=bool(gguf))
-  cli.setup_platform(cli.model_of(cd, gguf=gguf))
+  cli.setup_platform(cli.model_of(cd, gguf=gguf, dtype=generate.checkpoint_dtype()))
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
@@ -63,8 +63,9 @@ def main(argv):
 
   t0 = time.perf_counter()
   if gguf:
-    job = preflight.resolve(cd, None, None, gguf, eos=False)
-    engine = run.checkpoint_engine(job, None, None, gguf)
+    dtype = generate.checkpoint_dtype()
+    job = preflight.resolve(cd, None, dtype, gguf, eos=False)
+    engine = run.checkpoint_engine(job, None, dtype, gguf)
   else:
     engine = run.build(preflight.resolve(cd).config, generate.SEED.value)[2]
   config = engine.config

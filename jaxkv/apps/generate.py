@@ -78,7 +78,7 @@ CHECKPOINT_DTYPE = flags.DEFINE_enum(
     None,
     ["bfloat16", "float16", "float32"],
     "With --checkpoint_dir or --gguf: weights, activations and KV dtype (default: config.json's torch_dtype, else "
-    "bfloat16; bfloat16 for --gguf).",
+    "bfloat16; for --gguf float32 on simulated CPU devices, bfloat16 on accelerators).",
 )
 
 
@@ -138,7 +138,7 @@ def main(argv):
   batch = PARALLEL.value if SEQUENCES.value else len(texts) or len(lens)
   with preflight.input_errors():
     need = memory.CacheNeed(config_lib.KVConfig(**cd.kv.to_dict()), batch, cd.engine.capacity)
-  cli.setup_platform(cli.model_of(cd, CHECKPOINT_DIR.value, GGUF.value, CHECKPOINT_DTYPE.value), [need])
+  cli.setup_platform(cli.model_of(cd, CHECKPOINT_DIR.value, GGUF.value, checkpoint_dtype()), [need])
   from jaxkv.apps import runs  # pylint: disable=g-import-not-at-top  (after the platform is set)
 
   # Each run checks its input (jaxkv.preflight) before it builds or reads any weights.
@@ -159,7 +159,7 @@ def main(argv):
         lengths=lens,
         max_new_tokens=MAX_NEW.value,
         seed=SEED.value,
-        dtype=CHECKPOINT_DTYPE.value,
+        dtype=checkpoint_dtype(),
         gguf=GGUF.value,
         chat=CHAT.value,
         eos=not IGNORE_EOS.value,
@@ -181,6 +181,15 @@ def _report_served(out: dict, json_out: str | None) -> None:
   print(served_summary(out["transport"], out["timing"]))
   print(_compilation_line(out["compilation"]))
   launch.write_json(out, json_out)
+
+
+def checkpoint_dtype() -> str | None:
+  """--checkpoint_dtype; left out with --gguf on simulated CPU devices, float32 (XLA:CPU has no native bfloat16
+  matmul: SmolLM2's GGUF decoded at 11.7 steps/s in float32 against 2.9 in bfloat16); else None, the loaders'
+  default (config.json's torch_dtype, else bfloat16)."""
+  if CHECKPOINT_DTYPE.value or not GGUF.value:
+    return CHECKPOINT_DTYPE.value
+  return "float32" if cli.CPU_DEVICES.value else None
 
 
 def prefix_cache_bytes() -> int:

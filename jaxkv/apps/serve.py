@@ -148,9 +148,7 @@ def main(argv):
   if distributed.settings(cli.COORDINATOR_ADDRESS.value, cli.NUM_PROCESSES.value, cli.PROCESS_ID.value):
     raise app.UsageError("serve runs in one process: drop the multi-process flags and JAX_* variables")
   cd = cli.resolved_config_dict(checkpoint=bool(checkpoint))
-  cli.setup_platform(
-      cli.model_of(cd, generate.CHECKPOINT_DIR.value, generate.GGUF.value, generate.CHECKPOINT_DTYPE.value)
-  )
+  cli.setup_platform(cli.model_of(cd, generate.CHECKPOINT_DIR.value, generate.GGUF.value, generate.checkpoint_dtype()))
   from jaxkv.serving import api as serve_api  # pylint: disable=g-import-not-at-top  (after the platform is set)
 
   name = MODEL_NAME.value or (os.path.basename(os.path.normpath(checkpoint)) if checkpoint else "jaxkv-random")
@@ -159,7 +157,7 @@ def main(argv):
       checkpoint_dir=generate.CHECKPOINT_DIR.value,
       gguf=generate.GGUF.value,
       eos=not generate.IGNORE_EOS.value,
-      dtype=generate.CHECKPOINT_DTYPE.value,
+      dtype=generate.checkpoint_dtype(),
       parallel=generate.PARALLEL.value,
       seed=generate.SEED.value,
       max_queue=MAX_QUEUE.value,
