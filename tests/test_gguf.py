@@ -394,7 +394,8 @@ def smollm2_file() -> str:
 def test_smollm2_with_default_flags_stops_at_its_end_of_turn(smollm2_file, tmp_path):
   """The generate app end to end with default flags but the file, its text and --chat (a subprocess: the CPU devices
   are set before JAX starts): 3 simulated devices (its 3 KV heads), float32 on them, the engine's sizes (not the tiny
-  config's), and the file's end-of-sequence id (tokenizer.ggml.eos_token_id, its template's <|im_end|>) ends the answer."""
+  config's), and the file's end-of-sequence id (tokenizer.ggml.eos_token_id, its template's <|im_end|>) ends the answer.
+  """
   out = tmp_path / "out.json"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   question = "What is the capital of France?"
