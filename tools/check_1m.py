@@ -28,13 +28,14 @@ from __future__ import annotations
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
 
 from absl import app
 from absl import flags
+
+import bench_child  # tools/bench_child.py, beside this script.
 
 PARTS = flags.DEFINE_list("parts", ["1m", "32x32k"], "Which runs: 1m, 32x32k, prefill.")
 CONFIG = flags.DEFINE_string("config", "experiments/llama3_8b.py:3.1", "The bench's --config.")
@@ -56,24 +57,11 @@ _LONG_ARMS = ("auto_d2", "auto_d2_ha", "auto_d2_int8")
 def _bench(args: list[str], timeout: float) -> dict:
   """One bench process: its JSON (or why there is none), wall_s, rc and the host's peak RSS of the bench processes
   so far (ru_maxrss of the children: the largest one's)."""
-  t0 = time.perf_counter()
   cmd = [sys.executable, "-m", "jaxkv.bench", f"--config={CONFIG.value}", "--nopeer", *args, *BENCH_ARGS.value.split()]
   json_out = os.path.join(tempfile.mkdtemp(prefix="check_1m_"), "bench.json")
-  try:
-    proc = subprocess.run(
-        [*cmd, f"--json_out={json_out}"], capture_output=True, text=True, timeout=timeout, check=False
-    )
-    rc, tail = proc.returncode, proc.stderr[-3000:]
-  except subprocess.TimeoutExpired as e:
-    rc, tail = "timeout", (e.stderr or b"")[-3000:].decode(errors="replace")
-  out = {}
-  if os.path.exists(json_out):
-    with open(json_out) as f:
-      out = json.load(f)
-  if rc != 0 or not out.get("cells"):
-    out["error"] = f"exit {rc} after {time.perf_counter() - t0:.0f} s: {tail[-1500:]}"
+  out, rc, wall = bench_child.run([*cmd, f"--json_out={json_out}"], json_out, timeout)
   host_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-  out.update(command=" ".join(cmd), wall_s=time.perf_counter() - t0, rc=rc, host_peak_rss_bytes_so_far=host_peak)
+  out.update(command=" ".join(cmd), wall_s=wall, rc=rc, host_peak_rss_bytes_so_far=host_peak)
   return out
 
 

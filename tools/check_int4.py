@@ -22,10 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
+
+import bench_child  # tools/bench_child.py, beside this script.
 
 _BF16, _INT4 = "host_d2", "host_d2_int4"
 _EXACT = ("device_int4", "host_d0_int4", _INT4, "auto_d2_int4")
@@ -50,19 +50,8 @@ def _bench(a: argparse.Namespace, json_out: str) -> dict:
       f"--json_out={json_out}",
       *a.bench_args.split(),
   ]
-  t0 = time.perf_counter()
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s, check=False)
-    rc, tail = proc.returncode, proc.stderr[-3000:]
-  except subprocess.TimeoutExpired as e:
-    rc, tail = "timeout", (e.stderr or b"")[-3000:].decode(errors="replace")
-  out = {}
-  if os.path.exists(json_out):
-    with open(json_out) as f:
-      out = json.load(f)
-  if rc != 0 or not out.get("cells"):
-    out["error"] = f"exit {rc}: {tail[-1500:]}"
-  out.update(check_command=" ".join(cmd), check_wall_s=time.perf_counter() - t0)
+  out, _, wall = bench_child.run(cmd, json_out, a.timeout_s)
+  out.update(check_command=" ".join(cmd), check_wall_s=wall)
   return out
 
 

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
 from absl import app
 from absl import flags
+
+import bench_child  # tools/bench_child.py, beside this script.
 
 CONFIG = flags.DEFINE_string("config", "experiments/llama3_8b.py", "The bench's experiment config.")
 CONTEXT = flags.DEFINE_integer("context", 32768, "Prompt tokens (a synthetic context but its last chunk).")
@@ -84,19 +84,8 @@ def _bench(arms: list[str], json_out: str) -> dict:
       f"--json_out={json_out}",
       *BENCH_ARGS.value.split(),
   ]
-  t0 = time.perf_counter()
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S.value, check=False)
-    rc, tail = proc.returncode, proc.stderr[-3000:]
-  except subprocess.TimeoutExpired as e:
-    rc, tail = "timeout", (e.stderr or b"")[-3000:].decode(errors="replace")
-  out = {}
-  if os.path.exists(json_out):
-    with open(json_out) as f:
-      out = json.load(f)
-  if rc != 0 or not out.get("cells"):
-    out["error"] = f"exit {rc}: {tail[-1500:]}"
-  out.update(check_command=" ".join(cmd), check_wall_s=time.perf_counter() - t0)
+  out, _, wall = bench_child.run(cmd, json_out, TIMEOUT_S.value)
+  out.update(check_command=" ".join(cmd), check_wall_s=wall)
   return out
 
 
