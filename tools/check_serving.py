@@ -1,7 +1,7 @@
 """Check (GPU): `jaxkv.serve` against llama-server under the same load, one machine, one call.
 
-Two loads, each driven by jaxkv.bench.serve_load (streamed greedy token-id prompts, "ignore_eos", a warm-up round of
-the same size first):
+Two loads, each driven by jaxkv.bench.serve_load (streamed greedy token-id prompts, "ignore_eos", a warm-up round first:
+the same size for the short load, --long_warmup requests for the long one):
 
   short: --short_requests requests (32) of --short_prompt (2,048) tokens, --short_new (64) new, 16 in flight on 8
          slots: llama-server with its KV on the GPU (flash attention) against jaxkv.serve with the cache on the
@@ -41,6 +41,9 @@ SHORT_NEW = flags.DEFINE_integer("short_new", 64, "The short load's new tokens."
 LONG_REQUESTS = flags.DEFINE_integer("long_requests", 4, "The long load's measured requests.")
 LONG_PROMPT = flags.DEFINE_integer("long_prompt", 32000, "The long load's prompt tokens.")
 LONG_NEW = flags.DEFINE_integer("long_new", 16, "The long load's new tokens.")
+LONG_WARMUP = flags.DEFINE_integer(
+    "long_warmup", 1, "The long load's warm-up requests (one compiles jaxkv's shapes; llama-server's -nkvo is slow)."
+)
 JAXKV_FLAGS = flags.DEFINE_string(
     "jaxkv_flags", "--cpu_devices=0 --config=experiments/llama3_8b.py", "jaxkv.serve's model and devices."
 )
@@ -95,11 +98,13 @@ def main(argv):
     servers["llama-server -nkvo" if load == "long" else "llama-server"] = llama_server(slots, capacity, load == "long")
     for name, server in servers.items():
       with server as url:
-        out = serve_load.run(url, requests, conc, prompt, new, seed=0)
+        out = serve_load.run(
+            url, requests, conc, prompt, new, seed=0, warmup=LONG_WARMUP.value if load == "long" else None
+        )
       results[f"{load}: {name}"] = out
+      with open(JSON_OUT.value, "w", encoding="utf-8") as f:  # After each server: a cut-short call keeps the rest.
+        json.dump(results, f, indent=1)
       print(f"{load}: {name}: {out['requests_per_s']:.2f} req/s, {out['generated_tokens_per_s']:.1f} tok/s", flush=True)
-  with open(JSON_OUT.value, "w", encoding="utf-8") as f:
-    json.dump(results, f, indent=1)
   print(f"{'load: server':<28} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'x peer tok/s':>12}")
   for key, r in results.items():
     load = key.split(":")[0]

@@ -160,8 +160,10 @@ def run(
     turn_len: int = 0,
     vocab_size: int | None = None,
     ignore_eos: bool = True,
+    warmup: int | None = None,
 ) -> dict:
-  """Runs the warm-up and the measured load against the server at `url`; returns a JSON-ready dict."""
+  """Runs the warm-up (`warmup` conversations, by default `requests`) and the measured load against the server at
+  `url`; returns a JSON-ready dict."""
   rows_limit, vocab = _card(url)
   rows = longest_request(prompt_len, max_tokens, turns, turn_len)
   if rows_limit is not None and rows > rows_limit:
@@ -177,12 +179,13 @@ def run(
   extra = {"ignore_eos": True} if ignore_eos else {}
   rng = np.random.default_rng(seed)
   new = lambda: [rng.integers(0, vocab, prompt_len if t == 0 else turn_len).tolist() for t in range(turns)]
-  conversations = [new() for _ in range(2 * requests)]
-  warm, _ = asyncio.run(_load(url, conversations[:requests], max_tokens, concurrency, extra))  # Compiles.
+  warmup = requests if warmup is None else warmup
+  conversations = [new() for _ in range(warmup + requests)]
+  warm, _ = asyncio.run(_load(url, conversations[:warmup], max_tokens, concurrency, extra))  # Compiles.
   if turns > 1 and not all(r["ids"] for r in warm):
     raise LoadError(f"--turns={turns} needs the answers' token ids, which the server at {url} does not stream", None, 2)
   before = _metrics(url)
-  results, wall = asyncio.run(_load(url, conversations[requests:], max_tokens, concurrency, extra))
+  results, wall = asyncio.run(_load(url, conversations[warmup:], max_tokens, concurrency, extra))
   after = _metrics(url)
   tokens = sum(r["tokens"] for r in results)
   ttft = [r["ttft_s"] for r in results]
@@ -192,6 +195,7 @@ def run(
       url=url,
       requests=len(results),
       conversations=requests,
+      warmup_conversations=warmup,
       turns=turns,
       turn_len=turn_len,
       concurrency=concurrency,
