@@ -173,30 +173,39 @@ def apply_rope(x, pos, inv_freq, scale: float = 1.0):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-# A decode's projections run on at least this many rows (zeros below the batch): XLA's GPU kernels for 8 rows read the
-# weights faster than those for 1 (docs/design.md, "Decode groups").
-MIN_ROWS = 8
+# A decode's rows (B * T: projections, norms, MLP, head) are computed as at least this many (zeros below them): XLA's
+# GPU kernels for 8 rows read the weights faster than those for 1 (docs/design.md, "Decode groups"), and a one-token
+# step and a speculative verify pass of B * T <= MIN_ROWS rows then run the same kernels on the same shapes, so each
+# row rounds alike in both (docs/design.md, "What is bitwise").
+MIN_ROWS = 16
 
 
-def project(spec, x, w):
-  """jnp.einsum(spec, x, w) over x [B, T, ...]; a decode's x (T = 1, B < MIN_ROWS) is padded to MIN_ROWS rows."""
-  b, t = x.shape[:2]
-  if t != 1 or b >= MIN_ROWS:
-    return jnp.einsum(spec, x, w)
-  return jnp.einsum(spec, jnp.pad(x, [(0, MIN_ROWS - b)] + [(0, 0)] * (x.ndim - 1)), w)[:b]
+def on_min_rows(fn, *xs):
+  """fn(*xs) for xs [B, T, ...] (the same B, T) whose B * T rows fill at least MIN_ROWS; else fn of each x as
+  [MIN_ROWS, 1, ...] (zero rows below its B * T), every output sliced back to [B, T, ...]."""
+  b, t = xs[0].shape[:2]
+  rows = b * t
+  if rows >= MIN_ROWS:
+    return fn(*xs)
+  pad = lambda x: jnp.pad(x.reshape((rows, 1) + x.shape[2:]), [(0, MIN_ROWS - rows)] + [(0, 0)] * (x.ndim - 1))
+  return jax.tree.map(lambda y: y[:rows].reshape((b, t) + y.shape[2:]), fn(*map(pad, xs)))
 
 
 def qkv(p, x, pos, cfg: ModelConfig):
-  """x [B, T, D], pos i32[B, T] -> q [B, T, H, Dh], k, v [B, T, K, Dh] (RoPE applied)."""
-  h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
-  q = project("btd,dhk->bthk", h, p["wq"])
-  k = project("btd,dhk->bthk", h, p["wk"])
-  v = project("btd,dhk->bthk", h, p["wv"])
-  if cfg.qk_norm:
-    q = rms_norm(q, p["q_norm"], cfg.rms_eps)
-    k = rms_norm(k, p["k_norm"], cfg.rms_eps)
-  inv, scale = rope_frequencies(cfg), rope_attention_scale(cfg)
-  return apply_rope(q, pos, inv, scale), apply_rope(k, pos, inv, scale), v
+  """x [B, T, D], pos i32[B, T] -> q [B, T, H, Dh], k, v [B, T, K, Dh] (RoPE applied), on at least MIN_ROWS rows."""
+
+  def rows(x, pos):
+    h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
+    q = jnp.einsum("btd,dhk->bthk", h, p["wq"])
+    k = jnp.einsum("btd,dhk->bthk", h, p["wk"])
+    v = jnp.einsum("btd,dhk->bthk", h, p["wv"])
+    if cfg.qk_norm:
+      q = rms_norm(q, p["q_norm"], cfg.rms_eps)
+      k = rms_norm(k, p["k_norm"], cfg.rms_eps)
+    inv, scale = rope_frequencies(cfg), rope_attention_scale(cfg)
+    return apply_rope(q, pos, inv, scale), apply_rope(k, pos, inv, scale), v
+
+  return on_min_rows(rows, x, pos)
 
 
 def attention(q, kv, mask):
@@ -217,12 +226,16 @@ def attention(q, kv, mask):
 
 
 def attn_out_and_mlp(p, x, o, cfg: ModelConfig):
-  """Residual adds: x [B, T, D], o [B, T, H, Dh] -> x [B, T, D]."""
-  x = x + project("bthk,hkd->btd", o, p["wo"])
-  h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
-  g = project("btd,df->btf", h, p["w_gate"])
-  u = project("btd,df->btf", h, p["w_up"])
-  return x + project("btf,fd->btd", jax.nn.silu(g) * u, p["w_down"])
+  """Residual adds: x [B, T, D], o [B, T, H, Dh] -> x [B, T, D], on at least MIN_ROWS rows."""
+
+  def rows(x, o):
+    x = x + jnp.einsum("bthk,hkd->btd", o, p["wo"])
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
+    g = jnp.einsum("btd,df->btf", h, p["w_gate"])
+    u = jnp.einsum("btd,df->btf", h, p["w_up"])
+    return x + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, p["w_down"])
+
+  return on_min_rows(rows, x, o)
 
 
 def prefill_layer(
@@ -622,7 +635,11 @@ def embed(params, tokens):
 
 
 def logits(params, x, cfg: ModelConfig):
-  """x [..., D] -> f32 logits [..., V]."""
-  h = rms_norm(x, params["final_norm"], cfg.rms_eps)
+  """x [..., D] -> f32 logits [..., V], on at least MIN_ROWS rows."""
   w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-  return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+  head = lambda x: jnp.einsum(
+      "btd,dv->btv", rms_norm(x, params["final_norm"], cfg.rms_eps), w, preferred_element_type=jnp.float32
+  )
+  lead = x.shape[:-1]
+  rows = math.prod(lead)
+  return on_min_rows(head, x.reshape(rows, 1, x.shape[-1])).reshape(lead + (w.shape[1],))

@@ -70,6 +70,12 @@ SYNTHETIC_CONTEXT = flags.DEFINE_bool(
     "(jaxkv arms; the peer prefills in full): the same decode work for a fraction of the prefill time; the tokens "
     "differ from a full prefill's.",
 )
+CEILINGS = flags.DEFINE_bool(
+    "ceilings",
+    True,
+    "Measure each cell's link and transfer-only ceilings (each fills a whole host cache, which at 1M tokens may not "
+    "fit the host: --noceilings).",
+)
 PEAK_MIB = flags.DEFINE_integer(
     "peak_mib", 0, "Per-device size of the link peak transfer, MiB; 0 = the largest decode step's KV, 1 MiB to 1 GiB."
 )
@@ -120,6 +126,7 @@ def main(argv):
         seed=SEED.value,
         peak_bytes=PEAK_MIB.value * 2**20,
         synthetic_context=SYNTHETIC_CONTEXT.value,
+        ceilings=CEILINGS.value,
     )
     config = cli.resolved_config()
     for arm in spec.arms:  # An unknown arm, or a KV dtype that does not fit the model.

@@ -60,7 +60,8 @@ class BenchSpec:
   arm and cell; peer: add PEER_ARM; peak_bytes: per-device size of the link peak transfer (0 = sized to the run,
   link_test_bytes); ceiling_reps: samples per ceiling; synthetic_context: the jaxkv arms store each prompt's rows
   below its last prefill chunk as zeros instead of prefilling them (Engine.generate's zero_rows; the peer prefills
-  in full): the same decode work for a fraction of the prefill time, with other tokens than a full prefill's."""
+  in full): the same decode work for a fraction of the prefill time, with other tokens than a full prefill's;
+  ceilings: measure the link and transfer-only ceilings of each cell (each fills a whole host cache)."""
 
   contexts: tuple[int, ...]
   batches: tuple[int, ...]
@@ -72,6 +73,7 @@ class BenchSpec:
   peak_bytes: int = 2**30
   ceiling_reps: int = 5
   synthetic_context: bool = False
+  ceilings: bool = True
 
   def __post_init__(self):
     if not self.contexts or min(self.contexts) < 1 or not self.batches or min(self.batches) < 1:
@@ -308,7 +310,9 @@ def _bytes_fields(cfg: Config, layout, batch: int, rows: list[int]) -> dict:
 
 def _ceilings(cfg: Config, mesh, batch: int, rows: int, spec: BenchSpec, layout) -> dict:
   """jaxkv.bench.ceilings.cell_ceilings at the first decode step's window (new_tokens < kv.block keeps it for every
-  step), in cfg.kv.dtype; a ceiling that does not fit is reported skipped."""
+  step), in cfg.kv.dtype; a ceiling that does not fit, or not asked for (spec.ceilings), is reported skipped."""
+  if not spec.ceilings:
+    return dict(window_rows=rows, skipped="not measured (--noceilings)")
   logging.info("ceilings, kv dtype %s", cfg.kv.dtype)
   try:
     out = ceilings.cell_ceilings(cfg, mesh, batch, rows, spec.ceiling_reps, _TRANSFER_ONLY_PASSES, layout)
