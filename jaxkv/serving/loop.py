@@ -111,6 +111,7 @@ class ServingLoop:
     """Queues a request (ending at a token of `eos_ids` too); ValueError when it cannot run (empty, past the
     capacity...), QueueFull, Closed."""
     self.server.engine.validate([request.prompt], request.max_new_tokens or 1)
+    self.server.check(request)
     handle = Handle(request, on_token, on_end, eos_ids)
     with self._lock:
       if self._closing:
