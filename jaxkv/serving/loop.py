@@ -207,6 +207,11 @@ class ServingLoop:
     """The transport counters so far (h2d_bytes, ring_high_water_bytes_per_device, insertions)."""
     return collections.Counter(self._run.totals)
 
+  def speculated(self) -> collections.Counter:
+    """Speculative decoding's draft tokens so far: drafted (proposed to verify passes) and accepted (recorded as
+    tokens; jaxkv.serving.server.Run.speculated)."""
+    return collections.Counter(self._run.speculated)
+
   def tokens_per_second(self, window_s: int = 10) -> float:
     """Tokens read back per second over the last `window_s` whole seconds."""
     now = int(time.monotonic())

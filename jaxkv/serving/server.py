@@ -105,7 +105,15 @@ class Server:
       name = "logit_bias" if request.rules.logit_bias else "min_tokens"
       raise ValueError(f"{name}: {why} logit rules; leave it out, or serve with --speculate=off")
     if request.grammar is not None:
-      raise ValueError(f"grammar: {why} structured output; leave it out, or serve with --speculate=off")
+      self.check_grammar("grammar")
+
+  def check_grammar(self, name: str) -> None:
+    """ValueError where a request's structured output field `name` cannot run (under speculative decoding)."""
+    if self.speculating:
+      raise ValueError(
+          f"{name}: --speculate={self.engine.config.speculate.mode} verifies drafts without structured output; leave it"
+          " out, or serve with --speculate=off"
+      )
 
   def validate(self, requests: Sequence[Request]) -> list[str | None]:
     """Why each request cannot run (None: it can). ValueError when there is none to run."""
@@ -275,6 +283,8 @@ class Run:
     report = dict(self.summary, compiled_shapes=len(self.shapes), epochs=self.epochs, **self.totals)
     if self.server.prefix_cache is not None:
       report["prefix_cache"] = self.server.prefix_cache.summary()
+    if self.server.speculating:
+      report["speculate"] = dict(self.speculated)
     report.update(self.counters.by_device())
     timing = dict(wall_s=wall_s, decode_steps=self.steps, tokens=sum(len(r.tokens) for r in results))
     return ServeResult(results, hashlib.sha256(transcript.encode()).hexdigest(), report, timing)
