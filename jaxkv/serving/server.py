@@ -18,7 +18,8 @@ Speculative decoding (speculate.mode lookup, jaxkv.spec_decode): each step of an
 read back before the next (the drafter reads the tokens): every live slot drafts its own tokens (0 .. k, from its
 prompt and tokens, with its own switch; a slot taking a request starts afresh), the slots advance together by the
 smallest acceptance + 1, each token recorded as a one-token step's, and a greedy slot's further verified tokens head its
-next draft. Requests that it cannot verify (penalties, logit rules, a grammar) are refused (`Server.check`).
+next draft (a sampled request's tokens then depend on the batch's acceptances: docs/design.md). Requests that it
+cannot verify (penalties, logit rules, a grammar) are refused (`Server.check`).
 
 Sampling: request r's token i draws with key fold_in(fold_in(key(seed_r), 0), i) (jaxkv.sampling), whatever its
 slot or step, so sampled output does not depend on the neighbours either. Each request has its own settings
