@@ -2,11 +2,13 @@
 three requests of different lengths in flight together over HTTP (one streamed, one joining mid-run) get the tokens
 and log-probabilities of a server without it, in the device and host placements; Server.serve gives each request's
 tokens and logits hash; the metrics count each request's drafts exactly (the drafter replayed over its tokens); a
-stop token ends a request at it; what a verify pass cannot apply is a 400 naming the field."""
+stop token ends a request at it; a prompt from the prefix cache gets the same tokens; a client that goes away frees
+its slot; what a verify pass cannot apply is a 400 naming the field."""
 
 import asyncio
 import dataclasses
 import json
+import time
 
 import helpers
 import pytest
@@ -130,7 +132,7 @@ def _replay(prompt: list[int], tokens: list[int], block: int) -> tuple[int, int]
 @pytest.fixture(scope="module")
 def speculating():
   eng = _speculating(helpers.engine(1))
-  with serve_helpers.running(eng, parallel=2) as (url, _):
+  with serve_helpers.running(eng, parallel=2, prefix_cache_bytes=2**24) as (url, _):
     yield url, eng
 
 
@@ -173,3 +175,29 @@ def test_what_a_verify_pass_cannot_apply_is_a_400_naming_the_field(speculating):
     assert "--speculate=off" in message
   r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}, timeout=TIMEOUT_S)
   assert len(r.json()["choices"][0]["token_ids"]) == 3
+
+
+def test_a_prompt_from_the_prefix_cache_gets_the_same_tokens(speculating):
+  url, _ = speculating
+  body = {"prompt": LOOP + [5], "max_tokens": 20}
+  first, again = (httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT_S).json() for _ in range(2))
+  assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 16  # Its first prefill chunk.
+  assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(speculating):
+  url, _ = speculating
+  ended = serve_helpers.finished(url)[0]
+  body = {"prompt": LOOP, "max_tokens": 100, "stream": True}
+  with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT_S) as r:
+    events, lines = 0, r.iter_lines()  # Held: a dropped iterator closes the connection.
+    for line in lines:
+      events += line.startswith("data:")
+      if events == 3:
+        break
+  t0 = time.monotonic()
+  while serve_helpers.finished(url)[0]["cancelled"] == ended["cancelled"]:
+    assert time.monotonic() - t0 < TIMEOUT_S, "the cancellation"
+    time.sleep(0.05)
+  assert serve_helpers.one_more(ended, serve_helpers.finished(url)[0], "cancelled")
+  assert serve_helpers.metrics(url)["jaxkv_slots_busy"] == 0
