@@ -2,8 +2,8 @@
 three requests of different lengths in flight together over HTTP (one streamed, one joining mid-run) get the tokens
 and log-probabilities of a server without it, in the device and host placements; Server.serve gives each request's
 tokens and logits hash; the metrics count each request's drafts exactly (the drafter replayed over its tokens); a
-stop token ends a request at it; a prompt from the prefix cache gets the same tokens; a client that goes away frees
-its slot; what a verify pass cannot apply is a 400 naming the field."""
+stop token ends a request at it; a prompt from the prefix cache, or from a saved slot restored, gets the same tokens;
+a client that goes away frees its slot; what a verify pass cannot apply is a 400 naming the field."""
 
 import asyncio
 import dataclasses
@@ -130,9 +130,10 @@ def _replay(prompt: list[int], tokens: list[int], block: int) -> tuple[int, int]
 
 
 @pytest.fixture(scope="module")
-def speculating():
+def speculating(tmp_path_factory):
   eng = _speculating(helpers.engine(1))
-  with serve_helpers.running(eng, parallel=2, prefix_cache_bytes=2**24) as (url, _):
+  slots = str(tmp_path_factory.mktemp("slots"))
+  with serve_helpers.running(eng, parallel=2, prefix_cache_bytes=2**24, slot_save_path=slots) as (url, _):
     yield url, eng
 
 
@@ -201,3 +202,20 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(speculating):
     time.sleep(0.05)
   assert serve_helpers.one_more(ended, serve_helpers.finished(url)[0], "cancelled")
   assert serve_helpers.metrics(url)["jaxkv_slots_busy"] == 0
+
+
+def test_a_restored_slot_s_next_turn_gets_the_tokens_of_a_cold_one(speculating):
+  url, _ = speculating
+  post = lambda path, **kw: httpx.post(url + path, timeout=TIMEOUT_S, **kw).json()
+  ask = lambda prompt: post("/v1/completions", json={"prompt": prompt, "max_tokens": 12})
+  prompt = [9, 9, 4, 4] * 6
+  conversation = prompt + ask(prompt)["choices"][0]["token_ids"]  # Alone: slot 0.
+  assert post("/slots/0?action=save", json={"filename": "s.bin"})["n_saved"] == len(conversation)
+  post("/slots/0?action=erase")
+  cold = ask(conversation + [5])
+  assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+  post("/slots/0?action=erase")
+  assert post("/slots/0?action=restore", json={"filename": "s.bin"})["n_restored"] == len(conversation)
+  warm = ask(conversation + [5])
+  assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 32  # Its whole blocks (engine.prefill_chunk).
+  assert warm["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
