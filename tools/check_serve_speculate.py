@@ -14,7 +14,7 @@ their prompts' repeats only where they fall into loops: how many drafts are acce
 model's). Prints the pass/fail table last;
 writes the details to --json_out ($OUT/check_serve_speculate.json by default). Run from the repo root:
 
-  python3 tools/check_serve_speculate.py
+  python3 tools/check_serve_speculate.py --cpu_devices=0 --config=experiments/llama3_8b.py
 
 A try of the plumbing on the CPU: python3 tools/check_serve_speculate.py --config=experiments/tiny.py --cpu_devices=2
 --layers=2 --prompt_len=40 --new_tokens=24 --requests=6 --parallel=4
