@@ -508,6 +508,10 @@ class Engine:
     fns = self.layer_fns(layer.layer)
     return fns.place(layer.window, layer.chunk, np.int32(at), a_rows=a_rows, block=self.config.kv.block)
 
+  def speculator(self) -> spec_decode.Speculator | None:
+    """config.speculate's speculative decoder, a fresh one (None: off); the server's epochs take one each."""
+    return self._speculator(None)
+
   def _speculator(self, drafter) -> spec_decode.Speculator | None:
     """The speculative decoder of a run: `drafter` (no switch), else config.speculate's (None: off)."""
     s = self.config.speculate

@@ -90,6 +90,21 @@ class Speculator:
     if self.switch is not None:
       self.switch.passed(b, drafted, accepted)
 
+  def verified(self, b: int, drafted: int, accepted: int, n: int, tokens: np.ndarray, sampled: bool) -> None:
+    """After a verify pass that recorded n tokens of every row: row b drafted `drafted`, accepted `accepted`,
+    tokens i32[T] its verified ones. A greedy row's tokens n .. accepted head its next draft; a sampled row keeps only
+    what was recorded (position n's decision is made again, from its key, next pass)."""
+    if sampled:
+      self.passed(b, drafted, min(accepted, n), [])
+    else:
+      self.passed(b, drafted, accepted, tokens[n : accepted + 1].tolist())
+
+  def forget(self, b: int) -> None:
+    """Row b starts a new sequence (a server's slot taking a request): nothing pending, its switch afresh."""
+    self.pending.pop(b, None)
+    if self.switch is not None:
+      self.switch.forget(b)
+
 
 def _plain_steps(engine, gen, recorder, owners, prompts, settings, steps: int, on_step) -> int:
   """`steps` one-token steps of the plain loop (jaxkv.decode.DecodeLoop: the head samples on the device, each step
@@ -107,6 +122,27 @@ def _plain_steps(engine, gen, recorder, owners, prompts, settings, steps: int, o
       if on_step is not None:
         on_step(step.index, gen.cache)
   return steps
+
+
+def verify_pass(
+    engine, gen, tokens: np.ndarray, drafts: dict[int, list[int]], t: int, params, index: np.ndarray, next_pass: bool
+):
+  """One pass of generation `gen` at its end over T = t tokens per row (t = 1: a one-token step through the verify
+  head): tokens i32[B] each row's last token (host), drafts row -> its draft (at most t - 1 tokens; rows left out
+  draft none), params the rows' jaxkv.sampling.SamplingParams on the devices, index i32[B] each row's token index of
+  position 0. Returns, on the host, logits f32[B, t, V], the verified tokens i32[B, t] and accepted i32[B]
+  (jaxkv.jitted.verify_head); gen.end has moved by one row (the caller sets it to end + n)."""
+  batch, end = len(tokens), gen.end
+  proposed = np.zeros((batch, t - 1), np.int32)
+  lengths = np.zeros(batch, np.int32)
+  for b, d in drafts.items():
+    proposed[b, : len(d)], lengths[b] = d, len(d)
+  x = engine.embed(np.concatenate([tokens[:, None], proposed], axis=1) if t > 1 else tokens)
+  y, issued = decode.decode_pass(engine, gen, x, engine.meta(gen.start, end), next_pass, run_ahead=False)
+  put = lambda a: engine.put(a, np.int32)
+  out = engine.fns.verify(engine.top_last, y, put(proposed), put(lengths), params, put(index))
+  gen.add_counters("decode", issued + Issued(calls=VERIFY_CALLS))
+  return jax.device_get(out)
 
 
 def run(
@@ -138,17 +174,9 @@ def run(
     cap = min(k, block - 2 - end % block, remaining - 1)  # Never the page's last row; never past the tokens wanted.
     drafts = {b: speculator.draft(b, list(prompts[b]) + records[b].tokens, cap) if cap > 0 else [] for b in live}
     t = k + 1 if any(drafts.values()) else 1
-    tokens = np.array([[r.tokens[-1] if r.tokens else 0] for r in records], np.int32)
-    proposed = np.zeros((batch, t - 1), np.int32)
-    lengths = np.zeros(batch, np.int32)
-    for b, d in drafts.items():
-      proposed[b, : len(d)], lengths[b] = d, len(d)
-    x = engine.embed(np.concatenate([tokens, proposed], axis=1) if t > 1 else tokens[:, 0])
-    y, issued = decode.decode_pass(engine, gen, x, engine.meta(gen.start, end), remaining > 1, run_ahead=False)
+    tokens = np.array([r.tokens[-1] if r.tokens else 0 for r in records], np.int32)
     index = np.array([len(r.tokens) for r in records], np.int32)  # Position 0's token index.
-    put = lambda a: engine.put(a, np.int32)
-    out = engine.fns.verify(engine.top_last, y, put(proposed), put(lengths), params, put(index))
-    logits, verified, accepted = jax.device_get(out)
+    logits, verified, accepted = verify_pass(engine, gen, tokens, drafts, t, params, index, remaining > 1)
     n = 1 + min(int(accepted[b]) for b in live)
     for j in range(n):
       recorder.record(list(owners), np.asarray(logits[:, j], np.float32), np.asarray(verified[:, j]))
@@ -158,17 +186,13 @@ def run(
     gen.end = end + n
     for b in live:
       a = int(accepted[b])
-      if sampled[b]:  # Only what was recorded: position n's decision is made again, from its key, next pass.
-        speculator.passed(b, len(drafts[b]), min(a, n), [])
-      else:
-        speculator.passed(b, len(drafts[b]), a, verified[b, n : a + 1].tolist())
+      speculator.verified(b, len(drafts[b]), a, n, verified[b], bool(sampled[b]))
       if drafts[b]:
         stats.drafted += len(drafts[b])
         stats.accepted += a
         stats.histogram[a] += 1
     stats.passes += 1
     stats.verify_passes += t > 1
-    gen.add_counters("decode", issued + Issued(calls=VERIFY_CALLS))
   stats.decode_s = time.perf_counter() - t0
   stats.switched_off = 0 if speculator.switch is None else speculator.switch.switched_off
   return stats

@@ -86,6 +86,11 @@ class Switch:
     """Passes sequence b still waits before it proposes again (0: it proposes)."""
     return self._off.get(b, 0)
 
+  def forget(self, b: int) -> None:
+    """Sequence b starts afresh (a server's slot taking a new request): on, with no verifies seen."""
+    self._accepted.pop(b, None)
+    self._off.pop(b, None)
+
   def idle(self, b: int, passes: int) -> None:
     """`passes` passes without drafts of a switched-off sequence (at most off_passes_left(b))."""
     self._off[b] -= passes

@@ -302,6 +302,12 @@ def _cases(tmp) -> dict:
           "--slot_save_path saves slots as prefix cache blocks: give --prefix_cache_gib too",
           2,
       ),
+      "serve_speculate_penalty": (
+          SERVE,
+          [f"--port={_free_port()}", "--speculate=lookup", "--config.sampling.repetition_penalty=1.1"],
+          "--speculate=lookup verifies drafts without penalties: it needs no presence, frequency or repetition penalty",
+          2,
+      ),
       "serve_gguf": (
           SERVE,
           [f"--gguf={tmp}/missing.gguf", f"--port={_free_port()}"],
@@ -412,6 +418,7 @@ CASES = (
     "serve_both",
     "serve_body",
     "serve_slot_save_path",
+    "serve_speculate_penalty",
     "serve_gguf",
 )
 

@@ -1,7 +1,7 @@
 """Serve: `python3 -m jaxkv.serve`, an OpenAI-compatible HTTP server with continuous batching (jaxkv.serving.api).
 
 Takes generate's model sources and flags (--config, --kv_*, --split_mode, --cpu_devices, --checkpoint_dir or --gguf,
---checkpoint_dtype, --ignore_eos, --seed for random weights), read as generate reads them, and serves on
+--checkpoint_dtype, --ignore_eos, --seed for random weights, --speculate), read as generate reads them, and serves on
 --host:--port with --parallel slots; up to --max_queue requests wait for a slot, more get 429; request bodies past
 --max_body_mb get 413; --slot_save_path is the folder of saved slots (POST /slots/{id}?action=save|restore, with
 --prefix_cache_gib). generate's flags for its own prompts (--prompt, --chat, --prompt_len, --batch,
@@ -93,6 +93,7 @@ HELP_GROUPS = {
         generate.PREFIX_CACHE_GIB,
         SLOT_SAVE_PATH,
         WARMUP,
+        cli.SPECULATE_FLAG,
     ],
     "access": [API_KEY, API_KEY_FILE, CORS_ORIGINS],
     "KV cache": cli.KV_GROUP,

@@ -480,6 +480,11 @@ def make_app(
       max_tokens = 1  # Its token is dropped (_Generation): prefill and head run as for any request.
     prompt_logprobs = logprobs if echo is not None else None
     spec = _grammar_spec(body)
+    if spec is not None:
+      try:
+        model.loop.server.check_grammar(spec[0])
+      except ValueError as e:
+        raise ApiError(400, str(e)) from e
     grammars = [None if spec is None else await _compile(model, *spec) for _ in range(body.n)]
     seed, sampling, gens = _seed(body.seed), _sampling(body, model), []
     try:

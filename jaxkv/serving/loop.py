@@ -111,6 +111,7 @@ class ServingLoop:
     """Queues a request (ending at a token of `eos_ids` too); ValueError when it cannot run (empty, past the
     capacity...), QueueFull, Closed."""
     self.server.engine.validate([request.prompt], request.max_new_tokens or 1)
+    self.server.check(request)
     handle = Handle(request, on_token, on_end, eos_ids)
     with self._lock:
       if self._closing:
@@ -205,6 +206,11 @@ class ServingLoop:
   def transport(self) -> collections.Counter:
     """The transport counters so far (h2d_bytes, ring_high_water_bytes_per_device, insertions)."""
     return collections.Counter(self._run.totals)
+
+  def speculated(self) -> collections.Counter:
+    """Speculative decoding's draft tokens so far: drafted (proposed to verify passes) and accepted (recorded as
+    tokens; jaxkv.serving.server.Run.speculated)."""
+    return collections.Counter(self._run.speculated)
 
   def tokens_per_second(self, window_s: int = 10) -> float:
     """Tokens read back per second over the last `window_s` whole seconds."""

@@ -101,6 +101,13 @@ class _LoopCollector:
     yield core.CounterMetricFamily(
         "jaxkv_slot_insertions", "Requests that entered a slot of a running batch.", transport["insertions"]
     )
+    spec = self.loop.speculated()
+    yield core.CounterMetricFamily(
+        "jaxkv_spec_drafted_tokens", "Draft tokens proposed to verify passes (--speculate).", spec["drafted"]
+    )
+    yield core.CounterMetricFamily(
+        "jaxkv_spec_accepted_tokens", "Draft tokens accepted and recorded as tokens (--speculate).", spec["accepted"]
+    )
     cache = self.loop.server.prefix_cache
     prefix = collections.Counter() if cache is None else cache.summary()
     yield core.CounterMetricFamily(

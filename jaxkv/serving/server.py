@@ -14,6 +14,13 @@ slot's old rows), the request is prefilled alone and put into its slot, and the 
 decode state takes its row (jaxkv.meta.DecodeState.with_row). Tokens are read
 jaxkv.decode.READ_LAG steps late, so a slot frees that many steps after its last token.
 
+Speculative decoding (speculate.mode lookup, jaxkv.spec_decode): each step of an epoch is a verify pass instead,
+read back before the next (the drafter reads the tokens): every live slot drafts its own tokens (0 .. k, from its
+prompt and tokens, with its own switch; a slot taking a request starts afresh), the slots advance together by the
+smallest acceptance + 1, each token recorded as a one-token step's, and a greedy slot's further verified tokens head its
+next draft (a sampled request's tokens then depend on the batch's acceptances: docs/design.md). Requests that it
+cannot verify (penalties, logit rules, a grammar) are refused (`Server.check`).
+
 Sampling: request r's token i draws with key fold_in(fold_in(key(seed_r), 0), i) (jaxkv.sampling), whatever its
 slot or step, so sampled output does not depend on the neighbours either. Each request has its own settings
 (`Request.sampling`, default the engine's) and logit rules (`Request.rules`), per-row arguments of the one compiled
@@ -30,10 +37,12 @@ import time
 from collections.abc import Iterator, Sequence
 
 from absl import logging
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import decode
+from jaxkv import spec_decode
 from jaxkv import telemetry
 from jaxkv.config import SamplingConfig
 from jaxkv.sampling import SamplingParams
@@ -65,12 +74,9 @@ class Server:
     jaxkv.serving.prefix_cache), kept across serve() calls and epochs."""
     if parallel < 1:
       raise ValueError(f"parallel must be >= 1, got {parallel}")
-    if engine.config.speculate.mode != "off":
-      raise ValueError(
-          "the server decodes one token per pass (speculative decoding is generate's); use --speculate=off"
-      )
     slots_lib.check_prefix_cache_budget(prefix_cache_bytes)
     self.engine, self.parallel = engine, parallel
+    self.speculating = engine.config.speculate.mode != "off"
     self.prefix_cache = None
     if prefix_cache_bytes:
       self.prefix_cache = prefix_cache_lib.PrefixCache(prefix_cache_bytes, engine.config.engine.prefill_chunk)
@@ -82,6 +88,34 @@ class Server:
     seeds, rules = [0 if r is None else r.seed for r in requests], [None if r is None else r.rules for r in requests]
     return SamplingParams.rows(settings, seeds, [0] * len(requests), rules)
 
+  def check(self, request: Request) -> None:
+    """ValueError, naming the request's field, where this server cannot run it: speculative decoding verifies drafts
+    without penalties, logit rules (logit_bias, min_tokens) or a grammar (jaxkv.config.check_speculate)."""
+    if not self.speculating:
+      return
+    why = f"--speculate={self.engine.config.speculate.mode} verifies drafts without"
+    s = request.sampling or self.engine.config.sampling
+    for name, value, off in (
+        ("presence_penalty", s.presence_penalty, 0.0),
+        ("frequency_penalty", s.frequency_penalty, 0.0),
+        ("repetition_penalty", s.repetition_penalty, 1.0),
+    ):
+      if value != off:
+        raise ValueError(f"{name}: {why} penalties; leave it out, or serve with --speculate=off")
+    if request.rules is not None:
+      name = "logit_bias" if request.rules.logit_bias else "min_tokens"
+      raise ValueError(f"{name}: {why} logit rules; leave it out, or serve with --speculate=off")
+    if request.grammar is not None:
+      self.check_grammar("grammar")
+
+  def check_grammar(self, name: str) -> None:
+    """ValueError where a request's structured output field `name` cannot run (under speculative decoding)."""
+    if self.speculating:
+      raise ValueError(
+          f"{name}: --speculate={self.engine.config.speculate.mode} verifies drafts without structured output; leave it"
+          " out, or serve with --speculate=off"
+      )
+
   def validate(self, requests: Sequence[Request]) -> list[str | None]:
     """Why each request cannot run (None: it can). ValueError when there is none to run."""
     if not requests:
@@ -90,6 +124,7 @@ class Server:
     for r in requests:
       try:
         self.engine.validate([r.prompt], r.max_new_tokens or 1)
+        self.check(r)
         errors.append(None)
       except ValueError as e:
         errors.append(str(e).replace("prompt 0", "its prompt", 1))  # The engine numbers the prompts of a batch.
@@ -139,6 +174,7 @@ class Run:
     self.cached: dict[int, int] = {}  # Request -> its prompt tokens taken from the prefix cache, once placed.
     self.counters, self.shapes = telemetry.Counters(), set()
     self.insertions = self.steps = self.epochs = 0
+    self.speculated = collections.Counter(drafted=0, accepted=0)  # Draft tokens proposed, and recorded as tokens.
     self.summary: dict = {}
     self.progress = Progress()
     self.jobs: collections.deque = collections.deque()  # Waiting jaxkv.serving.slot_files jobs, first in first out.
@@ -177,13 +213,17 @@ class Run:
   def read(self, loop: decode.DecodeLoop) -> None:
     """Reads the oldest step in flight and ends the requests it ended."""
     step, taken = loop.read()
+    self.took(step.index, taken)
+
+  def took(self, step: int, taken: list[tuple]) -> None:
+    """Step `step` gave `taken` (jaxkv.telemetry.Recorder.record): ends the requests it ended."""
     for r, token, end, _ in taken:
       if self.requests[r].grammar is not None:
         self.requests[r].grammar.consume(token)
       if end is not None:
         self.scheduler.end(r)
     self.progress.tokens += taken
-    self.progress.steps.append(step.index)
+    self.progress.steps.append(step)
 
   def work(self, filler: slots_lib.SlotFiller | None = None) -> None:
     """One unit of the first waiting job (jaxkv.serving.slot_files.Job.advance: at most one prefill chunk) with
@@ -244,6 +284,8 @@ class Run:
     report = dict(self.summary, compiled_shapes=len(self.shapes), epochs=self.epochs, **self.totals)
     if self.server.prefix_cache is not None:
       report["prefix_cache"] = self.server.prefix_cache.summary()
+    if self.server.speculating:
+      report["speculate"] = dict(self.speculated)
     report.update(self.counters.by_device())
     timing = dict(wall_s=wall_s, decode_steps=self.steps, tokens=sum(len(r.tokens) for r in results))
     return ServeResult(results, hashlib.sha256(transcript.encode()).hexdigest(), report, timing)
@@ -259,6 +301,7 @@ class Epoch:
   def __init__(self, run: Run, index: int):
     self.run, self.index, self.engine = run, index, run.server.engine
     self.scheduler = run.scheduler
+    self.speculator = self.engine.speculator() if run.server.speculating else None  # Its slots' drafts.
 
   def serve(self) -> Iterator[Progress]:
     run, eng = self.run, self.engine
@@ -289,11 +332,18 @@ class Epoch:
       for b, r in sched.admit(gen.end):
         gen.drop_pending(state.x)  # Deliveries issued for the next step hold slot b's old rows.
         state = self._enter(gen, loop, filler, state, b, r)
+        if self.speculator is not None:
+          self.speculator.forget(b)
         run.insertions += 1
         run.placed(r, b, self.index, int(gen.start[b]))
       if run.jobs:  # A saved slot's next block (its prefill on the filler's scratch: this cache is left alone).
         run.work(filler)
       need = sched.need()
+      if gen.end <= need and self.speculator is not None:
+        while loop.pending:  # The first tokens of the requests that entered: the drafts start from them.
+          run.read(loop)
+        self._verify(gen, need)
+        continue
       if gen.end <= need:
         state = self._constrain(loop, state)
         state = loop.step(state, sched.owners(), next_pass=gen.end + 1 <= need, run_ahead=False)
@@ -303,6 +353,41 @@ class Epoch:
       elif not loop.pending:
         return
       run.read(loop)
+
+  def _verify(self, gen, need: int) -> None:
+    """One verify pass (jaxkv.spec_decode.verify_pass) of the live slots, each with its own draft: at most k tokens,
+    none on the page's last row, none past the tokens its request wants; records the n tokens every slot advances by
+    (n = the smallest acceptance + 1) as n one-token steps."""
+    run, spec, eng = self.run, self.speculator, self.engine
+    owners = self.scheduler.owners()
+    records = [run.recorder.records.get(r) for r in owners]
+    live = [b for b, rec in enumerate(records) if rec is not None and not rec.done]
+    if not live:  # Every slot's request ended: they free before the next pass.
+      return
+    end, block = gen.end, gen.cache.block
+    page = min(spec.k, block - 2 - end % block)  # Never the page's last row (jaxkv.spec_decode).
+    drafts = {}
+    for b in live:
+      rec, prompt = records[b], run.requests[owners[b]].prompt
+      cap = min(page, rec.max_new_tokens - len(rec.tokens) - 1)
+      drafts[b] = spec.draft(b, list(prompt) + rec.tokens, cap) if cap > 0 else []
+    t = spec.k + 1 if any(drafts.values()) else 1
+    requests = [run.requests[owners[b]] if b in drafts else None for b in range(len(owners))]
+    settings = run.server.sampling(requests)
+    params = jax.tree.map(lambda a: eng.put(a, a.dtype), settings)
+    tokens = np.array([records[b].tokens[-1] if b in drafts else 0 for b in range(len(owners))], np.int32)
+    index = np.array([len(records[b].tokens) if b in drafts else 0 for b in range(len(owners))], np.int32)
+    before = [len(records[b].tokens) for b in live]
+    logits, verified, accepted = spec_decode.verify_pass(eng, gen, tokens, drafts, t, params, index, end + 1 <= need)
+    n = 1 + min(int(accepted[b]) for b in live)
+    for j in range(n):
+      run.took(run.steps, run.recorder.record(owners, np.asarray(logits[:, j], np.float32), verified[:, j]))
+      run.steps += 1
+    gen.end = end + n
+    for b, had in zip(live, before):
+      spec.verified(b, len(drafts[b]), int(accepted[b]), n, verified[b], bool(settings.temperature[b] > 0))
+      if drafts[b]:
+        run.speculated.update(drafted=len(drafts[b]), accepted=len(records[b].tokens) - had - 1)
 
   def _constrain(self, loop: decode.DecodeLoop, state):
     """The state with each row under a grammar allowing what its grammar accepts next: with such a row, the steps in

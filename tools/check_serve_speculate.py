@@ -1,0 +1,130 @@
+"""Check (GPU): speculative decoding in the server (jaxkv.serving.Server with speculate.mode lookup, what
+`python3 -m jaxkv.serve --speculate=lookup` runs) against the same server without it.
+
+Per --placements (kv.placement) one jaxkv.serving.Server of --parallel slots serves --requests requests (random bf16
+weights of --config with --layers layers; prompts of 1/4 to all of --prompt_len tokens, half of them a short random
+phrase repeated; --new_tokens each, greedy) twice, without and with speculation (--config.speculate.k), the second
+serve of each timed, then checks
+
+  tokens:  every request's greedy tokens equal without and with speculation (the logits hashes are reported: a verify
+           pass's bits equal a step's on XLA:CPU, on a GPU not promised),
+
+and reports each arm's tokens/s and decode steps and the lookup's drafted and accepted tokens (random weights follow
+their prompts' repeats only where they fall into loops: how many drafts are accepted, and so the speed, is the
+model's). Prints the pass/fail table last;
+writes the details to --json_out ($OUT/check_serve_speculate.json by default). Run from the repo root:
+
+  python3 tools/check_serve_speculate.py --cpu_devices=0 --config=experiments/llama3_8b.py
+
+A try of the plumbing on the CPU: python3 tools/check_serve_speculate.py --config=experiments/tiny.py --cpu_devices=2
+--layers=2 --prompt_len=40 --new_tokens=24 --requests=6 --parallel=4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from jaxkv.apps import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxkv.apps import launch  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+LAYERS = flags.DEFINE_integer("layers", 8, "model.num_layers (random weights).")
+PLACEMENTS = flags.DEFINE_list("placements", ["device", "host"], "kv.placement of each server.")
+PARALLEL = flags.DEFINE_integer("parallel", 8, "Slots.")
+REQUESTS = flags.DEFINE_integer("requests", 16, "Requests per serve (more than the slots: some join a running batch).")
+PROMPT_LEN = flags.DEFINE_integer("prompt_len", 2048, "The longest prompt's tokens.")
+NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens per request.")
+JSON_OUT = flags.DEFINE_string(
+    "json_out", os.path.join(os.environ.get("OUT", "."), "check_serve_speculate.json"), "Where the details go."
+)
+
+
+def _requests(vocab: int):
+  """Every other prompt a random phrase of 8 tokens repeated (lookup drafts its continuation), the others random."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from jaxkv import serving  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(0)
+  out = []
+  for i in range(REQUESTS.value):
+    n = int(rng.integers(max(1, PROMPT_LEN.value // 4), PROMPT_LEN.value + 1))
+    prompt = np.resize(rng.integers(0, vocab, 8), n) if i % 2 == 0 else rng.integers(0, vocab, n)
+    out.append(serving.Request(tuple(prompt.tolist()), NEW_TOKENS.value, seed=i))
+  return out
+
+
+def _arm(config, mesh, params, placement: str, mode: str, requests) -> dict:
+  from jaxkv import engine as engine_lib  # pylint: disable=g-import-not-at-top
+  from jaxkv import serving  # pylint: disable=g-import-not-at-top
+
+  cfg = dataclasses.replace(
+      config,
+      kv=dataclasses.replace(config.kv, placement=placement),
+      speculate=dataclasses.replace(config.speculate, mode=mode),
+  )
+  res = serving.Server(engine_lib.Engine(cfg, mesh, params), PARALLEL.value).serve(requests)
+  errors = [r.error for r in res.results if r.error]
+  if errors:
+    raise ValueError(f"{placement}/{mode}: rejected requests: {errors[0]}")
+  spec = res.transport.get("speculate", {})
+  return dict(
+      tokens=[r.tokens for r in res.results],
+      logits_sha256=[r.logits_sha256 for r in res.results],
+      tok_s=res.timing["tokens"] / res.timing["wall_s"],
+      decode_steps=res.timing["decode_steps"],
+      drafted=spec.get("drafted", 0),
+      accepted=spec.get("accepted", 0),
+  )
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  launch.check_outputs(JSON_OUT)
+  cli.setup_platform()
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from jaxkv import run  # pylint: disable=g-import-not-at-top
+
+  config = cli.resolved_config()
+  config = dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=LAYERS.value))
+  mesh, params, _ = run.build(config, 0)
+  requests = _requests(config.model.vocab_size)
+  out = dict(command=" ".join(sys.argv), jax=jax.__version__, devices=[str(d) for d in jax.devices()], arms={})
+  t0 = time.perf_counter()
+  checks = []
+  for placement in PLACEMENTS.value:
+    plain = _arm(config, mesh, params, placement, "off", requests)  # Its first serve compiles; the second is timed.
+    plain = _arm(config, mesh, params, placement, "off", requests)
+    _arm(config, mesh, params, placement, "lookup", requests)
+    spec = _arm(config, mesh, params, placement, "lookup", requests)
+    out["arms"][placement] = dict(plain=plain, lookup=spec)
+    same = [a == b for a, b in zip(plain["tokens"], spec["tokens"])]
+    same_logits = sum(a == b for a, b in zip(plain["logits_sha256"], spec["logits_sha256"]))
+    checks.append((f"{placement} tokens", all(same), f"{sum(same)}/{len(same)} equal, logits {same_logits} equal"))
+    print(
+        f"{placement}: plain {plain['tok_s']:.1f} tok/s ({plain['decode_steps']} steps), lookup "
+        f"{spec['tok_s']:.1f} tok/s ({spec['decode_steps']} token steps, {spec['accepted']} of {spec['drafted']} drafts "
+        f"accepted), x{spec['tok_s'] / plain['tok_s']:.2f}",
+        flush=True,
+    )
+  out["checks"] = {name: dict(ok=ok, detail=detail) for name, ok, detail in checks}
+  out["total_s"] = time.perf_counter() - t0
+  launch.write_json(out, JSON_OUT.value)
+  print(f"\n{'check':<18} {'result':<6} detail")
+  for name, ok, detail in checks:
+    print(f"{name:<18} {'PASS' if ok else 'FAIL':<6} {detail}")
+  print(f"wrote {JSON_OUT.value}")
+
+
+if __name__ == "__main__":
+  cli.run(main, {}, __doc__)
