@@ -35,6 +35,7 @@ from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv import sampling as sampling_lib
+from jaxkv import self_draft
 from jaxkv import spec_decode
 from jaxkv import speculate
 from jaxkv import telemetry
@@ -291,14 +292,20 @@ class Engine:
     config.speculate's."""
     self.validate(prompts, max_new_tokens, zero_rows)
     cfg, speculator = self.config, self._speculator(drafter)
-    gen = self.start(len(prompts), counters=telemetry.Counters(cfg.kv.transport_debug, on_chunk))
-    # The record's clock starts here: prefill_s does not count the cache's start (the host's share measured).
-    rec = telemetry.Recorder(cfg.sampling.stop_ids, step_hash=True, keep_logits=keep_logits)
+    if speculator is not None:  # A drafter's own cache (jaxkv.self_draft) first: the run's placement plans around it.
+      speculator.begin(prompts, zero_rows)
     try:
-      return self._generate(gen, rec, prompts, max_new_tokens, seed, on_step, zero_rows, speculator)
+      gen = self.start(len(prompts), counters=telemetry.Counters(cfg.kv.transport_debug, on_chunk))
+      # The record's clock starts here: prefill_s does not count the cache's start (the host's share measured).
+      rec = telemetry.Recorder(cfg.sampling.stop_ids, step_hash=True, keep_logits=keep_logits)
+      try:
+        return self._generate(gen, rec, prompts, max_new_tokens, seed, on_step, zero_rows, speculator)
+      finally:
+        gen.close()
+        rec.close()
     finally:
-      gen.close()
-      rec.close()
+      if speculator is not None:
+        speculator.close()
 
   def start(self, batch: int, *, kv=None, counters=None, shapes=None) -> Generation:
     """A generation of `batch` sequences: a fresh cache placed as `kv` says (default config.kv; residency.place
@@ -516,7 +523,8 @@ class Engine:
       return drafter if isinstance(drafter, spec_decode.Speculator) else spec_decode.Speculator(drafter, s.k)
     if s.mode == "off":
       return None
-    return spec_decode.Speculator(speculate.PromptLookup(), s.k, speculate.Switch())
+    drafter = self_draft.SelfDraft(self) if s.mode == "self" else speculate.PromptLookup()
+    return spec_decode.Speculator(drafter, s.k, speculate.Switch())
 
   def _generate(
       self, gen: Generation, rec, prompts, max_new_tokens, seed, on_step, zero_rows, speculator

@@ -47,6 +47,7 @@ class Stats:
   switched_off: int = 0
   histogram: list[int] = dataclasses.field(default_factory=list)
   decode_s: float = 0.0
+  draft: dict | None = None  # The drafter's own telemetry (Speculator.summary), where it has one.
 
   def summary(self) -> dict:
     """For the telemetry: the counts, tokens per pass, accepted tokens per verify (mean), and tok/s of the loop."""
@@ -63,12 +64,14 @@ class Stats:
         accepted_histogram=list(self.histogram),
         switched_off=self.switched_off,
         tok_s=self.tokens / self.decode_s if self.decode_s else None,
+        **({} if self.draft is None else dict(draft=self.draft)),
     )
 
 
 class Speculator:
-  """A drafter (jaxkv.speculate: propose(b, history, k)) with its switch, and each sequence's verified tokens not yet
-  recorded (`pending`, the head of its next draft)."""
+  """A drafter (jaxkv.speculate: propose(b, history, k); or one that drafts the batch at once over a cache of its
+  own, jaxkv.self_draft.SelfDraft: begin, propose_batch, close, summary) with its switch, and each sequence's verified
+  tokens not yet recorded (`pending`, the head of its next draft)."""
 
   def __init__(self, drafter, k: int, switch: Switch | None = None):
     self.drafter, self.k, self.switch = drafter, k, switch
@@ -80,6 +83,33 @@ class Speculator:
     if len(head) < cap and (self.switch is None or self.switch.on(b)):
       head = head + list(self.drafter.propose(b, history + head, cap - len(head)))[: cap - len(head)]
     return head
+
+  def drafts(self, histories: dict[int, list[int]], cap: int, end: int) -> dict[int, list[int]]:
+    """Each live row's draft of at most cap tokens (histories[b]: its prompt and recorded tokens, the last at row
+    `end`): its pending tokens, then the drafter's where its switch is on; a batch drafter proposes for every row in
+    one call."""
+    if not hasattr(self.drafter, "propose_batch"):
+      return {b: self.draft(b, h, cap) for b, h in histories.items()}
+    heads = {b: self.pending.get(b, [])[:cap] for b in histories}
+    wants = {b: cap - len(heads[b]) if self.switch is None or self.switch.on(b) else 0 for b in histories}
+    if not any(wants.values()):
+      return heads
+    more = self.drafter.propose_batch({b: h + heads[b] for b, h in histories.items()}, wants, end)
+    return {b: heads[b] + more[b][: wants[b]] for b in histories}
+
+  def begin(self, prompts: Sequence[Sequence[int]], zero_rows: int = 0) -> None:
+    """Before the run's prefill (Engine.generate's prompts and zero_rows): a drafter with a cache of its own fills
+    it."""
+    if hasattr(self.drafter, "begin"):
+      self.drafter.begin(prompts, zero_rows)
+
+  def close(self) -> None:
+    if hasattr(self.drafter, "close"):
+      self.drafter.close()
+
+  def summary(self) -> dict | None:
+    """The drafter's telemetry (a drafter with a cache of its own), else None."""
+    return self.drafter.summary() if hasattr(self.drafter, "summary") else None
 
   def idle_passes(self, b: int) -> int:
     """Passes for which row b certainly drafts nothing: switched off, nothing pending (0 where it may draft)."""
@@ -136,7 +166,8 @@ def run(
       continue
     end = gen.end
     cap = min(k, block - 2 - end % block, remaining - 1)  # Never the page's last row; never past the tokens wanted.
-    drafts = {b: speculator.draft(b, list(prompts[b]) + records[b].tokens, cap) if cap > 0 else [] for b in live}
+    histories = {b: list(prompts[b]) + records[b].tokens for b in live}
+    drafts = speculator.drafts(histories, cap, end) if cap > 0 else {b: [] for b in live}
     t = k + 1 if any(drafts.values()) else 1
     tokens = np.array([[r.tokens[-1] if r.tokens else 0] for r in records], np.int32)
     proposed = np.zeros((batch, t - 1), np.int32)
@@ -171,4 +202,5 @@ def run(
     gen.add_counters("decode", issued + Issued(calls=VERIFY_CALLS))
   stats.decode_s = time.perf_counter() - t0
   stats.switched_off = 0 if speculator.switch is None else speculator.switch.switched_off
+  stats.draft = speculator.summary()
   return stats
