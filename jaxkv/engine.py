@@ -292,20 +292,14 @@ class Engine:
     config.speculate's."""
     self.validate(prompts, max_new_tokens, zero_rows)
     cfg, speculator = self.config, self._speculator(drafter)
-    if speculator is not None:  # A drafter's own cache (jaxkv.self_draft) first: the run's placement plans around it.
-      speculator.begin(prompts, zero_rows)
+    gen = self.start(len(prompts), counters=telemetry.Counters(cfg.kv.transport_debug, on_chunk))
+    # The record's clock starts here: prefill_s does not count the cache's start (the host's share measured).
+    rec = telemetry.Recorder(cfg.sampling.stop_ids, step_hash=True, keep_logits=keep_logits)
     try:
-      gen = self.start(len(prompts), counters=telemetry.Counters(cfg.kv.transport_debug, on_chunk))
-      # The record's clock starts here: prefill_s does not count the cache's start (the host's share measured).
-      rec = telemetry.Recorder(cfg.sampling.stop_ids, step_hash=True, keep_logits=keep_logits)
-      try:
-        return self._generate(gen, rec, prompts, max_new_tokens, seed, on_step, zero_rows, speculator)
-      finally:
-        gen.close()
-        rec.close()
+      return self._generate(gen, rec, prompts, max_new_tokens, seed, on_step, zero_rows, speculator)
     finally:
-      if speculator is not None:
-        speculator.close()
+      gen.close()
+      rec.close()
 
   def start(self, batch: int, *, kv=None, counters=None, shapes=None) -> Generation:
     """A generation of `batch` sequences: a fresh cache placed as `kv` says (default config.kv; residency.place

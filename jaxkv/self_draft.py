@@ -3,12 +3,15 @@ cache, an int4 copy of the KV (config.SELF_DRAFT_KV_DTYPE, jaxkv.kv_quant) resid
 cache streams; jaxkv.spec_decode verifies the drafts on the exact cache.
 
 The draft generation is a second engine on the same weights, mesh and layout whose kv is int4 with placement device
-(`draft_config`), batch as the run's. It is filled by its own prefill of the prompts, before the run's (`begin`):
-the exact cache's rows never leave pinned host memory for it, a prefill's compute is what a device-resident cache
-costs, and the rows are those of a plain int4 run. Each pass (`propose_batch`) runs one-token steps on it, the plain
-decode programs of an int4 device cache (jaxkv.decode.decode_pass) with a greedy argmax on the device between them
-(`_next_fn`; no sampling state): first the verified tokens it lacks, then each row's known tokens (its last recorded
-one and its pending ones), then its own drafts; the tokens go back to the host once, after the last step.
+(`draft_config`), batch as the run's. It is filled after the run's prefill (`begin`) by quantizing the exact cache's
+rows, layer by layer (`_quantize_fn`: each window moved to the devices once, unpacked and packed as int4; the open
+pages likewise): one read of the exact cache over the link and no model compute, where a second prefill would
+compute the prompt again (its attention quadratic in the context: minutes at 1M); and each row is the int4 of the
+exact row, closer to it than an int4 prefill's rows (whose attention already reads int4 rows). Each pass
+(`propose_batch`) runs one-token steps on it, the plain decode programs of an int4 device cache
+(jaxkv.decode.decode_pass) with a greedy argmax on the device between them (`_next_fn`; no sampling state): first
+the verified tokens it lacks, then each row's known tokens (its last recorded one and its pending ones), then its
+own drafts; the tokens go back to the host once, after the last step.
 
 Rollback: the draft cache's `end` moves back to the exact cache's (rows below it hold verified tokens); the rows of
 accepted drafts are the draft's own (a draft step wrote each accepted token at its row from the rows below it, as a
@@ -30,10 +33,12 @@ import numpy as np
 
 from jaxkv import cache as cache_lib
 from jaxkv import decode
+from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv import residency
 from jaxkv.config import SELF_DRAFT_KV_DTYPE, Config
+from jaxkv.kv_quant import KVFormat
 
 
 def draft_config(config: Config) -> Config:
@@ -75,6 +80,18 @@ def check_fits(config: Config, layout, batch: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _quantize_fn(cfg, kv_dtype: str, rows: int, sharding: jax.sharding.Sharding):
+  def quantize(stored):
+    """stored [2, B, K, A, E] in kv_dtype, rows [W - A, W) -> [2, B, K, rows, E'] in int4, rows [W - rows, W) (rows
+    >= W: the rows dropped or added in front are start padding, zeros)."""
+    src, dst = KVFormat.of(cfg, kv_dtype), KVFormat.of(cfg, SELF_DRAFT_KV_DTYPE)
+    x = stored if src.name == dst.name else dst.pack(src.unpack(stored))
+    return cache_lib.pad_front(x[:, :, :, max(x.shape[3] - rows, 0) :], rows)
+
+  return jax.jit(quantize, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
 def _next_fn(cfg, sharding: jax.sharding.Sharding):
   def nxt(top, y, forced, force):
     """y [B, D], a draft step's output -> the next step's tokens i32[B] (forced i32[B] where force bool[B], else y's
@@ -93,22 +110,29 @@ class SelfDraft:
   def __init__(self, engine):
     self.engine = type(engine)(draft_config(engine.config), engine.mesh, engine.params, engine.layout)
     self.gen = None
-    self.bytes_per_device, self.prefill_s, self.steps, self.caught_up = 0, 0.0, 0, 0
+    self.bytes_per_device, self.fill_s, self.steps, self.caught_up = 0, 0.0, 0, 0
 
-  def begin(self, prompts, zero_rows: int = 0) -> None:
-    """Allocates the draft cache and prefills the prompts into it (zero_rows: as Engine.generate's); ValueError where
-    it does not fit the devices' free memory less kv.headroom_mib."""
-    eng = self.engine
-    need = check_fits(eng.config, eng.layout, len(prompts))
+  def begin(self, gen) -> None:
+    """After the run's prefill, generation `gen` (jaxkv.engine.Generation, prefilled): the draft cache gets the int4
+    quantization of its rows, and its start and end; ValueError where it does not fit (check_fits)."""
+    eng, exact = self.engine, gen.cache
+    self.bytes_per_device = check_fits(eng.config, eng.layout, len(gen.start))
     t0 = time.perf_counter()
-    self.gen, self.bytes_per_device = eng.start(len(prompts)), need
-    try:
-      x, _, _ = eng.prefill_prompts(self.gen, prompts, next_pass=False, zero_rows=zero_rows)
-      jax.block_until_ready(x)
-    except BaseException:
-      self.close()
-      raise
-    self.prefill_s = time.perf_counter() - t0
+    self.gen = eng.start(len(gen.start))
+    draft = self.gen.cache
+    fmt = exact.kv.dtype
+    for l in range(exact.model.num_layers):
+      window = exact.windows[l]
+      if window is not None:
+        if exact.streamed[l]:
+          window = exact.full_window(l, distributed.move(window, exact.device_shardings[l]))
+        draft.windows[l] = _quantize_fn(exact.model, fmt, draft.window_rows(exact.rows), draft.device_shardings[l])(
+            window
+        )
+      draft.opens[l] = _quantize_fn(exact.model, fmt, exact.block, draft.device_shardings[l])(exact.opens[l])
+      jax.block_until_ready(draft.opens[l])  # One layer's exact window on the devices at a time.
+    draft.rows, self.gen.start, self.gen.end = exact.rows, gen.start.copy(), gen.end
+    self.fill_s = time.perf_counter() - t0
 
   def propose_batch(self, histories: dict[int, list[int]], wants: dict[int, int], end: int) -> dict[int, list[int]]:
     """Row b's greedy continuation of histories[b] (its prompt, recorded tokens and pending ones), wants[b] tokens,
@@ -141,12 +165,12 @@ class SelfDraft:
       self.gen = None
 
   def summary(self) -> dict:
-    """The draft cache's KV dtype and device bytes per device, its prefill's seconds, the draft steps run and, of
-    them, those that wrote verified tokens it lacked."""
+    """The draft cache's KV dtype and device bytes per device, the seconds its fill took, the draft steps run and,
+    of them, those that wrote verified tokens it lacked."""
     return dict(
         kv_dtype=SELF_DRAFT_KV_DTYPE,
         bytes_per_device=self.bytes_per_device,
-        prefill_s=self.prefill_s,
+        fill_s=self.fill_s,
         steps=self.steps,
         caught_up=self.caught_up,
     )

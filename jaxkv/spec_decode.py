@@ -97,11 +97,10 @@ class Speculator:
     more = self.drafter.propose_batch({b: h + heads[b] for b, h in histories.items()}, wants, end)
     return {b: heads[b] + more[b][: wants[b]] for b in histories}
 
-  def begin(self, prompts: Sequence[Sequence[int]], zero_rows: int = 0) -> None:
-    """Before the run's prefill (Engine.generate's prompts and zero_rows): a drafter with a cache of its own fills
-    it."""
+  def begin(self, gen) -> None:
+    """After the run's prefill (its generation `gen`): a drafter with a cache of its own fills it."""
     if hasattr(self.drafter, "begin"):
-      self.drafter.begin(prompts, zero_rows)
+      self.drafter.begin(gen)
 
   def close(self) -> None:
     if hasattr(self.drafter, "close"):
@@ -145,6 +144,14 @@ def run(
   """Decodes generation `gen` (jaxkv.engine.Generation, its first tokens recorded) speculatively until every owner's
   record is done (jaxkv.telemetry.Recorder); row b is owners[b]'s, prompts[b] its prompt, sampled as
   engine.sampling(B, seed) says. on_step(step, cache) after each recorded token step. Returns the Stats."""
+  speculator.begin(gen)
+  try:
+    return _run(engine, gen, recorder, owners, prompts, speculator, seed, on_step)
+  finally:
+    speculator.close()
+
+
+def _run(engine, gen, recorder, owners, prompts, speculator, seed: int, on_step) -> Stats:
   cache, block, k = gen.cache, gen.cache.block, speculator.k
   batch, stats = len(owners), Stats(k, histogram=[0] * (k + 1))
   records = [recorder.records[o] for o in owners]

@@ -1,11 +1,13 @@
 """Self-speculation (jaxkv.self_draft, speculate.mode self): drafts from the model over an int4 copy of the KV on the
 device, verified on the exact cache, give the tokens and logits of plain greedy decode (device and host placements,
-batch 1 and 2); over an exact cache that is itself int4 on the device every draft is accepted (the draft cache holds
-the exact cache's rows after every rollback); how a batch drafter gets its rows' drafts; what it refuses."""
+batch 1 and 2); the copy is the int4 of the exact rows; over an exact cache that is itself int4 on the device every
+draft is accepted (the draft cache holds the exact cache's rows after every rollback); how a batch drafter gets its
+rows' drafts; what it refuses."""
 
 import dataclasses
 
 import helpers
+import jax
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from jaxkv import preflight
 from jaxkv import self_draft
 from jaxkv import spec_decode
 from jaxkv import speculate
+from jaxkv.kv_quant import KVFormat
 
 NEW = 30  # Tokens per sequence: over three of the tiny config's 8-row pages past the prompts.
 K = 4
@@ -46,7 +49,33 @@ def test_self_speculation_gives_the_tokens_and_logits_of_plain_greedy_decode(pla
   assert s["verify_passes"] > 0 and s["accepted"] > 0 and s["tokens_per_pass"] > 1.5, s
   d = s["draft"]
   assert d["kv_dtype"] == "int4" and d["bytes_per_device"] == self_draft.cache_bytes(eng.config, eng.layout, batch)
-  assert d["steps"] >= s["drafted"] // batch and d["prefill_s"] > 0, d
+  assert d["steps"] >= s["drafted"] // batch and d["fill_s"] > 0, d
+
+
+def test_the_draft_cache_holds_the_int4_of_the_exact_rows():
+  """After a prefill of two prompts into a streamed cache (its windows in pinned host memory, exact), the draft cache
+  holds each layer's rows packed as int4 (its windows at their bucketed allocation, zero rows in front), its open
+  pages likewise, and the exact cache's rows, start and end."""
+  eng = helpers.engine(1, cfg=CFG, placement="host", depth=2)
+  gen = eng.start(2)
+  try:
+    eng.prefill_prompts(gen, helpers.prompts([30, 21]), next_pass=False)
+    drafter = self_draft.SelfDraft(eng)
+    drafter.begin(gen)
+  finally:
+    gen.close()
+  draft, exact = drafter.gen.cache, gen.cache
+  int4 = lambda stored: np.asarray(jax.jit(KVFormat.of(CFG.model, "int4").pack)(np.asarray(stored)))
+  assert draft.rows == exact.rows == 24 and drafter.gen.end == gen.end == 30
+  np.testing.assert_array_equal(drafter.gen.start, gen.start)
+  a_rows = draft.window_rows(24)
+  assert a_rows > 24 and draft.kv.dtype == "int4" and not any(draft.streamed)
+  for l in range(CFG.model.num_layers):
+    window = np.asarray(draft.windows[l])
+    np.testing.assert_array_equal(window[:, :, :, a_rows - 24 :], int4(exact.windows[l]))
+    assert not window[:, :, :, : a_rows - 24].any()
+    np.testing.assert_array_equal(np.asarray(draft.opens[l]), int4(exact.opens[l]))
+  drafter.close()
 
 
 def test_drafts_over_an_exact_int4_copy_are_all_accepted():
@@ -91,7 +120,7 @@ def test_a_batch_drafter_gets_each_row_s_history_with_its_pending_tokens():
 
 def test_self_speculation_refuses_what_it_cannot_run(monkeypatch):
   """A head_dim that int4 does not quantize (the config); a draft cache larger than the free device memory less the
-  headroom (the prompts' check before the weights are built, and the run before its prefill)."""
+  headroom (the prompts' check before the weights are built, and the run before it fills the draft cache)."""
   with pytest.raises(ValueError, match="model.head_dim must be a multiple of 32, got 16; use --speculate=lookup"):
     dataclasses.replace(helpers.tiny_config(), speculate=config_lib.SpeculateConfig(mode="self"))
   eng = _self(helpers.engine(1, cfg=CFG))

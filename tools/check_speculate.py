@@ -25,8 +25,9 @@ root:
 The issue's 128k target: --context=131072 (its streamed windows come in chunks of kv.delivery_chunk_mib, jaxkv.chunked,
 at the defaults). Through host attention: --plain=host_d2_ha.
 
-A try of the plumbing on the CPU (the speed checks mean nothing there): python3 tools/check_speculate.py
---config=experiments/tiny.py --context=64 --new_tokens=24 --rounds=1 --bench_args=--cpu_devices=2
+A try of the plumbing on the CPU (the speed checks mean nothing there; head_dim 32, which int4 quantizes):
+python3 tools/check_speculate.py --config=experiments/tiny.py --context=64 --new_tokens=24 --rounds=1
+--bench_args="--cpu_devices=2 --config.model.head_dim=32"
 """
 
 from __future__ import annotations
