@@ -15,6 +15,10 @@ tokens at or after it, each of which first writes it) and are written again befo
 window only when the open page fills, which a one-token step does: a verify pass never accepts the page's last row
 (its drafts stop two rows before the page's end), so the page grows as in the plain loop and no stored row is ever
 a rejected one. A pass with no drafts (none found, switched off, the page's last rows) is a one-token step.
+
+A drafter with a cache of its own (jaxkv.self_draft) fills it after the prefill (Speculator.begin), drafts every live
+row in one call (Speculator.drafts: each row's history with its pending tokens, the tokens it wants, and `end`, below
+which the rows are verified: its own rows from `end` on held drafts) and is closed after the run.
 """
 
 from __future__ import annotations
