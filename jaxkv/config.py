@@ -431,8 +431,8 @@ def check_speculate(config: Config) -> None:
   block = KV_BLOCKS[SELF_DRAFT_KV_DTYPE]
   if config.speculate.mode == "self" and config.model.head_dim % block:
     raise ValueError(
-        f"{mode} keeps a {SELF_DRAFT_KV_DTYPE} copy of the KV ({block}-value blocks along head_dim): model.head_dim "
-        f"must be a multiple of {block}, got {config.model.head_dim}; use --speculate=lookup"
+        f"{mode} drafts over a copy of the KV in {SELF_DRAFT_KV_DTYPE} ({block}-value blocks along head_dim): "
+        f"model.head_dim must be a multiple of {block}, got {config.model.head_dim}; use --speculate=lookup"
     )
 
 

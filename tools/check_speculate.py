@@ -192,8 +192,8 @@ def self_check(arms: dict) -> dict:
   return dict(
       name=name,
       passed=same and draft.get("bytes_per_device", 0) > 0,
-      detail=f"tokens {'equal' if same else 'DIFFER'}; draft cache {draft.get('bytes_per_device', 0) / 2**20:.0f} MiB "
-      f"per device ({draft.get('kv_dtype')}), prefill {draft.get('prefill_s', 0):.2f} s, {draft.get('steps')} draft "
+      detail=f"tokens {'equal' if same else 'DIFFER'}; draft cache {draft.get('bytes_per_device', 0) / 2**20:.1f} "
+      f"MiB per device ({draft.get('kv_dtype')}), filled in {draft.get('fill_s', 0):.2f} s, {draft.get('steps')} draft "
       f"steps; {s['accepted_per_verify']:.2f} accepted per verify, {s['tokens_per_pass']:.2f} tokens per pass, "
       f"{ratio:.2f}x {_plain()}'s tokens/s",
   )

@@ -244,8 +244,8 @@ def _report(out: dict, json_out: str | None) -> None:
     if "draft" in s:
       d = s["draft"]
       print(
-          f"draft cache: {d['kv_dtype']} on the device, {d['bytes_per_device'] / 2**20:.1f} MiB per device, prefilled "
-          f"in {d['prefill_s']:.2f} s, {d['steps']} draft steps"
+          f"draft cache: {d['kv_dtype']} on the device, {d['bytes_per_device'] / 2**20:.1f} MiB per device, filled in "
+          f"{d['fill_s']:.2f} s, {d['steps']} draft steps"
       )
   print(_compilation_line(out["compilation"]))
   launch.write_json(out, json_out)
