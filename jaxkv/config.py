@@ -365,8 +365,7 @@ class SpeculateConfig:
 
   mode: str = field(
       "off",
-      "off; lookup: verify drafts from n-gram matches in the sequence's own text in one pass; self: drafts from the "
-      "same model over a device-resident int4 copy of the KV (jaxkv.self_draft).",
+      "off; lookup: drafts from n-grams in the sequence's own text; self: from the model over an int4 KV copy.",
       SPECULATE_MODES,
   )
   k: int = field(8, "Draft tokens per sequence and pass: a verify pass scores k + 1 positions.")

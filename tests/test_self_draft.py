@@ -52,28 +52,35 @@ def test_self_speculation_gives_the_tokens_and_logits_of_plain_greedy_decode(pla
   assert d["steps"] >= s["drafted"] // batch and d["fill_s"] > 0, d
 
 
-def test_the_draft_cache_holds_the_int4_of_the_exact_rows():
-  """After a prefill of two prompts into a streamed cache (its windows in pinned host memory, exact), the draft cache
-  holds each layer's rows packed as int4 (its windows at their bucketed allocation, zero rows in front), its open
-  pages likewise, and the exact cache's rows, start and end."""
-  eng = helpers.engine(1, cfg=CFG, placement="host", depth=2)
+@pytest.mark.parametrize("host_attention", [False, True])
+def test_the_draft_cache_holds_the_int4_of_the_exact_rows(host_attention):
+  """After a prefill of two prompts into a streamed cache (its windows in pinned host memory, exact; with host
+  attention, the rows below the split row apart), the draft cache holds each layer's rows packed as int4 (its windows
+  at their bucketed allocation, zero rows in front), its open pages likewise, and the exact cache's rows, start and
+  end."""
+  fraction = 0.25 if host_attention else 0.0
+  eng = helpers.engine(
+      1, cfg=CFG, placement="host", depth=2, host_attention=host_attention, host_attention_fraction=fraction
+  )
   gen = eng.start(2)
   try:
-    eng.prefill_prompts(gen, helpers.prompts([30, 21]), next_pass=False)
+    eng.prefill_prompts(gen, helpers.prompts([46, 37]), next_pass=False)
     drafter = self_draft.SelfDraft(eng)
     drafter.begin(gen)
   finally:
     gen.close()
   draft, exact = drafter.gen.cache, gen.cache
   int4 = lambda stored: np.asarray(jax.jit(KVFormat.of(CFG.model, "int4").pack)(np.asarray(stored)))
-  assert draft.rows == exact.rows == 24 and drafter.gen.end == gen.end == 30
+  assert draft.rows == exact.rows == 40 and drafter.gen.end == gen.end == 46
+  assert (exact.head_rows(0) == 8) == host_attention
   np.testing.assert_array_equal(drafter.gen.start, gen.start)
-  a_rows = draft.window_rows(24)
-  assert a_rows > 24 and draft.kv.dtype == "int4" and not any(draft.streamed)
+  a_rows = draft.window_rows(40)
+  assert a_rows > 40 and draft.kv.dtype == "int4" and not any(draft.streamed)
   for l in range(CFG.model.num_layers):
+    rows = [a for a in (exact.heads[l], exact.windows[l]) if a is not None]
     window = np.asarray(draft.windows[l])
-    np.testing.assert_array_equal(window[:, :, :, a_rows - 24 :], int4(exact.windows[l]))
-    assert not window[:, :, :, : a_rows - 24].any()
+    np.testing.assert_array_equal(window[:, :, :, a_rows - 40 :], int4(np.concatenate(rows, axis=3)))
+    assert not window[:, :, :, : a_rows - 40].any()
     np.testing.assert_array_equal(np.asarray(draft.opens[l]), int4(exact.opens[l]))
   drafter.close()
 
