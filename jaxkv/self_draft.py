@@ -104,7 +104,7 @@ def _next_fn(cfg, sharding: jax.sharding.Sharding):
 
 
 class SelfDraft:
-  """The self-speculation drafter of an engine (module docstring), for jaxkv.spec_decode.Speculator: `begin` before
+  """The self-speculation drafter of an engine (module docstring), for jaxkv.spec_decode.Speculator: `begin` after
   the run's prefill, `propose_batch` each pass, `close` after the run; `summary` for the telemetry."""
 
   def __init__(self, engine):
@@ -136,7 +136,7 @@ class SelfDraft:
 
   def propose_batch(self, histories: dict[int, list[int]], wants: dict[int, int], end: int) -> dict[int, list[int]]:
     """Row b's greedy continuation of histories[b] (its prompt, recorded tokens and pending ones), wants[b] tokens,
-    for every row of `histories` (the others' steps write token 0); the exact cache holds verified rows below `end`,
+    for every row of `histories` (the other rows' steps write token 0, then their own tokens); the exact cache holds verified rows below `end`,
     the row of the last recorded token. Returns {b: up to wants[b] tokens}."""
     eng, gen = self.engine, self.gen
     batch = len(gen.start)

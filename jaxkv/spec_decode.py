@@ -148,8 +148,8 @@ def run(
   """Decodes generation `gen` (jaxkv.engine.Generation, its first tokens recorded) speculatively until every owner's
   record is done (jaxkv.telemetry.Recorder); row b is owners[b]'s, prompts[b] its prompt, sampled as
   engine.sampling(B, seed) says. on_step(step, cache) after each recorded token step. Returns the Stats."""
-  speculator.begin(gen)
   try:
+    speculator.begin(gen)
     return _run(engine, gen, recorder, owners, prompts, speculator, seed, on_step)
   finally:
     speculator.close()
