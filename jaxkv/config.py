@@ -26,7 +26,8 @@ KV_BLOCKS = {"int8": INT8_BLOCK, "int4": INT4_BLOCK}  # The KV dtypes with a sca
 
 
 ROPE_TYPES = ("llama3", "yarn")
-SPECULATE_MODES = ("off", "lookup")  # speculate.mode (jaxkv.speculate's drafters).
+SPECULATE_MODES = ("off", "lookup", "self")  # speculate.mode (jaxkv.speculate's drafters, jaxkv.self_draft).
+SELF_DRAFT_KV_DTYPE = "int4"  # speculate.mode self: the KV dtype of the draft's device-resident copy of the cache.
 
 
 def field(default, text: str, choices: tuple[str, ...] | None = None):
@@ -364,7 +365,7 @@ class SpeculateConfig:
 
   mode: str = field(
       "off",
-      "off, or lookup: verify drafts from n-gram matches in the sequence's own text in one pass.",
+      "off; lookup: drafts from n-grams in the sequence's own text; self: from the model over an int4 KV copy.",
       SPECULATE_MODES,
   )
   k: int = field(8, "Draft tokens per sequence and pass: a verify pass scores k + 1 positions.")
@@ -416,7 +417,8 @@ SECTIONS = {
 
 def check_speculate(config: Config) -> None:
   """Raises ValueError where speculative decoding cannot run with the config: it verifies drafts without penalties
-  (the counts they read would change along a draft) with end-anchored leaves (not the legacy attention)."""
+  (the counts they read would change along a draft) with end-anchored leaves (not the legacy attention); mode self
+  also needs a head_dim that its int4 copy of the KV quantizes."""
   s, mode = config.sampling, f"--speculate={config.speculate.mode}"
   if s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0:
     raise ValueError(
@@ -425,6 +427,12 @@ def check_speculate(config: Config) -> None:
     )
   if config.engine.decode_attention == "legacy":
     raise ValueError(f"{mode} needs engine.decode_attention auto, xla or pallas (not legacy), or --speculate=off")
+  block = KV_BLOCKS[SELF_DRAFT_KV_DTYPE]
+  if config.speculate.mode == "self" and config.model.head_dim % block:
+    raise ValueError(
+        f"{mode} drafts over a copy of the KV in {SELF_DRAFT_KV_DTYPE} ({block}-value blocks along head_dim): "
+        f"model.head_dim must be a multiple of {block}, got {config.model.head_dim}; use --speculate=lookup"
+    )
 
 
 def _build(cls, d: dict[str, Any], where: str):

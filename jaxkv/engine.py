@@ -35,6 +35,7 @@ from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv import sampling as sampling_lib
+from jaxkv import self_draft
 from jaxkv import spec_decode
 from jaxkv import speculate
 from jaxkv import telemetry
@@ -520,7 +521,8 @@ class Engine:
       return drafter if isinstance(drafter, spec_decode.Speculator) else spec_decode.Speculator(drafter, s.k)
     if s.mode == "off":
       return None
-    return spec_decode.Speculator(speculate.PromptLookup(), s.k, speculate.Switch())
+    drafter = self_draft.SelfDraft(self) if s.mode == "self" else speculate.PromptLookup()
+    return spec_decode.Speculator(drafter, s.k, speculate.Switch())
 
   def _generate(
       self, gen: Generation, rec, prompts, max_new_tokens, seed, on_step, zero_rows, speculator

@@ -26,6 +26,7 @@ from jaxkv import config as config_lib
 from jaxkv import engine as engine_lib
 from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
+from jaxkv import self_draft
 from jaxkv import tokenizer as tokenizer_lib
 from jaxkv.host import memory
 
@@ -201,10 +202,13 @@ def check_device_budget(budget_gib: float | None, devices: Sequence[jax.Device])
 
 
 def check_prompts(job: Job, prompts: Sequence[Sequence[int]], max_new_tokens: int, zero_rows: int = 0) -> None:
-  """Prompts and max_new_tokens against the capacity, the vocabulary and the model's positions; on CPU devices the
-  weights and their cache against the host's RAM."""
+  """Prompts and max_new_tokens against the capacity, the vocabulary and the model's positions; with
+  --speculate=self, its draft cache against the devices' free memory; on CPU devices the weights and their cache
+  against the host's RAM."""
   with input_errors():
     engine_lib.check_input(job.config, prompts, max_new_tokens, zero_rows)
+    if job.config.speculate.mode == "self":
+      self_draft.check_fits(job.config, job.layout, len(prompts))
   last = max(len(p) for p in prompts) + max_new_tokens - 1
   if job.max_positions is not None and last > job.max_positions:
     raise InputError(

@@ -15,6 +15,10 @@ tokens at or after it, each of which first writes it) and are written again befo
 window only when the open page fills, which a one-token step does: a verify pass never accepts the page's last row
 (its drafts stop two rows before the page's end), so the page grows as in the plain loop and no stored row is ever
 a rejected one. A pass with no drafts (none found, switched off, the page's last rows) is a one-token step.
+
+A drafter with a cache of its own (jaxkv.self_draft) fills it after the prefill (Speculator.begin), drafts every live
+row in one call (Speculator.drafts: each row's history with its pending tokens, the tokens it wants, and `end`, below
+which the rows are verified: its own rows from `end` on held drafts) and is closed after the run.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class Stats:
   switched_off: int = 0
   histogram: list[int] = dataclasses.field(default_factory=list)
   decode_s: float = 0.0
+  draft: dict | None = None  # The drafter's own telemetry (Speculator.summary), where it has one.
 
   def summary(self) -> dict:
     """For the telemetry: the counts, tokens per pass, accepted tokens per verify (mean), and tok/s of the loop."""
@@ -63,12 +68,14 @@ class Stats:
         accepted_histogram=list(self.histogram),
         switched_off=self.switched_off,
         tok_s=self.tokens / self.decode_s if self.decode_s else None,
+        **({} if self.draft is None else dict(draft=self.draft)),
     )
 
 
 class Speculator:
-  """A drafter (jaxkv.speculate: propose(b, history, k)) with its switch, and each sequence's verified tokens not yet
-  recorded (`pending`, the head of its next draft)."""
+  """A drafter (jaxkv.speculate: propose(b, history, k); or one that drafts the batch at once over a cache of its
+  own, jaxkv.self_draft.SelfDraft: begin, propose_batch, close, summary) with its switch, and each sequence's verified
+  tokens not yet recorded (`pending`, the head of its next draft)."""
 
   def __init__(self, drafter, k: int, switch: Switch | None = None):
     self.drafter, self.k, self.switch = drafter, k, switch
@@ -80,6 +87,32 @@ class Speculator:
     if len(head) < cap and (self.switch is None or self.switch.on(b)):
       head = head + list(self.drafter.propose(b, history + head, cap - len(head)))[: cap - len(head)]
     return head
+
+  def drafts(self, histories: dict[int, list[int]], cap: int, end: int) -> dict[int, list[int]]:
+    """Each live row's draft of at most cap tokens (histories[b]: its prompt and recorded tokens, the last at row
+    `end`): its pending tokens, then the drafter's where its switch is on; a batch drafter proposes for every row in
+    one call."""
+    if not hasattr(self.drafter, "propose_batch"):
+      return {b: self.draft(b, h, cap) for b, h in histories.items()}
+    heads = {b: self.pending.get(b, [])[:cap] for b in histories}
+    wants = {b: cap - len(heads[b]) if self.switch is None or self.switch.on(b) else 0 for b in histories}
+    if not any(wants.values()):
+      return heads
+    more = self.drafter.propose_batch({b: h + heads[b] for b, h in histories.items()}, wants, end)
+    return {b: heads[b] + more[b][: wants[b]] for b in histories}
+
+  def begin(self, gen) -> None:
+    """After the run's prefill (its generation `gen`): a drafter with a cache of its own fills it."""
+    if hasattr(self.drafter, "begin"):
+      self.drafter.begin(gen)
+
+  def close(self) -> None:
+    if hasattr(self.drafter, "close"):
+      self.drafter.close()
+
+  def summary(self) -> dict | None:
+    """The drafter's telemetry (a drafter with a cache of its own), else None."""
+    return self.drafter.summary() if hasattr(self.drafter, "summary") else None
 
   def idle_passes(self, b: int) -> int:
     """Passes for which row b certainly drafts nothing: switched off, nothing pending (0 where it may draft)."""
@@ -151,6 +184,14 @@ def run(
   """Decodes generation `gen` (jaxkv.engine.Generation, its first tokens recorded) speculatively until every owner's
   record is done (jaxkv.telemetry.Recorder); row b is owners[b]'s, prompts[b] its prompt, sampled as
   engine.sampling(B, seed) says. on_step(step, cache) after each recorded token step. Returns the Stats."""
+  try:
+    speculator.begin(gen)
+    return _run(engine, gen, recorder, owners, prompts, speculator, seed, on_step)
+  finally:
+    speculator.close()
+
+
+def _run(engine, gen, recorder, owners, prompts, speculator, seed: int, on_step) -> Stats:
   cache, block, k = gen.cache, gen.cache.block, speculator.k
   batch, stats = len(owners), Stats(k, histogram=[0] * (k + 1))
   records = [recorder.records[o] for o in owners]
@@ -172,7 +213,8 @@ def run(
       continue
     end = gen.end
     cap = min(k, block - 2 - end % block, remaining - 1)  # Never the page's last row; never past the tokens wanted.
-    drafts = {b: speculator.draft(b, list(prompts[b]) + records[b].tokens, cap) if cap > 0 else [] for b in live}
+    histories = {b: list(prompts[b]) + records[b].tokens for b in live}
+    drafts = speculator.drafts(histories, cap, end) if cap > 0 else {b: [] for b in live}
     t = k + 1 if any(drafts.values()) else 1
     tokens = np.array([r.tokens[-1] if r.tokens else 0 for r in records], np.int32)
     index = np.array([len(r.tokens) for r in records], np.int32)  # Position 0's token index.
@@ -195,4 +237,5 @@ def run(
     stats.verify_passes += t > 1
   stats.decode_s = time.perf_counter() - t0
   stats.switched_off = 0 if speculator.switch is None else speculator.switch.switched_off
+  stats.draft = speculator.summary()
   return stats

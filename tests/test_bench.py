@@ -397,6 +397,9 @@ def test_arm_names():
   assert arms.parse_arm("device_g1_spec3") == arm("device", group_layers=1, speculate="oracle", right=3)
   assert arms.parse_arm("host_d2_int4_spec0") == arm("host", 2, "int4", speculate="oracle", right=0)
   assert arms.parse_arm("host_d2_ha_spec3") == arm("host", 2, None, 0.0, speculate="oracle", right=3)
+  assert arms.parse_arm("host_d2_self") == arm("host", 2, speculate="self")
+  assert arms.parse_arm("host_d2_ha_g1_self") == arm("host", 2, None, 0.0, 1, speculate="self")
+  assert arms.arm_config(helpers.tiny_config(head_dim=32), "host_d2_self").speculate.mode == "self"
   bad_names = ("host", "host_d", "device_d1", "hf_offloaded", "host_d2_int2", "host_d2_model", "host_d2int8")
   for bad in bad_names + (
       "device_ha",
@@ -405,6 +408,8 @@ def test_arm_names():
       "host_d2_ha_int8",
       "host_d2_g",
       "device_g1_int8",
+      "host_d2_self3",
+      "host_d2_spec_self",
   ):
     with pytest.raises(ValueError):
       arms.parse_arm(bad)

@@ -207,6 +207,13 @@ def _cases(tmp) -> dict:
           "--speculate=lookup verifies drafts without penalties: it needs no presence, frequency or repetition penalty",
           2,
       ),
+      "speculate_self": (
+          GEN,
+          ["--speculate=self"],
+          "--speculate=self drafts over a copy of the KV in int4 (32-value blocks along head_dim): model.head_dim must "
+          "be a multiple of 32, got 16; use --speculate=lookup",
+          2,
+      ),
       "checkpoint_corrupt": (GEN, [f"--checkpoint_dir={corrupt}"], "config.json is not valid JSON", 1),
       "checkpoint_incomplete": (
           GEN,
@@ -390,6 +397,7 @@ CASES = (
     "argument",
     "kv_int8",
     "speculate_penalty",
+    "speculate_self",
     "checkpoint_corrupt",
     "checkpoint_incomplete",
     "checkpoint_capacity",

@@ -4,13 +4,17 @@ One `python3 -m jaxkv.bench` process (random bf16 weights, --synthetic_context, 
 (the --plain arm, written host_d2 below; host_d2_ha: through host attention) and its speculative arms: host_d2_spec<M>
 for each M of --rights (an oracle drafter of K tokens whose first M are the plain run's, so that each verify pass
 accepts M where the page leaves room: tokens per pass M + 1), host_d2_spec (the lookup drafter on random prompt ids:
-drafts that fail, and its switch), then checks:
+drafts that fail, and its switch) and host_d2_self (self-speculation: the same model drafts over an int4 copy of the
+KV resident on the device, jaxkv.self_draft), then checks:
 
   verify:  host_d2_spec0's time per pass (every pass verifies K drafts, accepts none) <= --verify_target (1.15) x
            host_d2's time per step;
   speed:   host_d2_spec<M>'s tokens/s >= --speed_target (2.5) x host_d2's wherever M >= 3.5 accepted per pass;
   fail:    host_d2_spec's tokens/s >= --fail_target (0.97) x host_d2's (drafts that fail cost at most 3%);
-  tokens:  every speculative arm generates host_d2's tokens (greedy; one tokens hash).
+  tokens:  every speculative arm generates host_d2's tokens (greedy; one tokens hash);
+  self:    host_d2_self generates host_d2's tokens and states its draft cache's device bytes (the bench JSON's
+           transport.speculate.draft); its accepted tokens per verify and tokens/s against host_d2's are reported
+           (random weights: what they accept says little about a trained model's).
 
 Prints the table of tokens/s against accepted tokens per pass, then the pass/fail table last; writes the summary and
 the bench's JSON to --json_out ($OUT/check_speculate.json by default) and the plot to --plot_out. Run from the repo
@@ -21,8 +25,9 @@ root:
 The issue's 128k target: --context=131072 (its streamed windows come in chunks of kv.delivery_chunk_mib, jaxkv.chunked,
 at the defaults). Through host attention: --plain=host_d2_ha.
 
-A try of the plumbing on the CPU (the speed checks mean nothing there): python3 tools/check_speculate.py
---config=experiments/tiny.py --context=64 --new_tokens=24 --rounds=1 --bench_args=--cpu_devices=2
+A try of the plumbing on the CPU (the speed checks mean nothing there; head_dim 32, which int4 quantizes):
+python3 tools/check_speculate.py --config=experiments/tiny.py --context=64 --new_tokens=24 --rounds=1
+--bench_args="--cpu_devices=2 --config.model.head_dim=32"
 """
 
 from __future__ import annotations
@@ -63,6 +68,10 @@ def _lookup() -> str:
 
 def _oracle(m: int) -> str:
   return f"{PLAIN.value}_spec{m}"
+
+
+def _self() -> str:
+  return f"{PLAIN.value}_self"
 
 
 def _bench(arms: list[str], json_out: str) -> dict:
@@ -156,6 +165,7 @@ def checks(cell: dict, rows: list[dict]) -> list[dict]:
     out.append(
         dict(name=f"fail: {_lookup()}", passed=False, detail=f"not run: {arms.get(_lookup(), {}).get('reason')}")
     )
+  out.append(self_check(arms))
   spec = [n for n in arms if n.startswith(_lookup()) and ok(n)]
   want = {s["tokens_sha256"] for s in arms[_plain()]["samples"]}
   differ = [n for n in spec if {s["tokens_sha256"] for s in arms[n]["samples"]} != want]
@@ -167,6 +177,26 @@ def checks(cell: dict, rows: list[dict]) -> list[dict]:
       )
   )
   return out
+
+
+def self_check(arms: dict) -> dict:
+  """The self-speculation arm's check (module docstring)."""
+  rec = arms.get(_self(), {})
+  name = f"self: {_self()} gives {_plain()}'s tokens, its draft cache's bytes stated"
+  if rec.get("status") != "ok":
+    return dict(name=name, passed=False, detail=f"not run: {rec.get('reason')}")
+  s = rec["transport"]["speculate"]
+  draft = s.get("draft") or {}
+  same = {x["tokens_sha256"] for x in rec["samples"]} == {x["tokens_sha256"] for x in arms[_plain()]["samples"]}
+  ratio = rec["tok_s"]["median"] / arms[_plain()]["tok_s"]["median"]
+  return dict(
+      name=name,
+      passed=same and draft.get("bytes_per_device", 0) > 0,
+      detail=f"tokens {'equal' if same else 'DIFFER'}; draft cache {draft.get('bytes_per_device', 0) / 2**20:.1f} "
+      f"MiB per device ({draft.get('kv_dtype')}), filled in {draft.get('fill_s', 0):.2f} s, {draft.get('steps')} draft "
+      f"steps; {s['accepted_per_verify']:.2f} accepted per verify, {s['tokens_per_pass']:.2f} tokens per pass, "
+      f"{ratio:.2f}x {_plain()}'s tokens/s",
+  )
 
 
 def plot(rows: list[dict], plain_tok_s: float, path: str) -> str | None:
@@ -193,7 +223,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   rights = [int(m) for m in RIGHTS.value]
-  arms = [_plain(), *map(_oracle, rights), _lookup()]
+  arms = [_plain(), *map(_oracle, rights), _lookup(), _self()]
   with tempfile.TemporaryDirectory() as tmp:
     out = _bench(arms, os.path.join(tmp, "bench.json"))
   cell = out["cells"][0] if out.get("cells") else None

@@ -241,6 +241,12 @@ def _report(out: dict, json_out: str | None) -> None:
         f"speculate: {s['passes']} passes ({s['verify_passes']} verified), {s['tokens_per_pass']:.2f} tokens per "
         f"pass, {s['accepted_per_verify']:.2f} accepted per verify of up to {s['k']}"
     )
+    if "draft" in s:
+      d = s["draft"]
+      print(
+          f"draft cache: {d['kv_dtype']} on the device, {d['bytes_per_device'] / 2**20:.1f} MiB per device, filled in "
+          f"{d['fill_s']:.2f} s, {d['steps']} draft steps"
+      )
   print(_compilation_line(out["compilation"]))
   launch.write_json(out, json_out)
 

@@ -75,6 +75,11 @@ class Server:
     if parallel < 1:
       raise ValueError(f"parallel must be >= 1, got {parallel}")
     slots_lib.check_prefix_cache_budget(prefix_cache_bytes)
+    if engine.config.speculate.mode == "self":
+      raise ValueError(
+          "the server drafts with --speculate=lookup only (self-speculation's draft cache is generate's); use "
+          "--speculate=lookup or off"
+      )
     self.engine, self.parallel = engine, parallel
     self.speculating = engine.config.speculate.mode != "off"
     self.prefix_cache = None
