@@ -311,9 +311,11 @@ class KVCache:
     largest decode group's are in flight: until a copy lands, the device window it reads stays allocated, and a loop
     that stores layer after layer faster than the link drains (a prefill's last chunk, a synthetic fill) would
     otherwise hold every layer's window on the devices at once, past the workspace (two groups' windows: one being
-    made, one copied) that residency.place counts."""
+    made, one copied) that residency.place counts. A window larger than a delivery chunk lands before this returns:
+    where windows are chunked the workspace counts one window, the one being made (residency.workspace_bytes)."""
     self._in_flight.append(copies)
-    while len(self._in_flight) > max(map(len, self.groups)):
+    chunked = self.chunk_rows and copies[0].shape[3] > self.chunk_rows
+    while len(self._in_flight) > (0 if chunked else max(map(len, self.groups))):
       # A copy donated since (a slot inserted in place: insert_slot) has landed.
       jax.block_until_ready([a for a in self._in_flight.popleft() if not a.is_deleted()])
 

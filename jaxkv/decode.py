@@ -129,8 +129,7 @@ class GroupRunner:
     x = calls.out(p, x_in, q, d.windows[0], cache.opens[l], tuple(older), meta, c_rows=cache.chunk_rows)
     if ctx.full:
       grown, cache.opens[l] = calls.flush(grown, cache.opens[l], cache.rows)
-      ctx.issued += Issued(calls=1) + cache.store(l, grown)
-      cache.land_copies()
+      ctx.issued += Issued(calls=1) + cache.store(l, grown)  # Landed when it returns (KVCache._copying).
     return x
 
   def settle(self, ctx: Pass, x: jax.Array) -> jax.Array:
