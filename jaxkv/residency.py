@@ -147,14 +147,7 @@ def place(
     raise ValueError("kv.placement auto plans one mesh for every layer; use split mode tensor or none with it")
   if kv.placement == "auto":
     free = free_device_bytes(meshes[0].local_devices)
-    ring = ring_bytes(kv.pipeline_depth, chunked.slot_bytes(min(group, num_layers) * layer_bytes, c_rows, row))
-    # Windows past two chunks grow from their chunks, smaller ones whole, two at a time but together at most a window;
-    # host attention's tails grow whole (jaxkv.host).
-    chunked_growth = bool(c_rows) and 2 * (c_rows + kv.block) <= rows and not kv.host_attention
-    workspace = workspace_bytes(model_config, kv.dtype, batch, rows, prefill_chunk, group, tensor, chunked_growth)
-    budget, source = device_budget(free, kv.device_budget_gib, ring, workspace, kv.headroom_mib)
-    auto = plan(groups, layer_bytes, budget, source)
-    auto = dataclasses.replace(auto, free_bytes=free, ring_bytes=ring, workspace_bytes=workspace)
+    auto = auto_plan(model_config, kv, batch, capacity, prefill_chunk, groups, tensor, free)
     streamed = auto.streamed
   else:
     streamed = (kv.placement == "host",) * num_layers
@@ -163,6 +156,36 @@ def place(
     fmt = KVFormat.of(model_config, kv.dtype)
     memory.RESERVED.reserve(needed, sum(streamed), model_config, fmt, batch, rows)
   return Placement(streamed, groups, auto, c_rows)
+
+
+def auto_plan(
+    model_config: ModelConfig,
+    kv: KVConfig,
+    batch: int,
+    capacity: int,
+    prefill_chunk: int,
+    groups: tuple[tuple[int, ...], ...],
+    devices: int,
+    free: int | None,
+) -> Plan:
+  """kv.placement auto's plan of a cache of the same arguments (place's; groups: its decode groups, heads over
+  `devices`) where the fullest device has `free` bytes free (None: unknown): its budget less the ring and the
+  workspace (the one that place gives; jaxkv.apps.plan prints it for a device that is not here)."""
+  rows = cache_lib.rows_bound(capacity, kv.block)
+  row = cache_lib.row_bytes(model_config, kv.dtype, batch, devices)
+  layer_bytes = row * rows
+  group = group_layers(kv.group_layers, kv.host_attention, layer_bytes)
+  c_rows = delivery_chunk_rows(kv, group, row)
+  ring = ring_bytes(
+      kv.pipeline_depth, chunked.slot_bytes(min(group, model_config.num_layers) * layer_bytes, c_rows, row)
+  )
+  # Windows past two chunks grow from their chunks, smaller ones whole, two at a time but together at most a window;
+  # host attention's tails grow whole (jaxkv.host).
+  chunked_growth = bool(c_rows) and 2 * (c_rows + kv.block) <= rows and not kv.host_attention
+  workspace = workspace_bytes(model_config, kv.dtype, batch, rows, prefill_chunk, group, devices, chunked_growth)
+  budget, source = device_budget(free, kv.device_budget_gib, ring, workspace, kv.headroom_mib)
+  auto = plan(groups, layer_bytes, budget, source)
+  return dataclasses.replace(auto, free_bytes=free, ring_bytes=ring, workspace_bytes=workspace)
 
 
 def delivery_chunk_rows(kv: KVConfig, group: int, row_bytes: int) -> int:

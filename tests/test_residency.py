@@ -1,5 +1,7 @@
 """The residency planner (kv.placement "auto"): resident and streamed layers, bit-identical output."""
 
+import dataclasses
+
 import helpers
 import jax
 import numpy as np
@@ -75,23 +77,22 @@ def test_workspace_counts_a_prefill_calls_largest_temporary():
 
 
 def test_the_1m_plan_keeps_a_layer_more_resident_with_windows_grown_from_their_chunks():
-  """The 8B at 1M (bf16, auto, one sequence) on a 139 GiB device with JAX's pool at 0.95, less the weights: the
-  workspace with windows grown from their chunks (one window, not two) keeps a layer more resident."""
+  """The 8B at 1M (bf16, auto, one sequence) on a 139 GiB device with JAX's pool at 0.95, less the weights
+  (tools/plan_residency.py): windows grown from their chunks leave a workspace of one window for growth, 15 GiB where
+  two windows made it 19, and a layer more resident."""
   c = config_lib.from_config_dict(llama3_8b.get_config())
+  kv = dataclasses.replace(c.kv, placement="auto")
   gib, rows = 2**30, cache_lib.rows_bound(2**20, c.kv.block)
-  row = cache_lib.row_bytes(c.model, "model", 1)
-  group = residency.group_layers(0, False, row * rows)
-  c_rows = residency.delivery_chunk_rows(config_lib.KVConfig(placement="auto"), group, row)
-  assert group == 1 and c_rows == 2**17
-  free = int(0.95 * 139 * gib) - 2 * 8_030_261_248  # The weights: 8.03e9 bf16 parameters.
-  ring = residency.ring_bytes(c.kv.pipeline_depth, chunked.slot_bytes(row * rows, c_rows, row))
-  resident = []
-  for chunked_growth in (False, True):
-    ws = residency.workspace_bytes(c.model, "model", 1, rows, c.engine.prefill_chunk, 1, 1, chunked_growth)
-    budget, _ = residency.device_budget(free, None, ring, ws, c.kv.headroom_mib)
-    groups = residency.decode_groups((0,) * c.model.num_layers, 1)
-    resident.append(residency.plan(groups, row * rows, budget, "free device memory").resident_layers)
-  assert resident == [23, 24]
+  layer = cache_lib.row_bytes(c.model, "model", 1) * rows
+  free = int(0.95 * 139 * gib) - 2 * c.model.num_params()
+  groups = residency.decode_groups((0,) * c.model.num_layers, 1)
+  after = residency.auto_plan(c.model, kv, 1, 2**20, c.engine.prefill_chunk, groups, 1, free)
+  scores = residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
+  assert after.workspace_bytes == 3 * layer + scores and after.ring_bytes == 4 * (2**17 + 256) * layer // rows
+  before = after.workspace_bytes + layer  # Two windows for growth.
+  budget, _ = residency.device_budget(free, None, after.ring_bytes, before, c.kv.headroom_mib)
+  assert residency.plan(groups, layer, budget, "free device memory").resident_layers == 23
+  assert after.resident_layers == 24 and round(after.workspace_bytes / gib) == 15
 
 
 def _auto(tensor, depth, layers):
