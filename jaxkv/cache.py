@@ -261,12 +261,11 @@ class KVCache:
   def store_zeros(self, rows: int) -> None:
     """Stores zeros as rows [0, rows) of every layer's window: rows no prompt computes (left padding of a prompt
     prefilled alone, or a benchmark's synthetic context; decode reads and attends them like any rows)."""
-    shape = (2, self.batch, self.model.num_kv_heads, rows, self.row_width)
     # Resident layers first: their windows lie side by side in device memory, so that the holes each one leaves when
     # it grows (a prefill chunk, a page) join its neighbours' (a streamed layer's zeros, moved to the host at once,
     # would sit between them and split the free memory into pieces each smaller than a grown window).
     for l in sorted(range(self.model.num_layers), key=lambda l: self.streamed[l]):
-      self.store(l, _zeros_fn(shape, self.dtype, self.device_shardings[l])())
+      self.store(l, self.device_zeros(l, rows))
 
   def store_empty_slots(self, rows: int) -> None:
     """A cache of `rows` rows (whole blocks) whose slots are then inserted one by one (insert_slot, jaxkv.serving):
@@ -312,11 +311,23 @@ class KVCache:
     largest decode group's are in flight: until a copy lands, the device window it reads stays allocated, and a loop
     that stores layer after layer faster than the link drains (a prefill's last chunk, a synthetic fill) would
     otherwise hold every layer's window on the devices at once, past the workspace (two groups' windows: one being
-    made, one copied) that residency.place counts."""
+    made, one copied) that residency.place counts. A window larger than a delivery chunk lands before this returns:
+    where windows are chunked the workspace counts one window, the one being made (residency.workspace_bytes)."""
     self._in_flight.append(copies)
-    while len(self._in_flight) > max(map(len, self.groups)):
+    chunked = self.chunk_rows and copies[0].shape[3] > self.chunk_rows
+    while len(self._in_flight) > (0 if chunked else max(map(len, self.groups))):
       # A copy donated since (a slot inserted in place: insert_slot) has landed.
       jax.block_until_ready([a for a in self._in_flight.popleft() if not a.is_deleted()])
+
+  def land_copies(self) -> None:
+    """Waits for every stored window's D2H copy still in flight (_copying): their device windows are then freed."""
+    while self._in_flight:
+      jax.block_until_ready([a for a in self._in_flight.popleft() if not a.is_deleted()])
+
+  def device_zeros(self, layer: int, rows: int) -> jax.Array:
+    """Zeros [2, B, K, rows, E] on the layer's devices, in its device sharding."""
+    shape = (2, self.batch, self.model.num_kv_heads, rows, self.row_width)
+    return _zeros_fn(shape, self.dtype, self.device_shardings[layer])()
 
   def split_row(self, rows: int) -> int:
     """r1 for a window of `rows` rows: floor(f rows / P) P, f = head_share of its bytes per device (0 without host

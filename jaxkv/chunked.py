@@ -14,8 +14,11 @@ then holds chunks, not windows (jaxkv.transport, jaxkv.residency.ring_bytes). A 
 (jaxkv.spec_decode) runs the same calls (`calls(..., tokens=T)`), each token with its leaves anchored at its own row
 (`token_steps`): a chunk's partials are each token's, and the end folds each token's as its one-token step would.
 
-Where the open page fills, the whole window is moved to the devices once more and grown there (`Calls.flush`), one
-step in kv.block: the workspace's two windows of a group (jaxkv.residency.workspace_bytes).
+Where the open page fills (one step in kv.block), the grown window is assembled on the devices from that step's
+deliveries: one zero buffer of W + P rows, each chunk written into it in place as it arrives (`Calls.write`, the
+buffer donated), then the open page (`Calls.flush`); it is stored, and has landed in pinned host memory, before
+another window grows. The window does not cross the link once more, and the devices hold one window beside the
+ring for it, not the old and the grown one (jaxkv.residency.workspace_bytes).
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxkv import cache as cache_lib
 from jaxkv import decode_attention as da
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
@@ -145,7 +147,8 @@ class Calls:
   out: object  # (p, x, q, last, open_page, older, meta, c_rows=) -> x.
   tail: object  # (q, last, open_page, older, origin, meta, c_rows=) -> o f32[B, K, G, Dh], lse f32[B, K, G]
   #   (per token: [B, K, T * G, ...]).
-  flush: object  # (window, open_page) -> the grown window, a zero open page.
+  write: object  # (grown, chunk, first_row) -> grown [2, B, K, W + P, E] with the chunk's rows at first_row, in place.
+  flush: object  # (grown, open_page, rows) -> grown with the open page at row `rows` (W), in place; a zero page.
 
 
 @functools.lru_cache(maxsize=None)
@@ -203,8 +206,11 @@ def calls(
     ]
     return parts[0] if tokens == 1 else tuple(jnp.concatenate(a, axis=2) for a in zip(*parts))
 
-  def flush(window, open_page):
-    return cache_lib.grow(window, open_page), jnp.zeros_like(open_page)
+  def write(grown, chunk, first_row):
+    return jax.lax.dynamic_update_slice_in_dim(grown, chunk, first_row, axis=3)
+
+  def flush(grown, open_page, rows):
+    return write(grown, open_page, rows), jnp.zeros_like(open_page)
 
   return Calls(
       query=jax.jit(query, out_shardings=(heads, kv), donate_argnums=(2,)),
@@ -213,5 +219,6 @@ def calls(
       ),
       out=jax.jit(out, out_shardings=rep, static_argnames="c_rows"),
       tail=jax.jit(tail, out_shardings=(heads, lse_heads), static_argnames="c_rows"),
-      flush=jax.jit(flush, out_shardings=kv, donate_argnums=(1,)),
+      write=jax.jit(write, out_shardings=kv, donate_argnums=(0,)),
+      flush=jax.jit(flush, out_shardings=kv, donate_argnums=(0, 1)),
   )

@@ -25,7 +25,6 @@ from absl import logging
 
 from jaxkv import chunked
 from jaxkv import decode_attention
-from jaxkv import distributed
 from jaxkv.cache import Issued
 from jaxkv.meta import DecodeState, HeadOut
 from jaxkv.telemetry import Recorder
@@ -96,8 +95,11 @@ class GroupRunner:
   def run_chunk(self, ctx: Pass, d, x: jax.Array) -> jax.Array:
     """Chunk d.chunk of layer d.layers[0]'s window (a jaxkv.transport.Delivery; oldest first), x the layer's input:
     the first also runs the query, each but the last its partials, the last the end of the layer, whose output it
-    returns (the others return x). Where the open page fills, the whole window is moved to the devices and grown.
-    x [B, T, D]: a verify pass, each chunk's partials per token (jaxkv.chunked.calls' tokens)."""
+    returns (the others return x). Where the open page fills, each chunk is also written into the grown window on
+    the devices (allocated by the first, W + P rows, once the earlier groups' grown windows are done and landed),
+    the last with the open page, and the grown window is stored and waited for: one window on the devices beside the
+    ring (jaxkv.chunked, jaxkv.residency.workspace_bytes). x [B, T, D]: a verify pass, each chunk's partials per
+    token (jaxkv.chunked.calls' tokens)."""
     eng, cache, chunk = self.engine, self.cache, d.chunk
     (l,) = d.layers
     tokens = 1 if x.ndim == 2 else x.shape[1]  # T > 1: a verify pass (jaxkv.spec_decode).
@@ -106,10 +108,19 @@ class GroupRunner:
     if chunk.index == 0:
       moved = eng.to_layer(x, l)
       q, cache.opens[l] = calls.query(p, moved, cache.opens[l], meta)
-      self._chunked = (moved, q, [])
-      ctx.issued += Issued(calls=1 + (moved is not x))
-    x_in, q, older = self._chunked
+      grown = None
+      if ctx.full:  # One window grows at a time: the earlier groups' have replaced theirs and landed.
+        jax.block_until_ready(x)
+        cache.land_copies()
+        grown = cache.device_zeros(l, cache.rows + cache.block)
+      self._chunked = (moved, q, [], grown)
+      ctx.issued += Issued(calls=1 + (moved is not x) + ctx.full)
+    x_in, q, older, grown = self._chunked
     ctx.issued += Issued(calls=1)
+    if ctx.full:
+      grown = calls.write(grown, d.windows[0], chunk.first_row)
+      self._chunked = (x_in, q, older, grown)
+      ctx.issued += Issued(calls=1)
     if chunk.index < chunk.count - 1:
       leaves = cache.chunk_rows // decode_attention.LEAF_ROWS
       older.append(calls.partials(q, d.windows[0], chunk.first_row, meta, num_leaves=leaves, page=cache.block))
@@ -117,9 +128,8 @@ class GroupRunner:
     self._chunked = None
     x = calls.out(p, x_in, q, d.windows[0], cache.opens[l], tuple(older), meta, c_rows=cache.chunk_rows)
     if ctx.full:
-      window = distributed.move(cache.windows[l], cache.device_shardings[l])
-      grown, cache.opens[l] = calls.flush(window, cache.opens[l])
-      ctx.issued += Issued(calls=2) + cache.store(l, grown)
+      grown, cache.opens[l] = calls.flush(grown, cache.opens[l], cache.rows)
+      ctx.issued += Issued(calls=1) + cache.store(l, grown)  # Landed when it returns (KVCache._copying).
     return x
 
   def settle(self, ctx: Pass, x: jax.Array) -> jax.Array:

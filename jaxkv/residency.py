@@ -13,8 +13,8 @@ concatenation that copies the resident rows through HBM each step). A group hold
 Budget (per device, at the cache's full capacity): free memory of the fullest device when the cache is
 allocated (after the weights), minus the delivery ring (`ring_bytes`: depth + 2 groups of streamed layers, or of
 their chunks where decode delivers windows in chunks, jaxkv.chunked), minus a
-workspace (`workspace_bytes`: a decode group's windows unpacked and grown at a page boundary, two groups' windows;
-a prefill call's temporaries; one layer's window more, for the holes that grown windows leave; the prefill scores,
+workspace (`workspace_bytes`: the windows grown at a page boundary, one group's where decode delivers windows in
+chunks and grows each from its chunks in one buffer, else two groups'; a prefill call's temporaries; one layer's window more, for the holes that grown windows leave; the prefill scores,
 WORKSPACE_SCORE_BLOCKS x jaxkv.model.SCORE_BUDGET_BYTES), minus kv.headroom_mib. kv.device_budget_gib replaces the
 automatic figure (and lets tests and benchmarks emulate a smaller device); it may not exceed the free memory where
 that is known. Where the backend reports no memory (CPU) and no budget is given, every layer is resident.
@@ -147,11 +147,7 @@ def place(
     raise ValueError("kv.placement auto plans one mesh for every layer; use split mode tensor or none with it")
   if kv.placement == "auto":
     free = free_device_bytes(meshes[0].local_devices)
-    ring = ring_bytes(kv.pipeline_depth, chunked.slot_bytes(min(group, num_layers) * layer_bytes, c_rows, row))
-    workspace = workspace_bytes(model_config, kv.dtype, batch, rows, prefill_chunk, group, tensor)
-    budget, source = device_budget(free, kv.device_budget_gib, ring, workspace, kv.headroom_mib)
-    auto = plan(groups, layer_bytes, budget, source)
-    auto = dataclasses.replace(auto, free_bytes=free, ring_bytes=ring, workspace_bytes=workspace)
+    auto = auto_plan(model_config, kv, batch, capacity, prefill_chunk, groups, tensor, free)
     streamed = auto.streamed
   else:
     streamed = (kv.placement == "host",) * num_layers
@@ -160,6 +156,36 @@ def place(
     fmt = KVFormat.of(model_config, kv.dtype)
     memory.RESERVED.reserve(needed, sum(streamed), model_config, fmt, batch, rows)
   return Placement(streamed, groups, auto, c_rows)
+
+
+def auto_plan(
+    model_config: ModelConfig,
+    kv: KVConfig,
+    batch: int,
+    capacity: int,
+    prefill_chunk: int,
+    groups: tuple[tuple[int, ...], ...],
+    devices: int,
+    free: int | None,
+) -> Plan:
+  """kv.placement auto's plan of a cache of the same arguments (place's; groups: its decode groups, heads over
+  `devices`) where the fullest device has `free` bytes free (None: unknown): its budget less the ring and the
+  workspace (the one that place gives; jaxkv.apps.plan prints it for a device that is not here)."""
+  rows = cache_lib.rows_bound(capacity, kv.block)
+  row = cache_lib.row_bytes(model_config, kv.dtype, batch, devices)
+  layer_bytes = row * rows
+  group = group_layers(kv.group_layers, kv.host_attention, layer_bytes)
+  c_rows = delivery_chunk_rows(kv, group, row)
+  ring = ring_bytes(
+      kv.pipeline_depth, chunked.slot_bytes(min(group, model_config.num_layers) * layer_bytes, c_rows, row)
+  )
+  # Windows past two chunks grow from their chunks, smaller ones whole, two at a time but together at most a window;
+  # host attention's tails grow whole (jaxkv.host).
+  chunked_growth = bool(c_rows) and 2 * (c_rows + kv.block) <= rows and not kv.host_attention
+  workspace = workspace_bytes(model_config, kv.dtype, batch, rows, prefill_chunk, group, devices, chunked_growth)
+  budget, source = device_budget(free, kv.device_budget_gib, ring, workspace, kv.headroom_mib)
+  auto = plan(groups, layer_bytes, budget, source)
+  return dataclasses.replace(auto, free_bytes=free, ring_bytes=ring, workspace_bytes=workspace)
 
 
 def delivery_chunk_rows(kv: KVConfig, group: int, row_bytes: int) -> int:
@@ -189,21 +215,33 @@ def spread(num_layers: int, resident: int) -> tuple[bool, ...]:
 
 
 def workspace_bytes(
-    model_config: ModelConfig, kv_dtype: str, batch: int, rows: int, prefill_chunk: int, group: int, devices: int
+    model_config: ModelConfig,
+    kv_dtype: str,
+    batch: int,
+    rows: int,
+    prefill_chunk: int,
+    group: int,
+    devices: int,
+    chunked_growth: bool,
 ) -> int:
   """Device memory per device that the KV (windows of `rows` rows, decode groups of `group` layers, heads over
-  `devices`) must leave free beside the ring: two groups' windows (a group's windows grow inside its call at a page
-  boundary, the old and the grown alive together); a prefill call's temporaries, one block, the larger of the
-  attention's copy of a layer's window in the model dtype (cuDNN: reordered; XLA: joined to the chunk) and the MLP's
-  rows of the chunk (x, gate, up and their product: B x C x (D + 3 F / devices) values); one layer's window more, for
-  the holes that windows growing one after another leave, each a chunk or a page smaller than the next; the prefill
-  scores. docs/design.md ("Residency planner") has the out-of-memory errors that decided it."""
+  `devices`) must leave free beside the ring: the windows that grow at a page boundary, one group's with
+  chunked_growth (streamed windows delivered in chunks, one layer a group, each grown from its chunks into one buffer
+  and landed before the next grows, jaxkv.chunked; a resident window's grown one beside the old; windows of up to a
+  chunk, at most half of `rows`, grow whole two at a time), else two (a group's windows grow inside its call, the
+  grown beside the delivered, and are stored while the next group's grow); a prefill call's temporaries, one block,
+  the larger of the attention's copy of a layer's window in the model dtype (cuDNN: reordered; XLA: joined to the
+  chunk) and the MLP's rows of the chunk (x, gate, up and their product: B x C x (D + 3 F / devices) values); one
+  layer's window more, for the holes that windows growing one after another leave, each a chunk or a page smaller
+  than the next; the prefill scores. docs/design.md ("Residency planner") has the out-of-memory errors that decided
+  it."""
   layer = cache_lib.row_bytes(model_config, kv_dtype, batch, devices) * rows
   window_values = cache_lib.row_bytes(model_config, "model", batch, devices) * rows  # Unpacked to the model dtype.
   itemsize = jnp.dtype(model_config.dtype).itemsize
   mlp_rows = batch * prefill_chunk * (model_config.d_model + 3 * model_config.mlp_dim // devices) * itemsize
   prefill = max(window_values, mlp_rows) if prefill_chunk else 0
-  return 2 * group * layer + prefill + layer + WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
+  growth = (1 if chunked_growth else 2) * group * layer
+  return growth + prefill + layer + WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
 
 
 def device_budget(

@@ -25,7 +25,8 @@ handed their windows as they are: nothing moves for them, and the feeder deliver
 
 Decode passes deliver a streamed layer's window larger than a chunk (KVCache.chunk_rows, jaxkv.chunked) as its
 chunks, oldest first, one ring slot each: the depth and the ring then count chunks. Prefill passes take whole
-windows (`deliveries`' whole). Either way the next pass's layer j is issued only after this pass's layer j was
+windows (`deliveries`' whole); a whole window larger than a chunk takes every slot, so that it is on the devices
+alone (the ring of chunks has no room for more; jaxkv.residency.workspace_bytes counts the one). Either way the next pass's layer j is issued only after this pass's layer j was
 consumed (the depth is at most the streamed groups - 1, and a layer has as many chunks in both passes or more in
 the next).
 """
@@ -165,19 +166,30 @@ class Transport:
     pieces = chunked.chunks(window.shape[3], self.cache.chunk_rows)
     return [None] if len(pieces) == 1 else pieces
 
+  def _slots_taken(self, layers: tuple[int, ...], chunk: chunked.Chunk | None) -> int:
+    """Ring slots a delivery holds: every one (depth + 1) for a whole window larger than a chunk (a prefill's, where
+    decode delivers chunks), else one."""
+    window = self.cache.windows[layers[0]]
+    if chunk is not None or window is None or not self.cache.chunk_rows:
+      return 1
+    return self.depth + 1 if window.shape[3] > self.cache.chunk_rows else 1
+
   def _feed(self) -> None:
-    """Feeder thread: issues the queued groups' deliveries, one slot each (a chunked layer's: one per chunk):
-    (group, chunk, its windows on the devices, bytes, transfer calls, issue time)."""
+    """Feeder thread: issues the queued groups' deliveries, one slot each (a chunked layer's: one per chunk; a
+    whole window larger than a chunk: all, _slots_taken):
+    (group, chunk, its windows on the devices, bytes, transfer calls, ring slots held, issue time)."""
     while True:
       group, whole = self._jobs.get()
       if group == _STOP:
         return
       if group == _BARRIER:
-        self._ready.put((_BARRIER, None, None, 0, 0, 0.0))
+        self._ready.put((_BARRIER, None, None, 0, 0, 0, 0.0))
         continue
       layers = self.groups[group]
       for chunk in self._chunks(group, whole):
-        self._slots.acquire()
+        slots = self._slots_taken(layers, chunk)
+        for _ in range(slots):
+          self._slots.acquire()
         windows, nbytes, calls = [None] * len(layers), 0, 0
         try:
           if chunk is not None:
@@ -199,7 +211,7 @@ class Transport:
           s = self._stage_of[layers[0]]
           self._held[s] += nbytes
           self._high_water[s] = max(self._high_water[s], self._held[s] + self._previous[s])
-        self._ready.put((group, chunk, windows, nbytes, calls, time.perf_counter()))
+        self._ready.put((group, chunk, windows, nbytes, calls, slots, time.perf_counter()))
 
   def deliveries(self, next_pass: bool, whole: bool = False, next_whole: bool | None = None) -> Iterator[Delivery]:
     """Every group of a pass, in order, its windows on the devices: a streamed group's as the feeder delivered them
@@ -223,7 +235,7 @@ class Transport:
         continue
       last = False
       while not last:
-        group, chunk, windows, nbytes, calls, t_issue = self._ready.get()
+        group, chunk, windows, nbytes, calls, slots, t_issue = self._ready.get()
         last = chunk is None or chunk.index == chunk.count - 1
         try:
           if self._error is not None:
@@ -241,7 +253,7 @@ class Transport:
           with self._lock:
             self._held[self._stage_of[layers[0]]] -= nbytes
             self._previous[self._stage_of[layers[0]]] = nbytes
-          self._slots.release()
+          self._slots.release(slots)
 
   def _queue_pass(self, whole: bool) -> None:
     if self.streamed:
@@ -264,7 +276,7 @@ class Transport:
         break
     self._jobs.put((_BARRIER, True))
     while True:
-      group, _, windows, nbytes, _, _ = self._ready.get()
+      group, _, windows, nbytes, _, slots, _ = self._ready.get()
       if group == _BARRIER:
         break
       jax.block_until_ready(windows)
@@ -272,7 +284,7 @@ class Transport:
       with self._lock:
         self._h2d[self._stage_of[self.groups[group][0]]] += nbytes  # Moved all the same.
         self._held[self._stage_of[self.groups[group][0]]] -= nbytes
-      self._slots.release()
+      self._slots.release(slots)
     self._queued_next = None
     self._previous = [0] * len(self._previous)
 

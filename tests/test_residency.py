@@ -1,5 +1,7 @@
 """The residency planner (kv.placement "auto"): resident and streamed layers, bit-identical output."""
 
+import dataclasses
+
 import helpers
 import jax
 import numpy as np
@@ -7,6 +9,7 @@ import pytest
 
 from experiments import llama3_8b
 from jaxkv import cache as cache_lib
+from jaxkv import chunked
 from jaxkv import config as config_lib
 from jaxkv import jitted
 from jaxkv import model
@@ -58,16 +61,38 @@ def test_workspace_counts_a_prefill_calls_largest_temporary():
   cfg = config_lib.from_config_dict(llama3_8b.get_config()).model
   gib, scores = 2**30, residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
   layer = 4 * gib  # 32 x 32k rows, or 1M rows of one sequence, of bf16 K and V.
-  assert residency.workspace_bytes(cfg, "model", 32, 2**15, 2048, 1, 1) == 2 * layer + 5.75 * gib + layer + scores
-  assert residency.workspace_bytes(cfg, "model", 1, 2**20, 2048, 1, 1) == 2 * layer + layer + layer + scores
-  assert residency.workspace_bytes(cfg, "model", 1, 2**20, 0, 1, 1) == 2 * layer + layer + scores  # No prefill.
+  ws = residency.workspace_bytes
+  assert ws(cfg, "model", 32, 2**15, 2048, 1, 1, False) == 2 * layer + 5.75 * gib + layer + scores
+  assert ws(cfg, "model", 1, 2**20, 2048, 1, 1, False) == 2 * layer + layer + layer + scores
+  assert ws(cfg, "model", 1, 2**20, 0, 1, 1, False) == 2 * layer + layer + scores  # No prefill.
+  # Windows grown from their chunks (jaxkv.chunked): one window grows at a time.
+  assert ws(cfg, "model", 1, 2**20, 2048, 1, 1, True) == layer + layer + layer + scores
   # int8 rows: the attention's copy holds the window's values in bf16, about twice its stored bytes.
   stored = cache_lib.row_bytes(cfg, "int8", 1) * 2**20
   assert stored < 0.6 * layer
-  assert residency.workspace_bytes(cfg, "int8", 1, 2**20, 2048, 1, 1) == 2 * stored + layer + stored + scores
+  assert ws(cfg, "int8", 1, 2**20, 2048, 1, 1, False) == 2 * stored + layer + stored + scores
   # Over 4 devices each holds a quarter of the heads and of the MLP's columns; groups of 2 layers.
   mlp = 32 * 2048 * (cfg.d_model + 3 * cfg.mlp_dim // 4) * 2
-  assert residency.workspace_bytes(cfg, "model", 32, 2**15, 2048, 2, 4) == 4 * gib + mlp + gib + scores
+  assert ws(cfg, "model", 32, 2**15, 2048, 2, 4, False) == 4 * gib + mlp + gib + scores
+
+
+def test_the_1m_plan_keeps_a_layer_more_resident_with_windows_grown_from_their_chunks():
+  """The 8B at 1M (bf16, auto, one sequence) on a 139 GiB device with JAX's pool at 0.95, less the weights
+  (tools/plan_residency.py): windows grown from their chunks leave a workspace of one window for growth, 15 GiB where
+  two windows made it 19, and a layer more resident."""
+  c = config_lib.from_config_dict(llama3_8b.get_config())
+  kv = dataclasses.replace(c.kv, placement="auto")
+  gib, rows = 2**30, cache_lib.rows_bound(2**20, c.kv.block)
+  layer = cache_lib.row_bytes(c.model, "model", 1) * rows
+  free = int(0.95 * 139 * gib) - 2 * c.model.num_params()
+  groups = residency.decode_groups((0,) * c.model.num_layers, 1)
+  after = residency.auto_plan(c.model, kv, 1, 2**20, c.engine.prefill_chunk, groups, 1, free)
+  scores = residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
+  assert after.workspace_bytes == 3 * layer + scores and after.ring_bytes == 4 * (2**17 + 256) * layer // rows
+  before = after.workspace_bytes + layer  # Two windows for growth.
+  budget, _ = residency.device_budget(free, None, after.ring_bytes, before, c.kv.headroom_mib)
+  assert residency.plan(groups, layer, budget, "free device memory").resident_layers == 23
+  assert after.resident_layers == 24 and round(after.workspace_bytes / gib) == 15
 
 
 def _auto(tensor, depth, layers):
@@ -124,7 +149,7 @@ def test_auto_budget_from_free_device_memory_leaves_room_for_the_ring(monkeypatc
   headroom = eng.config.kv.headroom_mib * 2**20
   rows = cache_lib.rows_bound(eng.config.engine.capacity, eng.config.kv.block)
   workspace = residency.workspace_bytes(
-      eng.config.model, "model", len(LENGTHS), rows, eng.config.engine.prefill_chunk, 1, 2
+      eng.config.model, "model", len(LENGTHS), rows, eng.config.engine.prefill_chunk, 1, 2, False
   )
   assert workspace > 3 * layer + residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES  # A prefill's too.
   free = (depth + 2) * layer + workspace + headroom + resident * layer + layer // 2
@@ -177,7 +202,10 @@ def test_the_workspace_holds_what_xla_measures_for_the_prefill_and_decode_progra
   """XLA's memory analysis of the compiled programs (CPU, the XLA attentions) against residency.workspace_bytes at a
   4096-row window: a prefill call's temporaries are its prefill term (the window's copy) and WORKSPACE_SCORE_BLOCKS
   blocks of that call's scores, within 5%; a decode step that grows the window needs, beside its arguments, its
-  temporaries and the grown window, no more than the workspace without the scores."""
+  temporaries and the grown window, no more than the workspace without the scores. A window grown from its chunks
+  (jaxkv.chunked) is written in place: each chunk and then the open page into the one grown buffer, donated, with
+  no temporary beyond a page."""
+  ws = residency.workspace_bytes
   cfg = helpers.tiny_config().model
   fns = jitted.functions(cfg, helpers.mesh(1), "model", "xla", "xla")
   p = helpers.params(1)["layers"][0]
@@ -186,14 +214,17 @@ def test_the_workspace_holds_what_xla_measures_for_the_prefill_and_decode_progra
   meta = jax.ShapeDtypeStruct((b + 1,), np.int32)
   window = f32(2, b, cfg.num_kv_heads, w, cfg.head_dim)
   prefill = fns.prefill.lower(p, f32(b, c, cfg.d_model), window, meta).compile().memory_analysis()
-  term = residency.workspace_bytes(cfg, "model", b, w, c, 1, 1) - residency.workspace_bytes(cfg, "model", b, w, 0, 1, 1)
+  term = ws(cfg, "model", b, w, c, 1, 1, False) - ws(cfg, "model", b, w, 0, 1, 1, False)
   qb = model.query_block(b, cfg.num_heads, c, w + c, model.SCORE_BUDGET_BYTES)
   scores = residency.WORKSPACE_SCORE_BLOCKS * b * cfg.num_heads * qb * (w + c) * 4
   assert 0.95 * (term + scores) <= prefill.temp_size_in_bytes <= term + scores
   opens = [f32(2, b, cfg.num_kv_heads, page, cfg.head_dim)]
   decode = fns.decode_group_full.lower([p], f32(b, cfg.d_model), [window], opens, meta).compile().memory_analysis()
-  no_scores = (
-      residency.workspace_bytes(cfg, "model", b, w, c, 1, 1)
-      - residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
-  )
+  no_scores = ws(cfg, "model", b, w, c, 1, 1, False) - residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
   assert decode.temp_size_in_bytes + decode.output_size_in_bytes <= no_scores
+  calls = chunked.calls(cfg, helpers.mesh(1), "model", "xla")
+  grown, page_bytes = f32(2, b, cfg.num_kv_heads, w + page, cfg.head_dim), opens[0].size * 4
+  write = calls.write.lower(grown, f32(2, b, cfg.num_kv_heads, 512, cfg.head_dim), 0).compile().memory_analysis()
+  flush = calls.flush.lower(grown, opens[0], w).compile().memory_analysis()
+  assert write.temp_size_in_bytes == 0 and write.alias_size_in_bytes == write.output_size_in_bytes == grown.size * 4
+  assert flush.temp_size_in_bytes <= 2 * page_bytes and flush.alias_size_in_bytes == grown.size * 4 + page_bytes

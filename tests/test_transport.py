@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxkv import config as config_lib
+from jaxkv import decode_attention
 from jaxkv import jitted
 from jaxkv import kv_quant
 from jaxkv import transport as transport_lib
@@ -123,6 +124,35 @@ def test_delivered_shards_hold_the_device_heads_and_the_ring_is_bounded():
   window_share = np.prod(shape) * 4 // tensor
   assert c["ring_high_water_bytes_per_device"] == (depth + 2) * 2 * window_share
   assert c["dispatches"] == 3 * 3  # One transfer a group.
+
+
+def test_a_whole_window_larger_than_a_chunk_is_on_the_devices_alone():
+  """A prefill pass (whole windows) where decode delivers chunks: a window larger than a chunk takes every ring slot,
+  so that no other is issued while it is computed and the ring holds it and the previous one, not depth + 2 windows
+  (the planner counts a ring of chunks and one window: jaxkv.residency.workspace_bytes)."""
+  cfg, depth, rows = helpers.tiny_config(), 2, 3 * decode_attention.LEAF_ROWS
+  row = kv_quant.KVFormat.of(cfg.model).row_bytes * 2 * 2 * cfg.model.num_kv_heads  # K and V of 2 sequences.
+  kv = dataclasses.replace(
+      cfg.kv,
+      placement="host",
+      pipeline_depth=depth,
+      group_layers=1,
+      delivery_chunk_mib=decode_attention.LEAF_ROWS * row / 2**20,
+  )
+  cache = helpers.kv_cache(cfg.model, kv, helpers.mesh(1), batch=2, capacity=rows)
+  assert cache.chunk_rows == decode_attention.LEAF_ROWS
+  shape = (2, 2, cfg.model.num_kv_heads, rows, cfg.model.head_dim)
+  for l in range(cfg.model.num_layers):
+    cache.windows[l] = jax.device_put(np.full(shape, l, np.float32), cache.host_sharding)
+  tr = transport_lib.Transport(cache, depth)
+  assert tr.depth == depth
+  seen = []
+  for d in tr.deliveries(next_pass=False, whole=True):
+    assert d.chunk is None and float(d.windows[0][0, 0, 0, 0, 0]) == d.layers[0]
+    seen.append(tr.in_flight())
+  assert seen == [0] * cfg.model.num_layers
+  assert tr.take_counters()["ring_high_water_bytes_per_device"] == 2 * rows * row
+  tr.close()
 
 
 def test_an_error_in_a_pass_frees_its_slot_and_close_returns():

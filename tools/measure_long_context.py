@@ -55,7 +55,7 @@ def _host_estimate(
   free after the weights: residency's budget (prefill chunks of `chunk` rows), two layers fewer resident for safety,
   plus one layer in flight."""
   layer = 2 * model.num_kv_heads * capacity * kv_quant.KVFormat.of(model, kv_dtype).row_bytes
-  workspace = residency.workspace_bytes(model, kv_dtype, 1, capacity, chunk, 1, 1)
+  workspace = residency.workspace_bytes(model, kv_dtype, 1, capacity, chunk, 1, 1, False)
   budget = residency.device_budget(int(free_gib * _GIB), None, (depth + 2) * layer, workspace, 512)[0]
   resident = max(min(model.num_layers, budget // layer) - 2, 0)
   streamed = model.num_layers - resident
