@@ -87,7 +87,7 @@ PLOT_OUT = flags.DEFINE_string("plot_out", None, "Write a PNG of tokens/s agains
 
 HELP_GROUPS = {
     "model and config": cli.CONFIG_GROUP,
-    "bench": [SWEEP, CONTEXTS, BATCHES, ARMS, NEW_TOKENS, ROUNDS, PEER, SYNTHETIC_CONTEXT, PEAK_MIB, SEED],
+    "bench": [SWEEP, CONTEXTS, BATCHES, ARMS, NEW_TOKENS, ROUNDS, PEER, SYNTHETIC_CONTEXT, CEILINGS, PEAK_MIB, SEED],
     "speculative decoding": [cli.SPECULATE_FLAG],
     "KV cache": cli.KV_GROUP,
     "split": cli.SPLIT_GROUP,
