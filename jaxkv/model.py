@@ -511,7 +511,7 @@ def legacy_decode_attention(q, parts, start, end, first_row=0):
 def query_and_write(p, x, open_page, start, end, page_row, cfg: ModelConfig, fmt: KVFormat):
   """x [B, D] -> q [B, 1, H, Dh] and the open page with the new row (packed) written at page_row; or x [B, T, D] ->
   q [B, T, H, Dh], the rows written at page_row .. page_row + T - 1 (those past the page dropped). The projections
-  run over the B * T rows as one matmul, each row as `project` runs a decode's."""
+  run over the B * T rows as one matmul, on at least MIN_ROWS rows as a one-token step's (`on_min_rows`)."""
   b, t = x.shape[0], 1 if x.ndim == 2 else x.shape[1]
   pos = (end - start)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
   q, k, v = qkv(p, x.reshape(b * t, 1, -1), pos.reshape(b * t, 1), cfg)
