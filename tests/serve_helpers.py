@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
+import warnings
 
 import httpx
 
@@ -17,7 +19,8 @@ from jaxkv.bench import serve_load
 from jaxkv.serving import access as access_lib
 from jaxkv.serving import api as serve_api
 
-START_S = 60.0  # Bound on the server's start.
+START_S = 60.0  # Bound on the server's start, and on its stop.
+SLOW_STOP_S = 10.0  # A stop still running after this is reported with its threads' stacks (a warning).
 REASONS = ("eos", "stop", "length", "cancelled", "error")  # jaxkv_requests_total's.
 
 
@@ -57,8 +60,22 @@ def running(
     yield f"http://127.0.0.1:{port}", model
   finally:
     server.should_exit = True
+    report = threading.Timer(SLOW_STOP_S, _report_slow_stop)
+    report.start()
     thread.join(START_S)
     loop.stop(START_S)
+    report.cancel()
+
+
+def _report_slow_stop() -> None:
+  """Warns with the stacks of the server's threads (uvicorn's, the serving loop's) while their stop takes long."""
+  frames = sys._current_frames()  # pylint: disable=protected-access
+  stacks = [
+      f"{t.name}:\n" + "".join(traceback.format_stack(frames[t.ident])[-8:])
+      for t in threading.enumerate()
+      if t.ident in frames and t.name in ("uvicorn", "jaxkv-engine")
+  ]
+  warnings.warn(f"the test server still stops {SLOW_STOP_S:.0f} s after should_exit; " + "\n".join(stacks))
 
 
 free_port = serve_load.free_port
