@@ -94,15 +94,9 @@ def test_the_kernel_choice_adds_its_xla_flags_before_the_backend_starts():
   ]
 
 
-def test_an_app_applies_the_kernel_choice_and_rejects_a_bad_one_in_one_line(tmp_path):
-  _, out = helpers.run_app(
-      "jaxkv.generate",
-      tmp_path / "untimed.json",
-      "--prompt_len=5",
-      "--max_new_tokens=2",
-      env={"JAXKV_GPU_KERNELS": "untimed"},
-  )
-  assert len(out["tokens"][0]) == 2  # The GPU flags reach XLA, which the CPU ignores.
+def test_an_app_applies_the_kernel_choice_and_rejects_a_bad_one_in_one_line(cold_and_warm):
+  for _, out in cold_and_warm[1]:  # Run with $JAXKV_GPU_KERNELS=untimed.
+    assert [len(t) for t in out["tokens"]] == [6, 6]  # The GPU flags reach XLA, which the CPU ignores.
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   proc = subprocess.run(
       [sys.executable, "-m", "jaxkv.generate", "--cpu_devices=1"],
@@ -130,15 +124,19 @@ def test_the_counter_counts_compiles_while_open_and_after_a_time():
   assert total(counter.counts()) == 2 and total(counter.counts(since=t)) == 1
 
 
-def _generate(tmp_path, name, cache):
+@pytest.fixture(scope="module")
+def cold_and_warm(tmp_path_factory):
+  """Two runs of the generate app, one after the other, with a compilation cache of their own and the kernel choice
+  "untimed" ($JAXKV_GPU_KERNELS): the cache's folder, and (stdout, JSON output) of each."""
+  tmp = tmp_path_factory.mktemp("compile_cache")
+  cache = tmp / "cache"
   flags = ("--prompt_len=5,12", "--max_new_tokens=6", "--kv_placement=host", f"--compilation_cache_dir={cache}")
-  return helpers.run_app("jaxkv.generate", tmp_path / f"{name}.json", *flags)
+  env = {compile_cache.KERNELS_ENV: "untimed"}
+  return cache, [helpers.run_app("jaxkv.generate", tmp / f"{n}.json", *flags, env=env) for n in ("cold", "warm")]
 
 
-def test_a_second_process_loads_every_program_from_the_cache(tmp_path):
-  cache = tmp_path / "cache"
-  _, cold = _generate(tmp_path, "cold", cache)
-  out, warm = _generate(tmp_path, "warm", cache)
+def test_a_second_process_loads_every_program_from_the_cache(cold_and_warm):
+  cache, [(_, cold), (out, warm)] = cold_and_warm
   c, w = cold["compilation"], warm["compilation"]
   assert c["cache_dir"] == w["cache_dir"] == str(cache / VERSIONS) and os.listdir(c["cache_dir"])
   assert c["programs_compiled"] > 0 and c["programs_from_cache"] == 0

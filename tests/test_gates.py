@@ -94,21 +94,24 @@ def _separate(tmp_path, arms):
   return proc, json.loads(out.read_text()) if out.exists() else None
 
 
-def test_separate_processes_agree_and_share_the_compilation_cache(tmp_path):
-  proc, report = _separate(tmp_path, "device,host_d1")
-  assert proc.returncode == 0 and report["passed"], proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert report["separate_processes"] and report["arms"] == ["device", "host_d1"]
-  assert all(len(set(t["hashes"].values())) == 1 for t in report["exactness"]["tasks"])
+def test_separate_processes_agree_and_share_the_compilation_cache_and_one_that_differs_fails_the_gate(tmp_path):
+  """One run of three processes: device and host_d1 agree bit for bit (every task's hash, the transcript), the second
+  loads the first's programs from the cache; a bfloat16 cache on the float32 tiny model changes the bits, and the
+  cross-process gate catches it."""
+  proc, report = _separate(tmp_path, "device,host_d1,host_d1_bfloat16")
+  assert proc.returncode == 1 and not report["passed"] and not report["exactness"]["passed"], proc.stderr[-3000:]
+  assert report["separate_processes"] and report["arms"] == ["device", "host_d1", "host_d1_bfloat16"]
+  for t in report["exactness"]["tasks"]:
+    h = t["hashes"]
+    assert h["device"] == h["host_d1"] != h["host_d1_bfloat16"] and not t["passed"], t
+  transcripts = report["parallel"]["transcripts"]
+  assert transcripts["device"] == transcripts["host_d1"] != transcripts["host_d1_bfloat16"]
+  assert not report["parallel"]["passed"]
+  assert all(m["passed"] for m in report["memory"]["arms"].values()) and report["memory"]["passed"]
   assert report["parallel"]["sequences"] == 4 and report["new_tokens"] == 4  # The flags reached every process.
   second = report["processes"]["host_d1"]["compilation"]
   assert second["programs_from_cache"] > 0  # The same compiled layer functions serve both arms.
-  assert "exactness gate: PASS" in proc.stdout and "process  host_d1: exit 0" in proc.stdout
-
-
-def test_separate_processes_that_differ_fail_the_gate(tmp_path):
-  # A bfloat16 cache on the float32 tiny model changes the bits: the cross-process gate must catch it.
-  proc, report = _separate(tmp_path, "device,host_d1_bfloat16")
-  assert proc.returncode == 1 and not report["passed"] and not report["exactness"]["passed"], proc.stderr[-3000:]
+  assert all(f"process {arm:>8}: exit 0" in proc.stdout for arm in report["arms"]), proc.stdout
   assert "DIFF" in proc.stdout and "exactness gate: FAIL" in proc.stdout
 
 

@@ -280,7 +280,7 @@ def smollm2_net():
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_net):
+def smollm2(smollm2_net, smollm2_tokenizer):
   """(path, jaxkv tokenizer, prompts, their ids, transformers' greedy tokens, transformers' tokenizer)."""
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
@@ -289,7 +289,7 @@ def smollm2(smollm2_net):
   net = smollm2_net
   folder, file = os.path.split(path)
   hf_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
-  tok = gguf_loader.tokenizer(path)
+  tok = smollm2_tokenizer
   prompts = _prompts()
   ids = [tok.encode(p) for p in prompts]
   want = []
@@ -392,7 +392,13 @@ def smollm2_file() -> str:
   return path
 
 
-def test_smollm2_with_default_flags_stops_at_its_end_of_turn(smollm2_file, tmp_path):
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_file) -> tokenizer_lib.Tokenizer:
+  """jaxkv's tokenizer of the file (built from its metadata: seconds)."""
+  return gguf_loader.tokenizer(smollm2_file)
+
+
+def test_smollm2_with_default_flags_stops_at_its_end_of_turn(smollm2_file, smollm2_tokenizer, tmp_path):
   """The generate app end to end with default flags but the file, its text and --chat (a subprocess: the CPU devices
   are set before JAX starts): 3 simulated devices (its 3 KV heads), float32 on them, the engine's sizes (not the tiny
   config's), and the file's end-of-sequence id (tokenizer.ggml.eos_token_id, its template's <|im_end|>) ends the answer.
@@ -407,7 +413,7 @@ def test_smollm2_with_default_flags_stops_at_its_end_of_turn(smollm2_file, tmp_p
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   res = json.loads(out.read_text())
-  tok = gguf_loader.tokenizer(smollm2_file)
+  tok = smollm2_tokenizer
   assert res["chat"] and res["prompt_tokens"] == [tok.encode_chat([{"role": "user", "content": question}])]
   assert res["gguf"] == smollm2_file and res["model"]["num_layers"] == 30 and res["model"]["dtype"] == "float32"
   assert len(res["devices"]) == 3 and res["eos_ids"] == [2] and tok.end_of_turn_id() == 2
@@ -449,14 +455,14 @@ def test_kv_quality_tool_on_a_short_text(smollm2, smollm2_params):
   assert res["int4"]["mean_kl"] > res["float8_e4m3fn"]["mean_kl"] > res["int8"]["mean_kl"]
 
 
-def test_smollm2_speculation_gives_the_plain_greedy_tokens(smollm2_file, smollm2_params):
+def test_smollm2_speculation_gives_the_plain_greedy_tokens(smollm2_tokenizer, smollm2_params):
   """The real model copying a paragraph it read twice: the lookup drafter's drafts are accepted, and the tokens are
   those of plain greedy decode, and the logits bit for bit the plain run's (a pass's 9 rows and a step's one run their
   matmuls on the same MIN_ROWS rows: docs/design.md, "What is bitwise")."""
   cfg, params = smollm2_params(1)
   with open(TEXT) as f:
     paragraph = f.read()[:300]
-  ids = gguf_loader.tokenizer(smollm2_file).encode(paragraph + "\n\n" + paragraph + "\n\n" + paragraph[:150])
+  ids = smollm2_tokenizer.encode(paragraph + "\n\n" + paragraph + "\n\n" + paragraph[:150])
   config = _device_config(cfg)
   plain = engine_lib.Engine(config, helpers.mesh(1), params).generate([ids], 40, keep_logits=True)
   config = dataclasses.replace(config, speculate=config_lib.SpeculateConfig(mode="lookup"))

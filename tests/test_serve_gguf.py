@@ -18,6 +18,8 @@ import httpx
 import openai
 import serve_helpers
 
+from jaxkv import gguf_loader
+
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 
 CAPACITY = 512
@@ -62,23 +64,29 @@ def test_models_reports_the_file_s_name_capacity_and_vocabulary(served, gguf_fil
 
 
 def test_text_and_chat_give_generate_s_greedy_tokens(served, gguf_file, tmp_path):
+  """One generate run of two prompts: the text, and the question rendered in the chat template (the ids that
+  `--chat` gives it: the template's text encodes to them), against the server's completion and chat completion."""
   _, client = served
-  want = _generate(gguf_file, tmp_path, f"--prompt={TEXT}")
+  messages = [{"role": "user", "content": QUESTION}]
+  tok = gguf_loader.tokenizer(gguf_file)
+  chat_ids = tok.encode_chat(messages)
+  assert tok.encode(tok.apply_chat_template(messages)) == chat_ids
+  want = _generate(gguf_file, tmp_path, f"--prompt={TEXT}", f"--prompt={tok.apply_chat_template(messages)}")
+  assert want["prompt_tokens"][1] == chat_ids
   out = client.completions.create(model=NAME, prompt=TEXT, max_tokens=NEW_TOKENS, temperature=0)
   choice = out.choices[0]
   assert choice.token_ids == want["tokens"][0] and choice.text == want["text"][0]
   assert out.usage.prompt_tokens == want["prompt_lengths"][0]
   assert choice.finish_reason == ("length" if len(choice.token_ids) == NEW_TOKENS else "stop")
 
-  want = _generate(gguf_file, tmp_path, f"--prompt={QUESTION}", "--chat")
-  answer = want["tokens"][0]
+  answer = want["tokens"][1]
   assert answer[-1] == 2 and len(answer) < NEW_TOKENS  # Ends at its <|im_end|>.
-  messages = [{"role": "user", "content": QUESTION}]
   out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=NEW_TOKENS, temperature=0)
   choice = out.choices[0]
   assert choice.token_ids == answer and choice.finish_reason == "stop"
-  assert choice.message.content == want["text"][0] and "Paris" in choice.message.content
-  assert out.usage.prompt_tokens == want["prompt_lengths"][0] and out.usage.completion_tokens == len(answer)
+  assert choice.message.content == want["text"][1] and "Paris" in choice.message.content
+  assert out.usage.prompt_tokens == want["prompt_lengths"][1] == len(chat_ids)
+  assert out.usage.completion_tokens == len(answer)
   # Without max_tokens: until its end of sequence (or the capacity).
   out = client.chat.completions.create(model=NAME, messages=messages, temperature=0)
   assert out.choices[0].token_ids == answer
