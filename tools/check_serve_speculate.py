@@ -42,13 +42,21 @@ PARALLEL = flags.DEFINE_integer("parallel", 8, "Slots.")
 REQUESTS = flags.DEFINE_integer("requests", 16, "Requests per serve (more than the slots: some join a running batch).")
 PROMPT_LEN = flags.DEFINE_integer("prompt_len", 2048, "The longest prompt's tokens.")
 NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens per request.")
+PROMPTS = flags.DEFINE_enum(
+    "prompts",
+    "mixed",
+    ["mixed", "repeating", "random"],
+    "mixed: every other prompt a short random phrase repeated, the others random; repeating: every prompt such a"
+    " phrase (lookup drafts its continuation); random: no prompt repeats a phrase (drafts fail, unless the model's"
+    " output loops).",
+)
 JSON_OUT = flags.DEFINE_string(
     "json_out", os.path.join(os.environ.get("OUT", "."), "check_serve_speculate.json"), "Where the details go."
 )
 
 
 def _requests(vocab: int):
-  """Every other prompt a random phrase of 8 tokens repeated (lookup drafts its continuation), the others random."""
+  """--prompts: a random phrase of 8 tokens repeated (lookup drafts its continuation) or random tokens."""
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   from jaxkv import serving  # pylint: disable=g-import-not-at-top
@@ -57,7 +65,8 @@ def _requests(vocab: int):
   out = []
   for i in range(REQUESTS.value):
     n = int(rng.integers(max(1, PROMPT_LEN.value // 4), PROMPT_LEN.value + 1))
-    prompt = np.resize(rng.integers(0, vocab, 8), n) if i % 2 == 0 else rng.integers(0, vocab, n)
+    repeats = PROMPTS.value == "repeating" or (PROMPTS.value == "mixed" and i % 2 == 0)
+    prompt = np.resize(rng.integers(0, vocab, 8), n) if repeats else rng.integers(0, vocab, n)
     out.append(serving.Request(tuple(prompt.tolist()), NEW_TOKENS.value, seed=i))
   return out
 
