@@ -59,6 +59,53 @@ def test_switch_turns_a_failing_sequence_off_and_probes_again():
   assert s.on(0) and s.switched_off == 2
 
 
+def test_an_eager_switch_turns_empty_lookups_off_and_probes_less_often():
+  """The server's switch: lookups in a row that find nothing turn a sequence off (a pass with no room to look does
+  not count), each probe that fails doubles the wait up to max_off_passes, and a window that proposes by merit
+  resets it; a patient switch ignores empty lookups."""
+  s = speculate.Switch(window=2, min_accepted=0.5, off_passes=3, eager=True, max_off_passes=8, empty_lookups=3)
+  for drafted in (None, 0, 0, None):
+    s.passed(0, drafted=drafted, accepted=0)
+  assert s.on(0)
+  s.passed(0, drafted=0, accepted=0)  # The third empty lookup in a row.
+  assert not s.on(0) and s.off_passes_left(0) == 3 and s.switched_off == 1
+  for wait in (6, 8, 8):  # Probes that find nothing: off again at once, for twice as long (at most 8 passes).
+    s.idle(0, s.off_passes_left(0))
+    s.passed(0, drafted=0, accepted=0)
+    assert s.off_passes_left(0) == wait
+  s.idle(0, 8)
+  s.passed(0, drafted=4, accepted=2)  # A probe that finds a draft: one verify seen, the window not full.
+  s.passed(0, drafted=4, accepted=0)  # Mean 1 over the window: on by merit.
+  assert s.on(0)
+  s.passed(0, drafted=4, accepted=0)  # Mean 0: off, for off_passes again.
+  assert s.off_passes_left(0) == 3 and s.switched_off == 5
+  s.forget(0)
+  assert s.on(0)
+  patient = speculate.Switch(window=2, min_accepted=0.5, off_passes=3)
+  for _ in range(50):
+    patient.passed(0, drafted=0, accepted=0)
+  assert patient.on(0)
+
+
+def test_the_speculator_tells_its_switch_whether_it_looked():
+  """Speculator: a pass whose draft it did not ask for (no room) is no lookup, one where the drafter found nothing
+  is; a switched-off row drops its pending tokens, and plain steps drop them and count its wait."""
+  s = spec_decode.Speculator(speculate.PromptLookup(), 4, speculate.Switch(off_passes=3, eager=True, empty_lookups=2))
+  s.verified(0, 0, 0, 1, np.array([5]), sampled=False)  # No draft asked.
+  assert s.draft(0, [1, 2, 3], 4) == []
+  s.verified(0, 0, 0, 1, np.array([5]), sampled=False)
+  assert s.switch.on(0)
+  assert s.draft(0, [1, 2, 3], 4) == []
+  s.verified(0, 0, 0, 1, np.array([5]), sampled=False)
+  assert not s.switch.on(0) and s.idle_passes(0) == 3
+  assert s.draft(1, [7, 8, 9, 7, 8], 2) == [9, 7]
+  s.verified(1, 2, 2, 1, np.array([9, 7, 8]), sampled=False)  # One recorded: the verified 7, 8 head its next draft.
+  assert s.pending[1] == [7, 8] and s.idle_passes(1) == 0
+  s.stepped(1, 1)
+  s.stepped(0, 3)
+  assert 1 not in s.pending and s.switch.on(0)
+
+
 def test_a_rejected_draft_s_residual_and_its_acceptance_give_back_p():
   """The standard rule for a draft d proposed with certainty: accept with p(d), else draw from p without d; the
   mixture is p, exactly (float64 over the f32 values), for every d, with top-k and temperature filtering."""
