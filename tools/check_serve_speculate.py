@@ -18,6 +18,11 @@ default). Run from the repo root:
 
 A try of the plumbing on the CPU: python3 tools/check_serve_speculate.py --config=experiments/tiny.py --cpu_devices=2
 --layers=2 --prompt_len=40 --new_tokens=24 --requests=6 --parallel=4
+
+The CPU figures of docs/design.md: drafts that fail (the random model's output over 4096 ids does not loop),
+python3 tools/check_serve_speculate.py --config=experiments/tiny.py --cpu_devices=2 --layers=2 --prompt_len=40
+--new_tokens=200 --requests=8 --parallel=4 --config.engine.capacity=256 --config.model.vocab_size=4096
+--prompts=random --repeats=3; and without the vocab_size override, --prompts=random and --prompts=repeating.
 """
 
 from __future__ import annotations

@@ -14,12 +14,18 @@ slot's old rows), the request is prefilled alone and put into its slot, and the 
 decode state takes its row (jaxkv.meta.DecodeState.with_row). Tokens are read
 jaxkv.decode.READ_LAG steps late, so a slot frees that many steps after its last token.
 
-Speculative decoding (speculate.mode lookup, jaxkv.spec_decode): each step of an epoch is a verify pass instead,
-read back before the next (the drafter reads the tokens): every live slot drafts its own tokens (0 .. k, from its
-prompt and tokens, with its own switch; a slot taking a request starts afresh), the slots advance together by the
-smallest acceptance + 1, each token recorded as a one-token step's, and a greedy slot's further verified tokens head its
-next draft (a sampled request's tokens then depend on the batch's acceptances: docs/design.md). Requests that it
-cannot verify (penalties, logit rules, a grammar) are refused (`Server.check`).
+Speculative decoding (speculate.mode lookup, jaxkv.spec_decode): while every live slot may draft, a step of the
+epoch is a verify pass, read back before the next (the drafter reads the tokens): each live slot drafts its own tokens
+(0 .. k, from its prompt and tokens, with its own switch; a slot taking a request starts afresh), the slots advance
+together by the smallest acceptance + 1, each token recorded as a one-token step's, and a greedy slot's further
+verified tokens head its next draft (a sampled request's tokens then depend on the batch's acceptances:
+docs/design.md). While a live slot is switched off (jaxkv.speculate.Switch, eager: drafts that fail, or lookups that
+find nothing, turn it off, each failed probe for longer) a verify pass could advance the batch by one token only, so
+the steps are the plain loop's, run ahead as without speculation, from the tokens read (their passes count as the
+slot's wait); they read back and verify again once every live slot may draft. Drafts that fail cost 0.75x to 0.94x
+of plain serving on XLA:CPU (tools/check_serve_speculate.py --prompts=random, its docstring's CPU command;
+docs/design.md), where every pass verified before (0.30x to 0.46x). Requests that it cannot verify (penalties, logit
+rules, a grammar) are refused (`Server.check`).
 
 Sampling: request r's token i draws with key fold_in(fold_in(key(seed_r), 0), i) (jaxkv.sampling), whatever its
 slot or step, so sampled output does not depend on the neighbours either. Each request has its own settings
