@@ -510,13 +510,11 @@ class Engine:
     return fns.place(layer.window, layer.chunk, np.int32(at), a_rows=a_rows, block=self.config.kv.block)
 
   def speculator(self) -> spec_decode.Speculator | None:
-    """config.speculate's speculative decoder, a fresh one with an eager switch (jaxkv.speculate.Switch; None: off);
-    the server's epochs take one each."""
-    return self._speculator(None, eager=True)
+    """config.speculate's speculative decoder, a fresh one (None: off); the server's epochs take one each."""
+    return self._speculator(None)
 
-  def _speculator(self, drafter, eager: bool = False) -> spec_decode.Speculator | None:
-    """The speculative decoder of a run: `drafter` (no switch), else config.speculate's (None: off), its switch
-    eager or not."""
+  def _speculator(self, drafter) -> spec_decode.Speculator | None:
+    """The speculative decoder of a run: `drafter` (no switch), else config.speculate's (None: off)."""
     s = self.config.speculate
     if drafter is not None:
       check_speculate(dataclasses.replace(self.config, speculate=dataclasses.replace(s, mode="lookup")))
@@ -524,7 +522,7 @@ class Engine:
     if s.mode == "off":
       return None
     drafter = self_draft.SelfDraft(self) if s.mode == "self" else speculate.PromptLookup()
-    return spec_decode.Speculator(drafter, s.k, speculate.Switch(eager=eager))
+    return spec_decode.Speculator(drafter, s.k, speculate.Switch())
 
   def _generate(
       self, gen: Generation, rec, prompts, max_new_tokens, seed, on_step, zero_rows, speculator

@@ -9,13 +9,12 @@ the last of which the next pass writes): `propose(b, history, k) -> list[int]`. 
     verify pass accepts exactly min(m, k) of them where the continuation is the greedy one.
 
 `Switch` turns proposing off for a sequence whose drafts fail: its accepted tokens per verify, a mean over the last
-SWITCH_WINDOW verifies with drafts, below SWITCH_MIN_ACCEPTED. It waits SWITCH_OFF_PASSES passes, then probes again:
-one verify, which turns it off again while the mean stays low. A failed verify pass costs more than a one-token step.
-An eager switch (the server's: a pass read back for the drafter costs the plain loop its run-ahead, even one without
-drafts) also turns a sequence off after SWITCH_EMPTY_LOOKUPS lookups in a row that found nothing, and doubles the wait
-after each probe that fails, up to SWITCH_MAX_OFF_PASSES, so that a sequence whose drafts fail costs a few read-back
-passes per request, and one per SWITCH_MAX_OFF_PASSES passes in the long run. A patient one (generate's, whose runs
-are short) always waits SWITCH_OFF_PASSES: a run that falls into a loop late still finds it.
+SWITCH_WINDOW verifies with drafts, below SWITCH_MIN_ACCEPTED, or SWITCH_EMPTY_LOOKUPS lookups in a row that found
+nothing (each a pass read back for the drafter, which costs the plain loop its run-ahead). It waits SWITCH_OFF_PASSES
+passes, then probes again: one verify, which turns it off again while it fails, for twice as long each time up to
+SWITCH_MAX_OFF_PASSES (a full window that proposes by merit resets the wait). A failed verify pass costs more than a
+one-token step, so a sequence whose drafts fail costs a few read-back passes per request, and one per
+SWITCH_MAX_OFF_PASSES passes in the long run.
 """
 
 from __future__ import annotations
@@ -28,9 +27,9 @@ import numpy as np
 LOOKUP_NGRAMS = (3, 2, 1)  # Suffix lengths the lookup drafter matches, longest first.
 SWITCH_WINDOW = 8  # Verify passes whose accepted tokens the switch averages.
 SWITCH_MIN_ACCEPTED = 0.5  # Mean accepted tokens per verify below which a sequence stops proposing.
-SWITCH_OFF_PASSES = 32  # Passes a switched-off sequence waits before it proposes again (an eager switch: at first).
-SWITCH_MAX_OFF_PASSES = 512  # The longest wait of an eager switch (each probe that fails doubles it up to this).
-SWITCH_EMPTY_LOOKUPS = 16  # Lookups in a row that find nothing after which an eager switch turns a sequence off.
+SWITCH_OFF_PASSES = 32  # Passes a sequence waits when it is switched off first (each probe that fails doubles it).
+SWITCH_MAX_OFF_PASSES = 512  # The longest wait.
+SWITCH_EMPTY_LOOKUPS = 16  # Lookups in a row that find nothing after which a sequence is switched off.
 
 
 class PromptLookup:
@@ -72,22 +71,20 @@ class Oracle:
 
 class Switch:
   """Per sequence, whether it proposes drafts (module docstring): `on(b)` before a pass, `passed(b, drafted,
-  accepted)` after it, or `idle(b, passes)` after passes that did not ask it. eager: the server's rule, else
-  generate's."""
+  accepted)` after it, or `idle(b, passes)` after passes that did not ask it."""
 
   def __init__(
       self,
       window: int = SWITCH_WINDOW,
       min_accepted: float = SWITCH_MIN_ACCEPTED,
       off_passes: int = SWITCH_OFF_PASSES,
-      eager: bool = False,
       max_off_passes: int = SWITCH_MAX_OFF_PASSES,
       empty_lookups: int = SWITCH_EMPTY_LOOKUPS,
   ):
-    self.window, self.min_accepted, self.off_passes, self.eager = window, min_accepted, off_passes, eager
-    self.max_off_passes, self.empty_lookups = max_off_passes if eager else off_passes, empty_lookups
+    self.window, self.min_accepted, self.off_passes = window, min_accepted, off_passes
+    self.max_off_passes, self.empty_lookups = max_off_passes, empty_lookups
     self._accepted: dict[int, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=window))
-    self._empty: dict[int, int] = {}  # Sequence -> its lookups in a row that found nothing (eager).
+    self._empty: dict[int, int] = {}  # Sequence -> its lookups in a row that found nothing.
     self._off: dict[int, int] = {}  # Sequence -> passes it still waits.
     self._wait: dict[int, int] = {}  # Sequence -> passes its next switch-off lasts (doubled by each failed probe).
     self.switched_off = 0  # Times a sequence was switched off.
@@ -115,7 +112,7 @@ class Switch:
     if not self.on(b):
       self._off[b] -= 1
       return
-    if drafted is None or not (drafted or self.eager):
+    if drafted is None:
       return
     if not drafted:
       self._empty[b] = self._empty.get(b, 0) + 1

@@ -113,9 +113,9 @@ def test_serve_gives_each_request_s_tokens_and_logits_hash():
 
 def _replay(prompt: list[int], tokens: list[int], block: int) -> tuple[int, int, str]:
   """What a request alone in a fresh epoch drafts and accepts, replayed on the host: its greedy tokens against the
-  lookup drafter and the server's switch (alone, every acceptance is the batch's: nothing is left pending); and its
+  lookup drafter and its switch (alone, every acceptance is the batch's: nothing is left pending); and its
   passes, "v" a verify pass (its switch on), "p" a plain step (off)."""
-  lookup, switch = speculate.PromptLookup(), speculate.Switch(eager=True)
+  lookup, switch = speculate.PromptLookup(), speculate.Switch()
   drafted = accepted = 0
   passes = ""
   got, end = 1, len(prompt)  # The prefill gives its first token, which the first pass writes at row len(prompt).

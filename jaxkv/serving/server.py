@@ -19,8 +19,8 @@ epoch is a verify pass, read back before the next (the drafter reads the tokens)
 (0 .. k, from its prompt and tokens, with its own switch; a slot taking a request starts afresh), the slots advance
 together by the smallest acceptance + 1, each token recorded as a one-token step's, and a greedy slot's further
 verified tokens head its next draft (a sampled request's tokens then depend on the batch's acceptances:
-docs/design.md). While a live slot is switched off (jaxkv.speculate.Switch, eager: drafts that fail, or lookups that
-find nothing, turn it off, each failed probe for longer) a verify pass could advance the batch by one token only, so
+docs/design.md). While a live slot is switched off (jaxkv.speculate.Switch: drafts that fail, or lookups that find
+nothing, turn it off, each failed probe for longer) a verify pass could advance the batch by one token only, so
 the steps are the plain loop's, run ahead as without speculation, from the tokens read (their passes count as the
 slot's wait); they read back and verify again once every live slot may draft. Drafts that fail cost 0.75x to 0.94x
 of plain serving on XLA:CPU (tools/check_serve_speculate.py --prompts=random, its docstring's CPU command;
