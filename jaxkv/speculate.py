@@ -107,8 +107,8 @@ class Switch:
 
   def passed(self, b: int, drafted: int | None, accepted: int) -> None:
     """After a pass: drafted, the tokens it proposed (0: it looked and found none; None: it did not look, no room
-    for a draft), accepted, those of them recorded. Its history is kept when it turns off, so that a failing probe
-    turns it off again at once."""
+    for a draft), accepted, how many of them its verify accepted. Its history is kept when it turns off, so that a
+    failing probe turns it off again at once."""
     if not self.on(b):
       self._off[b] -= 1
       return
