@@ -80,11 +80,13 @@ class Speculator:
   def __init__(self, drafter, k: int, switch: Switch | None = None):
     self.drafter, self.k, self.switch = drafter, k, switch
     self.pending: dict[int, list[int]] = {}
+    self._looked: set[int] = set()  # Rows whose drafter was asked for this pass's draft (Switch.passed's drafted).
 
   def draft(self, b: int, history: list[int], cap: int) -> list[int]:
     """Row b's draft of at most cap tokens: its pending tokens, then the drafter's (where its switch is on)."""
     head = self.pending.get(b, [])[:cap]
     if len(head) < cap and (self.switch is None or self.switch.on(b)):
+      self._looked.add(b)
       head = head + list(self.drafter.propose(b, history + head, cap - len(head)))[: cap - len(head)]
     return head
 
@@ -96,6 +98,7 @@ class Speculator:
       return {b: self.draft(b, h, cap) for b, h in histories.items()}
     heads = {b: self.pending.get(b, [])[:cap] for b in histories}
     wants = {b: cap - len(heads[b]) if self.switch is None or self.switch.on(b) else 0 for b in histories}
+    self._looked.update(b for b, n in wants.items() if n > 0)
     if not any(wants.values()):
       return heads
     more = self.drafter.propose_batch({b: h + heads[b] for b, h in histories.items()}, wants, end)
@@ -119,9 +122,13 @@ class Speculator:
     return 0 if self.switch is None or self.pending.get(b) else self.switch.off_passes_left(b)
 
   def passed(self, b: int, drafted: int, accepted: int, pending: list[int]) -> None:
-    self.pending[b] = pending
+    """After a pass: row b drafted `drafted` tokens (its drafter asked or not) and accepted `accepted`; `pending`
+    heads its next draft, unless its switch turned it off (the plain steps give those tokens again)."""
+    looked = b in self._looked
+    self._looked.discard(b)
     if self.switch is not None:
-      self.switch.passed(b, drafted, accepted)
+      self.switch.passed(b, drafted if drafted or looked else None, accepted)
+    self.pending[b] = pending if self.switch is None or self.switch.on(b) else []
 
   def verified(self, b: int, drafted: int, accepted: int, n: int, tokens: np.ndarray, sampled: bool) -> None:
     """After a verify pass that recorded n tokens of every row: row b drafted `drafted`, accepted `accepted`,
@@ -132,11 +139,27 @@ class Speculator:
     else:
       self.passed(b, drafted, accepted, tokens[n : accepted + 1].tolist())
 
+  def stepped(self, b: int, passes: int) -> None:
+    """After `passes` one-token steps of the plain loop: row b's pending tokens are recorded by them (dropped), and a
+    switched-off row waited that many passes (at most idle_passes(b))."""
+    self.pending.pop(b, None)
+    if self.switch is not None and not self.switch.on(b):
+      self.switch.idle(b, passes)
+
   def forget(self, b: int) -> None:
     """Row b starts a new sequence (a server's slot taking a request): nothing pending, its switch afresh."""
     self.pending.pop(b, None)
+    self._looked.discard(b)
     if self.switch is not None:
       self.switch.forget(b)
+
+
+def plain_state(engine, gen, tokens: np.ndarray, index: np.ndarray, settings, prompts=None):
+  """The plain loop's decode state (jaxkv.meta.DecodeState) after verify passes, its next pass at gen.end: tokens
+  i32[B] each row's last recorded token (host; the pass writes it), index i32[B] the token index each row samples
+  next, settings the rows' jaxkv.sampling.SamplingParams (host arrays), prompts as engine.state's."""
+  state = engine.state(engine.embed(tokens), gen.start, gen.end, settings, prompts)
+  return dataclasses.replace(state, index=engine.put(index, np.int32))
 
 
 def _plain_steps(engine, gen, recorder, owners, prompts, settings, steps: int, on_step) -> int:
@@ -144,9 +167,8 @@ def _plain_steps(engine, gen, recorder, owners, prompts, settings, steps: int, o
   read back READ_LAG steps behind), from each row's last recorded token, sampled with `settings`
   (jaxkv.sampling.SamplingParams host arrays) at each row's token index. Returns the passes run."""
   records = [recorder.records[o] for o in owners]
-  x = engine.embed(np.array([r.tokens[-1] for r in records], np.int32))
-  state = engine.state(x, gen.start, gen.end, settings, prompts)
-  state = dataclasses.replace(state, index=engine.put(np.array([len(r.tokens) for r in records]), np.int32))
+  tokens, index = np.array([r.tokens[-1] for r in records], np.int32), np.array([len(r.tokens) for r in records])
+  state = plain_state(engine, gen, tokens, index, settings, prompts)
   loop = decode.DecodeLoop(engine, gen, recorder)
   for i in range(steps):
     state = loop.step(state, list(owners), next_pass=i < steps - 1, run_ahead=False)
@@ -209,7 +231,7 @@ def _run(engine, gen, recorder, owners, prompts, speculator, seed: int, on_step)
       steps = _plain_steps(engine, gen, recorder, owners, prompts, settings, min(idle, remaining), on_step)
       stats.passes, stats.tokens = stats.passes + steps, stats.tokens + steps
       for b in live:
-        speculator.switch.idle(b, min(idle, remaining))
+        speculator.stepped(b, min(idle, remaining))
       continue
     end = gen.end
     cap = min(k, block - 2 - end % block, remaining - 1)  # Never the page's last row; never past the tokens wanted.

@@ -111,22 +111,53 @@ def test_serve_gives_each_request_s_tokens_and_logits_hash():
   assert spec.transport["speculate"]["accepted"] > 10 and "speculate" not in plain.transport, spec.transport
 
 
-def _replay(prompt: list[int], tokens: list[int], block: int) -> tuple[int, int]:
+def _replay(prompt: list[int], tokens: list[int], block: int) -> tuple[int, int, str]:
   """What a request alone in a fresh epoch drafts and accepts, replayed on the host: its greedy tokens against the
-  lookup drafter and its switch (alone, every acceptance is the batch's: nothing is left pending)."""
+  lookup drafter and its switch (alone, every acceptance is the batch's: nothing is left pending); and its
+  passes, "v" a verify pass (its switch on), "p" a plain step (off)."""
   lookup, switch = speculate.PromptLookup(), speculate.Switch()
   drafted = accepted = 0
+  passes = ""
   got, end = 1, len(prompt)  # The prefill gives its first token, which the first pass writes at row len(prompt).
   while got < len(tokens):
     cap = min(K, block - 2 - end % block, len(tokens) - got - 1)
-    draft = lookup.propose(0, prompt + tokens[:got], cap) if cap > 0 and switch.on(0) else []
+    looks = cap > 0 and switch.on(0)
+    passes += "v" if switch.on(0) else "p"
+    draft = lookup.propose(0, prompt + tokens[:got], cap) if looks else []
     a = 0
     while a < len(draft) and draft[a] == tokens[got + a]:
       a += 1
     drafted, accepted = drafted + len(draft), accepted + a
-    switch.passed(0, len(draft), a)
+    switch.passed(0, len(draft) if looks else None, a)
     got, end = got + a + 1, end + a + 1
-  return drafted, accepted
+  return drafted, accepted, passes
+
+
+def test_drafts_that_fail_turn_into_plain_steps_with_the_tokens_of_plain_decode():
+  """Random prompts: lookups that find nothing (or drafts that fail) switch the slots off into the plain loop's steps,
+  run ahead as without speculation, and a slot that probes again goes back to verify passes mid-request; the tokens
+  and logits hashes are plain decode's, and a request alone passes exactly as its replayed switch says."""
+  eng = helpers.engine(1)
+  prompts = helpers.prompts([9, 17, 13], seed=15)  # The first one's drafts all fail.
+  requests = [Request(tuple(p), 100, seed=i) for i, p in enumerate(prompts)]
+  plain = serving.Server(eng, 2).serve(requests)
+  spec_eng = _speculating(eng)
+  spec = serving.Server(spec_eng, 2).serve(requests)
+  assert [r.tokens for r in spec.results] == [r.tokens for r in plain.results]
+  assert [r.logits_sha256 for r in spec.results] == [r.logits_sha256 for r in plain.results]
+  s = spec.transport["speculate"]
+  assert s["plain_steps"] > 0 and s["verify_passes"] > 0, s
+  alone = serving.Server(spec_eng, 1).serve(requests[:1])
+  assert alone.results[0].tokens == plain.results[0].tokens
+  drafted, accepted, passes = _replay(list(prompts[0]), plain.results[0].tokens, eng.config.kv.block)
+  a = alone.transport["speculate"]
+  assert (a["drafted"], a["accepted"], a["verify_passes"], a["plain_steps"]) == (
+      drafted,
+      accepted,
+      passes.count("v"),
+      passes.count("p"),
+  ), passes
+  assert a["accepted"] == 0 and "pv" in passes, passes  # A probe: plain steps, then a verify pass again.
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +177,7 @@ def test_the_metrics_count_each_request_s_drafts(speculating):
     tokens = r.json()["choices"][0]["token_ids"]
     after = serve_helpers.metrics(url)
     delta = after[DRAFTED] - before[DRAFTED], after[ACCEPTED] - before[ACCEPTED]
-    assert delta == _replay(prompt, tokens, eng.config.kv.block), (prompt, tokens)
+    assert delta == _replay(prompt, tokens, eng.config.kv.block)[:2], (prompt, tokens)
     accepted.append(delta[1])
   assert accepted[0] > 10, accepted  # The loop's drafts are accepted.
 

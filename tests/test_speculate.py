@@ -47,16 +47,58 @@ def test_switch_turns_a_failing_sequence_off_and_probes_again():
   assert not s.on(0) and s.on(1) and s.switched_off == 1
   for _ in range(3):
     assert not s.on(0) and s.off_passes_left(0) > 0
-    s.passed(0, drafted=0, accepted=0)
+    s.passed(0, drafted=None, accepted=0)
   assert s.on(0) and s.off_passes_left(0) == 0
-  for _ in range(10):  # Passes without drafts count for nothing.
-    s.passed(0, drafted=0, accepted=0)
+  for _ in range(10):  # Passes with no room to look count for nothing.
+    s.passed(0, drafted=None, accepted=0)
   assert s.on(0) and s.switched_off == 1
-  s.passed(0, drafted=5, accepted=0)  # A failing probe: off again at once.
-  assert not s.on(0) and s.switched_off == 2
-  s.idle(0, 3)
+  s.passed(0, drafted=5, accepted=0)  # A failing probe: off again at once, for twice as long.
+  assert not s.on(0) and s.switched_off == 2 and s.off_passes_left(0) == 6
+  s.idle(0, 6)
   s.passed(0, drafted=5, accepted=4)  # A probe that succeeds: the mean (0 + 0 + 0 + 4) / 4 reaches 1.
   assert s.on(0) and s.switched_off == 2
+
+
+def test_switch_turns_empty_lookups_off_and_probes_less_often():
+  """Lookups in a row that find nothing turn a sequence off (a pass with no room to look does not count), each probe
+  that fails doubles the wait up to max_off_passes, and a window that proposes by merit resets it."""
+  s = speculate.Switch(window=2, min_accepted=0.5, off_passes=3, max_off_passes=8, empty_lookups=3)
+  for drafted in (None, 0, 0, None):
+    s.passed(0, drafted=drafted, accepted=0)
+  assert s.on(0)
+  s.passed(0, drafted=0, accepted=0)  # The third empty lookup in a row.
+  assert not s.on(0) and s.off_passes_left(0) == 3 and s.switched_off == 1
+  for wait in (6, 8, 8):  # Probes that find nothing: off again at once, for twice as long (at most 8 passes).
+    s.idle(0, s.off_passes_left(0))
+    s.passed(0, drafted=0, accepted=0)
+    assert s.off_passes_left(0) == wait
+  s.idle(0, 8)
+  s.passed(0, drafted=4, accepted=2)  # A probe that finds a draft: one verify seen, the window not full.
+  s.passed(0, drafted=4, accepted=0)  # Mean 1 over the window: on by merit.
+  assert s.on(0)
+  s.passed(0, drafted=4, accepted=0)  # Mean 0: off, for off_passes again.
+  assert s.off_passes_left(0) == 3 and s.switched_off == 5
+  s.forget(0)
+  assert s.on(0)
+
+
+def test_the_speculator_tells_its_switch_whether_it_looked():
+  """Speculator: a pass whose draft it did not ask for (no room) is no lookup, one where the drafter found nothing
+  is; a switched-off row drops its pending tokens, and plain steps drop them and count its wait."""
+  s = spec_decode.Speculator(speculate.PromptLookup(), 4, speculate.Switch(off_passes=3, empty_lookups=2))
+  s.verified(0, 0, 0, 1, np.array([5]), sampled=False)  # No draft asked.
+  assert s.draft(0, [1, 2, 3], 4) == []
+  s.verified(0, 0, 0, 1, np.array([5]), sampled=False)
+  assert s.switch.on(0)
+  assert s.draft(0, [1, 2, 3], 4) == []
+  s.verified(0, 0, 0, 1, np.array([5]), sampled=False)
+  assert not s.switch.on(0) and s.idle_passes(0) == 3
+  assert s.draft(1, [7, 8, 9, 7, 8], 2) == [9, 7]
+  s.verified(1, 2, 2, 1, np.array([9, 7, 8]), sampled=False)  # One recorded: the verified 7, 8 head its next draft.
+  assert s.pending[1] == [7, 8] and s.idle_passes(1) == 0
+  s.stepped(1, 1)
+  s.stepped(0, 3)
+  assert 1 not in s.pending and s.switch.on(0)
 
 
 def test_a_rejected_draft_s_residual_and_its_acceptance_give_back_p():
@@ -227,7 +269,8 @@ def test_a_model_that_repeats_itself_gets_drafts_accepted_by_lookup():
 
 def test_drafts_that_fail_switch_themselves_off_into_plain_steps():
   """A drafter that is always wrong, its switch off after 2 verifies for 5 passes: the off passes run as the plain
-  loop's steps (read back behind), each probe verifies once, and the tokens and logits stay the plain run's."""
+  loop's steps (read back behind), each probe verifies once and waits twice as long, and the tokens and logits stay
+  the plain run's."""
   eng = helpers.engine(1)
   prompts = helpers.prompts([5, 12, 1])
   plain = eng.generate(prompts, NEW, keep_logits=True)
@@ -237,10 +280,9 @@ def test_drafts_that_fail_switch_themselves_off_into_plain_steps():
   assert res.tokens == plain.tokens
   np.testing.assert_array_equal(res.logits, plain.logits)
   s = res.transport["speculate"]
-  # The three sequences switch together: 2 verifies, then 5 plain steps; then 1 verify (the probe), 5 plain steps.
-  cycles = s["switched_off"] // 3
-  assert s["switched_off"] == 3 * cycles and cycles >= 4 and s["accepted"] == 0 and s["passes"] == NEW - 1, s
-  assert cycles + 1 <= s["verify_passes"] <= cycles + 2, s
+  # The three sequences switch together: 2 verifies, 5 plain steps; a probe, 10 plain steps; a probe, the last 10.
+  assert s["switched_off"] == 3 * 3 and s["verify_passes"] == 4 and s["passes"] == NEW - 1, s
+  assert s["accepted"] == 0 and s["accepted_histogram"][0] == 3 * 4, s
 
 
 @pytest.mark.parametrize(

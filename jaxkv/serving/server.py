@@ -14,12 +14,18 @@ slot's old rows), the request is prefilled alone and put into its slot, and the 
 decode state takes its row (jaxkv.meta.DecodeState.with_row). Tokens are read
 jaxkv.decode.READ_LAG steps late, so a slot frees that many steps after its last token.
 
-Speculative decoding (speculate.mode lookup, jaxkv.spec_decode): each step of an epoch is a verify pass instead,
-read back before the next (the drafter reads the tokens): every live slot drafts its own tokens (0 .. k, from its
-prompt and tokens, with its own switch; a slot taking a request starts afresh), the slots advance together by the
-smallest acceptance + 1, each token recorded as a one-token step's, and a greedy slot's further verified tokens head its
-next draft (a sampled request's tokens then depend on the batch's acceptances: docs/design.md). Requests that it
-cannot verify (penalties, logit rules, a grammar) are refused (`Server.check`).
+Speculative decoding (speculate.mode lookup, jaxkv.spec_decode): while every live slot may draft, a step of the
+epoch is a verify pass, read back before the next (the drafter reads the tokens): each live slot drafts its own tokens
+(0 .. k, from its prompt and tokens, with its own switch; a slot taking a request starts afresh), the slots advance
+together by the smallest acceptance + 1, each token recorded as a one-token step's, and a greedy slot's further
+verified tokens head its next draft (a sampled request's tokens then depend on the batch's acceptances:
+docs/design.md). While a live slot is switched off (jaxkv.speculate.Switch: drafts that fail, or lookups that find
+nothing, turn it off, each failed probe for longer) a verify pass could advance the batch by one token only, so
+the steps are the plain loop's, run ahead as without speculation, from the tokens read (their passes count as the
+slot's wait); they read back and verify again once every live slot may draft. Drafts that fail cost 0.75x to 0.94x
+of plain serving on XLA:CPU (tools/check_serve_speculate.py --prompts=random, its docstring's CPU command;
+docs/design.md), where every pass verified before (0.30x to 0.46x). Requests that it cannot verify (penalties, logit
+rules, a grammar) are refused (`Server.check`).
 
 Sampling: request r's token i draws with key fold_in(fold_in(key(seed_r), 0), i) (jaxkv.sampling), whatever its
 slot or step, so sampled output does not depend on the neighbours either. Each request has its own settings
@@ -179,7 +185,8 @@ class Run:
     self.cached: dict[int, int] = {}  # Request -> its prompt tokens taken from the prefix cache, once placed.
     self.counters, self.shapes = telemetry.Counters(), set()
     self.insertions = self.steps = self.epochs = 0
-    self.speculated = collections.Counter(drafted=0, accepted=0)  # Draft tokens proposed, and recorded as tokens.
+    # Speculation: draft tokens proposed, and recorded as tokens; verify passes (read back) and plain steps.
+    self.speculated = collections.Counter(drafted=0, accepted=0, verify_passes=0, plain_steps=0)
     self.summary: dict = {}
     self.progress = Progress()
     self.jobs: collections.deque = collections.deque()  # Waiting jaxkv.serving.slot_files jobs, first in first out.
@@ -331,6 +338,7 @@ class Epoch:
     """Steps until every slot is free and nothing waiting fits; free slots take the next requests that fit. Yields
     the progress before each scheduling decision (the iterating side may submit or end requests meanwhile)."""
     run, sched = self.run, self.scheduler
+    stale = False  # After verify passes: the next plain step starts from the records (_plain_state).
     while True:
       yield run.take_progress()
       sched.free()
@@ -344,20 +352,54 @@ class Epoch:
       if run.jobs:  # A saved slot's next block (its prefill on the filler's scratch: this cache is left alone).
         run.work(filler)
       need = sched.need()
-      if gen.end <= need and self.speculator is not None:
-        while loop.pending:  # The first tokens of the requests that entered: the drafts start from them.
+      idle = self._idle()
+      if gen.end <= need and idle is None:
+        while loop.pending:  # The steps in flight: the drafts start from their tokens.
           run.read(loop)
         self._verify(gen, need)
+        stale = True  # The state's rows are behind the records.
         continue
       if gen.end <= need:
+        if stale:
+          state, stale = self._plain_state(gen), False
         state = self._constrain(loop, state)
         state = loop.step(state, sched.owners(), next_pass=gen.end + 1 <= need, run_ahead=False)
         run.steps += 1
+        if self.speculator is not None:
+          for b in idle:
+            self.speculator.stepped(b, 1)
+          run.speculated["plain_steps"] += 1
         if not loop.lagging():
           continue
       elif not loop.pending:
         return
       run.read(loop)
+
+  def _live(self) -> list[int]:
+    """The slots whose request goes on, as far as its tokens were read."""
+    records = [self.run.recorder.records.get(r) for r in self.scheduler.owners()]
+    return [b for b, rec in enumerate(records) if rec is not None and not rec.done]
+
+  def _idle(self) -> list[int] | None:
+    """None where the next pass verifies drafts: every live slot may draft (or none is live: nothing to step). Else
+    the next pass is a plain step, for the live slots returned ([] without speculation): a slot switched off drafts
+    nothing, so that a verify pass would advance the batch by one token (the smallest acceptance + 1), as a step
+    does, at the cost of a read-back."""
+    if self.speculator is None:
+      return []
+    live = self._live()
+    return live if any(self.speculator.idle_passes(b) for b in live) else None
+
+  def _plain_state(self, gen):
+    """The plain loop's state after verify passes (jaxkv.spec_decode.plain_state): each live slot from its last token
+    read, the others idle (token 0, greedy)."""
+    run, owners, live = self.run, self.scheduler.owners(), set(self._live())
+    records = [run.recorder.records[owners[b]] if b in live else None for b in range(len(owners))]
+    tokens = np.array([0 if rec is None else rec.tokens[-1] for rec in records], np.int32)
+    index = np.array([0 if rec is None else len(rec.tokens) for rec in records], np.int32)
+    requests = [run.requests[owners[b]] if b in live else None for b in range(len(owners))]
+    prompts = [None if r is None else r.prompt for r in requests]
+    return spec_decode.plain_state(self.engine, gen, tokens, index, run.server.sampling(requests), prompts)
 
   def _verify(self, gen, need: int) -> None:
     """One verify pass (jaxkv.spec_decode.verify_pass) of the live slots, each with its own draft: at most k tokens,
@@ -366,7 +408,7 @@ class Epoch:
     run, spec, eng = self.run, self.speculator, self.engine
     owners = self.scheduler.owners()
     records = [run.recorder.records.get(r) for r in owners]
-    live = [b for b, rec in enumerate(records) if rec is not None and not rec.done]
+    live = self._live()
     if not live:  # Every slot's request ended: they free before the next pass.
       return
     end, block = gen.end, gen.cache.block
@@ -389,6 +431,7 @@ class Epoch:
       run.took(run.steps, run.recorder.record(owners, np.asarray(logits[:, j], np.float32), verified[:, j]))
       run.steps += 1
     gen.end = end + n
+    run.speculated["verify_passes"] += 1
     for b, had in zip(live, before):
       spec.verified(b, len(drafts[b]), int(accepted[b]), n, verified[b], bool(settings.temperature[b] > 0))
       if drafts[b]:
