@@ -2,6 +2,8 @@
 same transcript for every delivery mode."""
 
 import dataclasses
+import threading
+import time
 
 import helpers
 import numpy as np
@@ -216,3 +218,29 @@ def test_requests_without_max_new_tokens_share_an_epoch_and_end_at_the_capacity(
   end = max(len(p) for p in prompts)  # The epoch's first requests enter at its longest prompt.
   want = helpers.engine(2, placement="device").generate(prompts, capacity - end + 1).tokens
   assert [r.tokens for r in res.results] == want and all(len(t) == capacity - end + 1 for t in want)
+
+
+def test_a_loop_stopped_while_its_epoch_runs_ends_with_the_epoch():
+  """stop() while a request decodes: the request runs to its end, then the loop's thread ends (stop's wake-up is
+  taken inside the epoch; the loop must not then wait for another). The request's first token holds the engine
+  thread until stop() has woken the loop."""
+  loop = serving.ServingLoop(serving.Server(helpers.engine(1), 1), 4).start()
+  first, release, done, out = threading.Event(), threading.Event(), threading.Event(), []
+
+  def on_token(token, _):
+    out.append(token)
+    if len(out) == 1:
+      first.set()
+      assert release.wait(60)
+
+  loop.submit(serving.Request(tuple(helpers.prompts([5], seed=2)[0]), 20), on_token, lambda *_: done.set())
+  assert first.wait(120)
+  ended = []
+  stopper = threading.Thread(target=lambda: ended.append(loop.stop(60)))
+  stopper.start()
+  while loop.alive:  # stop() has set closing; its wake-up follows at once.
+    time.sleep(0.01)
+  time.sleep(0.1)
+  release.set()
+  stopper.join(120)
+  assert ended == [True] and done.is_set() and len(out) == 20

@@ -122,7 +122,7 @@ class ServingLoop:
         raise QueueFull(f"{self.stats.waiting} requests already wait for a slot (the queue holds {self.max_queue})")
       self.stats.waiting += 1
       self.stats.prompt_tokens += len(request.prompt)
-    self._inbox.put(handle)
+      self._inbox.put(handle)  # Under the lock: before stop()'s wake-up, which the loop takes last.
     return handle
 
   def conversation(self, slot: int) -> tuple[int, ...] | None:
@@ -168,16 +168,18 @@ class ServingLoop:
     with self._lock:
       if self._closing or (self._thread.ident is not None and not self._thread.is_alive()):
         raise Closed("the serving loop is not running")
-    self._inbox.put(job)
+      self._inbox.put(job)  # Under the lock: before stop()'s wake-up, which the loop takes last.
     return job.future
 
-  def stop(self, timeout: float | None = None) -> None:
-    """Takes no new requests, lets those in flight finish, and ends the thread (waits up to `timeout` s)."""
+  def stop(self, timeout: float | None = None) -> bool:
+    """Takes no new requests, lets those in flight finish, and ends the thread (waits up to `timeout` s); returns
+    whether it ended."""
     with self._lock:
       self._closing = True
-    self._inbox.put(None)
+      self._inbox.put(None)
     if self._thread.is_alive():
       self._thread.join(timeout)
+    return not self._thread.is_alive()
 
   def slots(self) -> list[dict]:
     """Each slot's state (llama-server's GET /slots): id, the request it serves (id_task, -1 when idle),
@@ -226,7 +228,8 @@ class ServingLoop:
   def _serve(self) -> None:
     run, feed = self._run, self._feed
     while True:
-      feed.take(block=not run.scheduler.queue and not run.jobs)
+      # Closing, it waits for nothing: stop()'s wake-up may have been taken inside the last epoch.
+      feed.take(block=not run.scheduler.queue and not run.jobs and not self._closing)
       if not run.scheduler.queue:
         if run.jobs:
           run.work()
