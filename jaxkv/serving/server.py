@@ -338,7 +338,6 @@ class Epoch:
     """Steps until every slot is free and nothing waiting fits; free slots take the next requests that fit. Yields
     the progress before each scheduling decision (the iterating side may submit or end requests meanwhile)."""
     run, sched = self.run, self.scheduler
-    stale = False  # After verify passes: the next plain step starts from the records (_plain_state).
     while True:
       yield run.take_progress()
       sched.free()
@@ -357,11 +356,11 @@ class Epoch:
         while loop.pending:  # The steps in flight: the drafts start from their tokens.
           run.read(loop)
         self._verify(gen, need)
-        stale = True  # The state's rows are behind the records.
+        # The plain loop's state from the tokens read, before a request enters a slot of it (whose first token is
+        # not read yet) or a plain step runs from it.
+        state = self._plain_state(gen)
         continue
       if gen.end <= need:
-        if stale:
-          state, stale = self._plain_state(gen), False
         state = self._constrain(loop, state)
         state = loop.step(state, sched.owners(), next_pass=gen.end + 1 <= need, run_ahead=False)
         run.steps += 1
