@@ -135,7 +135,7 @@ def chunked_out(p, x, q, last, open_page, older, start, end, *, c_rows: int, cfg
     outs.append(jax.lax.optimization_barrier(o))
   o = outs[0] if t == 1 else jnp.stack(outs, axis=1)  # [B, K, G, Dh] or [B, T, K, G, Dh]
   o = o.reshape(b * t, 1, cfg.num_heads, dh).astype(x.dtype)
-  return model.attn_out_and_mlp(p, x.reshape(b * t, 1, -1), o, cfg).reshape(x.shape)
+  return model.attn_out_and_mlp(p, x.reshape(b * t, 1, -1), o, cfg, batch=b).reshape(x.shape)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -178,7 +178,7 @@ def verify_head(top, x, drafts, lengths, params: sampling.SamplingParams, index,
   jaxkv.sampling.sample takes it, and the longest prefix of the draft equal to them)."""
   if x.ndim == 2:  # A one-token pass: x [B, D].
     x = x[:, None]
-  logits = model.logits(top, x, cfg)
+  logits = model.logits(top, x, cfg, batch=x.shape[0])
 
   def greedy(lg):
     tokens = jnp.argmax(lg, axis=-1).astype(jnp.int32)

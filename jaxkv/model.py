@@ -174,25 +174,41 @@ def apply_rope(x, pos, inv_freq, scale: float = 1.0):
 
 
 # A decode's rows (B * T: projections, norms, MLP, head) are computed as at least this many (zeros below them): XLA's
-# GPU kernels for 8 rows read the weights faster than those for 1 (docs/design.md, "Decode groups"), and a one-token
-# step and a speculative verify pass of B * T <= MIN_ROWS rows then run the same kernels on the same shapes, so each
-# row rounds alike in both (docs/design.md, "What is bitwise").
+# GPU kernels for 8 rows read the weights faster than those for 1 (docs/design.md, "Decode groups"). A speculative
+# verify pass of B sequences runs its B * T rows as blocks of a one-token step's rows, max(B, MIN_ROWS), so that each
+# row runs the step's kernels on the step's shapes and rounds alike in both (docs/design.md, "What is bitwise").
 MIN_ROWS = 16
 
 
-def on_min_rows(fn, *xs):
-  """fn(*xs) for xs [B, T, ...] (the same B, T) whose B * T rows fill at least MIN_ROWS; else fn of each x as
-  [MIN_ROWS, 1, ...] (zero rows below its B * T), every output sliced back to [B, T, ...]."""
-  b, t = xs[0].shape[:2]
-  rows = b * t
-  if rows >= MIN_ROWS:
+def on_min_rows(fn, *xs, batch: int | None = None):
+  """fn(*xs) for xs [N, T, ...] (the same N, T), every output sliced back to [N, T, ...].
+
+  Fewer than MIN_ROWS rows run as [MIN_ROWS, 1, ...] (zero rows below the N * T). batch: the sequences of a decode
+  pass whose N * T rows are batch x tokens (a verify pass); its rows then run as blocks of a one-token step's
+  [R, 1, ...], R = max(batch, MIN_ROWS), one block after another (fenced: no fusion or dot merger joins two blocks
+  into a larger shape). Without batch (a prefill chunk), N * T >= MIN_ROWS rows run as one call.
+  """
+  n, t = xs[0].shape[:2]
+  rows = n * t
+  r = MIN_ROWS if batch is None else max(batch, MIN_ROWS)
+  if rows >= MIN_ROWS and (batch is None or rows == r):
     return fn(*xs)
-  pad = lambda x: jnp.pad(x.reshape((rows, 1) + x.shape[2:]), [(0, MIN_ROWS - rows)] + [(0, 0)] * (x.ndim - 1))
-  return jax.tree.map(lambda y: y[:rows].reshape((b, t) + y.shape[2:]), fn(*map(pad, xs)))
+  blocks = -(-rows // r)
+  pad = lambda x: jnp.pad(x.reshape((rows, 1) + x.shape[2:]), [(0, blocks * r - rows)] + [(0, 0)] * (x.ndim - 1))
+  padded = [pad(x) for x in xs]
+  outs = []
+  for i in range(blocks):
+    block = [x[i * r : (i + 1) * r] for x in padded]
+    if outs:  # Block i waits for block i - 1: two blocks cannot become one larger matmul.
+      block, _ = jax.lax.optimization_barrier((block, outs[-1]))
+    outs.append(fn(*block))
+  out = outs[0] if blocks == 1 else jax.tree.map(lambda *ys: jnp.concatenate(ys), *outs)
+  return jax.tree.map(lambda y: y[:rows].reshape((n, t) + y.shape[2:]), out)
 
 
-def qkv(p, x, pos, cfg: ModelConfig):
-  """x [B, T, D], pos i32[B, T] -> q [B, T, H, Dh], k, v [B, T, K, Dh] (RoPE applied), on at least MIN_ROWS rows."""
+def qkv(p, x, pos, cfg: ModelConfig, batch: int | None = None):
+  """x [B, T, D], pos i32[B, T] -> q [B, T, H, Dh], k, v [B, T, K, Dh] (RoPE applied), on at least MIN_ROWS rows
+  (batch: on_min_rows's)."""
 
   def rows(x, pos):
     h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
@@ -205,7 +221,7 @@ def qkv(p, x, pos, cfg: ModelConfig):
     inv, scale = rope_frequencies(cfg), rope_attention_scale(cfg)
     return apply_rope(q, pos, inv, scale), apply_rope(k, pos, inv, scale), v
 
-  return on_min_rows(rows, x, pos)
+  return on_min_rows(rows, x, pos, batch=batch)
 
 
 def attention(q, kv, mask):
@@ -225,8 +241,8 @@ def attention(q, kv, mask):
   return o.reshape(b, t, h, dh).astype(q.dtype)
 
 
-def attn_out_and_mlp(p, x, o, cfg: ModelConfig):
-  """Residual adds: x [B, T, D], o [B, T, H, Dh] -> x [B, T, D], on at least MIN_ROWS rows."""
+def attn_out_and_mlp(p, x, o, cfg: ModelConfig, batch: int | None = None):
+  """Residual adds: x [B, T, D], o [B, T, H, Dh] -> x [B, T, D], on at least MIN_ROWS rows (batch: on_min_rows's)."""
 
   def rows(x, o):
     x = x + jnp.einsum("bthk,hkd->btd", o, p["wo"])
@@ -235,7 +251,7 @@ def attn_out_and_mlp(p, x, o, cfg: ModelConfig):
     u = jnp.einsum("btd,df->btf", h, p["w_up"])
     return x + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, p["w_down"])
 
-  return on_min_rows(rows, x, o)
+  return on_min_rows(rows, x, o, batch=batch)
 
 
 def prefill_layer(
@@ -482,7 +498,7 @@ def decode_layer(
       o, _ = decode_attention.attend(qg, parts, first_row, start, row, impl=attention_impl, mesh=mesh)
       outs.append(jax.lax.optimization_barrier(o))
     o = outs[0] if t == 1 else jnp.stack(outs, axis=1)  # [B, K, G, Dh] or [B, T, K, G, Dh]
-  out = attn_out_and_mlp(p, x.reshape(b * t, 1, -1), o.reshape(b * t, 1, h, dh).astype(x.dtype), cfg)
+  out = attn_out_and_mlp(p, x.reshape(b * t, 1, -1), o.reshape(b * t, 1, h, dh).astype(x.dtype), cfg, batch=b)
   return out.reshape(x.shape), open_page
 
 
@@ -514,7 +530,7 @@ def query_and_write(p, x, open_page, start, end, page_row, cfg: ModelConfig, fmt
   run over the B * T rows as one matmul, on at least MIN_ROWS rows as a one-token step's (`on_min_rows`)."""
   b, t = x.shape[0], 1 if x.ndim == 2 else x.shape[1]
   pos = (end - start)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-  q, k, v = qkv(p, x.reshape(b * t, 1, -1), pos.reshape(b * t, 1), cfg)
+  q, k, v = qkv(p, x.reshape(b * t, 1, -1), pos.reshape(b * t, 1), cfg, batch=b)
   new = fmt.pack(jnp.stack([k, v]).reshape(2, b, t, *k.shape[2:]).transpose(0, 1, 3, 2, 4))  # [2, B, K, T, E]
   q = q.reshape(b, t, *q.shape[2:])
   if t == 1:
@@ -626,7 +642,7 @@ def decode_merge(p, x, o, lse, host_o, host_lse, *, cfg: ModelConfig):
     return attn_out_and_mlp(p, x[:, None, :], o.reshape(b, 1, k * g, dh).astype(x.dtype), cfg)[:, 0, :]
   (b, t, _), (k, dh) = x.shape, o.shape[1::2]
   o = o.reshape(b, k, t, -1, dh).transpose(0, 2, 1, 3, 4).reshape(b * t, 1, -1, dh)
-  return attn_out_and_mlp(p, x.reshape(b * t, 1, -1), o.astype(x.dtype), cfg).reshape(x.shape)
+  return attn_out_and_mlp(p, x.reshape(b * t, 1, -1), o.astype(x.dtype), cfg, batch=b).reshape(x.shape)
 
 
 def embed(params, tokens):
@@ -634,12 +650,13 @@ def embed(params, tokens):
   return jnp.take(params["embed"], tokens, axis=0)
 
 
-def logits(params, x, cfg: ModelConfig):
-  """x [..., D] -> f32 logits [..., V], on at least MIN_ROWS rows."""
+def logits(params, x, cfg: ModelConfig, batch: int | None = None):
+  """x [..., D] -> f32 logits [..., V], on at least MIN_ROWS rows; a verify pass's x [B, T, D] with batch = B
+  (on_min_rows)."""
   w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
   head = lambda x: jnp.einsum(
       "btd,dv->btv", rms_norm(x, params["final_norm"], cfg.rms_eps), w, preferred_element_type=jnp.float32
   )
   lead = x.shape[:-1]
   rows = math.prod(lead)
-  return on_min_rows(head, x.reshape(rows, 1, x.shape[-1])).reshape(lead + (w.shape[1],))
+  return on_min_rows(head, x.reshape(rows, 1, x.shape[-1]), batch=batch).reshape(lead + (w.shape[1],))

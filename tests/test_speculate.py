@@ -6,6 +6,7 @@ import dataclasses
 
 import helpers
 import jax
+from jax.extend import core as jax_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -159,6 +160,41 @@ def test_the_verify_layer_is_one_token_steps_bit_for_bit(kv_dtype):
       steps.append(out)
     np.testing.assert_array_equal(np.asarray(verified[:, : len(steps)]), np.stack(steps, axis=1))
     np.testing.assert_array_equal(np.asarray(verified_page), np.asarray(step_page))
+
+
+def _row_matmuls(fn, *args) -> set:
+  """The lhs shapes of fn's matmuls without batch dimensions (projections, MLP, head), sub-jaxprs included."""
+  shapes = set()
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general" and not eqn.params["dimension_numbers"][1][0]:
+        shapes.add(tuple(eqn.invars[0].aval.shape))
+      for v in eqn.params.values():
+        for sub in v if isinstance(v, (tuple, list)) else (v,):
+          if isinstance(sub, (jax_core.ClosedJaxpr, jax_core.Jaxpr)):
+            walk(getattr(sub, "jaxpr", sub))
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return shapes
+
+
+@pytest.mark.parametrize("b, t", [(2, 9), (20, 2)])
+def test_a_verify_pass_runs_its_rows_on_a_one_token_step_s_matmul_shapes(b, t):
+  """A verify pass of B sequences x T tokens past MIN_ROWS rows computes its projections, MLP and head in blocks of a
+  one-token step's rows (max(B, MIN_ROWS)): the same matmul shapes as the step, so each row rounds as the step's on
+  every backend (XLA:CPU rounds alike either way; the GPU's kernels do not: tools/check_serve_speculate.py)."""
+  cfg = helpers.tiny_config().model
+  params = model.init_params(cfg, jax.random.key(0), helpers.mesh(1))
+  p = params["layers"][0]
+  page = jnp.zeros((2, b, cfg.num_kv_heads, 8, cfg.head_dim), cfg.dtype)
+  start, end = jnp.zeros((b,), jnp.int32), jnp.int32(3)
+  layer = lambda x: model.decode_layer(p, x, None, page, start, end, cfg=cfg)
+  x = jnp.ones((b, t, cfg.d_model), cfg.dtype)
+  step = _row_matmuls(layer, x[:, 0]) | _row_matmuls(lambda y: model.logits(params, y, cfg), x[:, 0])
+  verify = _row_matmuls(layer, x) | _row_matmuls(lambda y: model.logits(params, y, cfg, batch=b), x)
+  assert {s[0] for s in step} == {max(b, model.MIN_ROWS)}
+  assert verify == step
 
 
 def _speculating(eng, mode="lookup", k=8):
