@@ -300,7 +300,7 @@ def test_arm_that_does_not_fit_is_skipped(monkeypatch):
   host = cell["arms"]["host_d1"]
   assert host["status"] == "skipped" and "warm-up" in host["reason"] and "pinned" in host["reason"]
   assert host["tok_s"] is None and not host["samples"]
-  assert host["device_bytes_in_use_at_skip"] is None  # The CPU reports no memory stats.
+  assert host["device_memory_at_skip"] is None  # The CPU reports no memory stats.
   assert arms.PEER_ARM not in cell["arms"]
 
 

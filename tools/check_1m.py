@@ -87,6 +87,8 @@ def _row(part: str, arm: str, rec: dict) -> dict:
       workspace_gib=gib("workspace_bytes_per_device"),
       delivery_chunk_rows=t.get("delivery_chunk_rows"),
       device_peak_gib=(rec.get("device_peak_bytes_in_use_process") or 0) / _GIB or None,
+      # A skipped arm's allocator at the failure (bytes_in_use, bytes_limit, largest_free_block_bytes, ...).
+      device_memory_at_skip=rec.get("device_memory_at_skip"),
   )
 
 

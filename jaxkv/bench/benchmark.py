@@ -147,6 +147,12 @@ def device_stat(mesh: jax.sharding.Mesh, stat: str = "peak_bytes_in_use") -> int
   return None if None in values else max(values)
 
 
+def fullest_device_stats(mesh: jax.sharding.Mesh) -> dict | None:
+  """memory_stats() of the mesh's local device with the most bytes in use, or None where there are no stats."""
+  stats = [d.memory_stats() for d in mesh.local_devices]
+  return None if None in stats else max(stats, key=lambda m: m.get("bytes_in_use", 0))
+
+
 def hardware() -> dict:
   return dict(
       devices=[str(d) for d in jax.devices()],
@@ -178,10 +184,9 @@ class _Arm:
       reason = skip_reason(e)
       if reason is None:
         raise
-      # In use when it failed (the failed call's arrays are still referenced here): what filled the device.
-      self.rec.update(
-          status="skipped", reason=f"{label}: {reason}", device_bytes_in_use_at_skip=device_stat(mesh, "bytes_in_use")
-      )
+      # The fullest device's allocator when it failed (the failed call's arrays are still referenced here): what
+      # filled it, its limit and its largest free block (fragmentation).
+      self.rec.update(status="skipped", reason=f"{label}: {reason}", device_memory_at_skip=fullest_device_stats(mesh))
       logging.warning("arm %s skipped at %s: %s", self.name, label, reason)
       return None
     finally:
