@@ -279,10 +279,10 @@ def _one_read_of_each_gguf():
   gguf import ...` inside its functions). jaxkv's loader keeps reading the file itself."""
 
   def once(make):
-    def get(*args):
-      key = (make, *args)
+    def get(*args, **kwargs):
+      key = (make, args, tuple(sorted(kwargs.items())))
       if key not in _READS:
-        _READS[key] = make(*args)
+        _READS[key] = make(*args, **kwargs)
       return _READS[key]
 
     return get
