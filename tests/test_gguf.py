@@ -10,6 +10,7 @@ hundred tokens, with the cache on the devices and on the host at depths 0 and 2,
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -266,6 +267,33 @@ def _prompts() -> list[str]:
   return ["The capital of France is", "def fibonacci(n):", long]
 
 
+_READS = {}  # _one_read_of_each_gguf's readers and name maps, by their arguments.
+
+
+@contextlib.contextmanager
+def _one_read_of_each_gguf():
+  """transformers parses the file's metadata (a 49,152-token vocabulary and its merges: seconds) each time it loads from
+  it, for the config, the weights and the tokenizer, and builds the gguf library's tensor name map once per module of
+  the model (397 times for SmolLM2). Within this context each file is parsed once and each map built once for this
+  module's transformers loads: read-only objects of the gguf library, found where transformers looks them up (`from
+  gguf import ...` inside its functions). jaxkv's loader keeps reading the file itself."""
+
+  def once(make):
+    def get(*args, **kwargs):
+      key = (make, args, tuple(sorted(kwargs.items())))
+      if key not in _READS:
+        _READS[key] = make(*args, **kwargs)
+      return _READS[key]
+
+    return get
+
+  read, get_map = once(gguf.GGUFReader), once(gguf.get_tensor_name_map)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(gguf, "GGUFReader", read)
+    patch.setattr(gguf, "get_tensor_name_map", get_map)
+    yield
+
+
 @pytest.fixture(scope="module")
 def smollm2_net():
   """transformers' float32 model of the file, loaded once (dequantizing it takes a while)."""
@@ -276,7 +304,8 @@ def smollm2_net():
   transformers = pytest.importorskip("transformers", reason="the parity tests need the parity extra")
   pytest.importorskip("accelerate", reason="transformers loads a GGUF with accelerate: the parity extra")
   folder, file = os.path.split(path)
-  return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+  with _one_read_of_each_gguf():
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +317,8 @@ def smollm2(smollm2_net, smollm2_tokenizer):
   path = smollm2_path()
   net = smollm2_net
   folder, file = os.path.split(path)
-  hf_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
+  with _one_read_of_each_gguf():
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
   tok = smollm2_tokenizer
   prompts = _prompts()
   ids = [tok.encode(p) for p in prompts]
