@@ -186,7 +186,8 @@ def on_min_rows(fn, *xs, batch: int | None = None):
   Fewer than MIN_ROWS rows run as [MIN_ROWS, 1, ...] (zero rows below the N * T). batch: the sequences of a decode
   pass whose N * T rows are batch x tokens (a verify pass); its rows then run as blocks of a one-token step's
   [R, 1, ...], R = max(batch, MIN_ROWS), one block after another (fenced: no fusion or dot merger joins two blocks
-  into a larger shape). Without batch (a prefill chunk), N * T >= MIN_ROWS rows run as one call.
+  into a larger shape). Without batch (a prefill chunk, or a step, whose rows are its batch), N * T >= MIN_ROWS rows
+  run as one call.
   """
   n, t = xs[0].shape[:2]
   rows = n * t
@@ -527,7 +528,7 @@ def legacy_decode_attention(q, parts, start, end, first_row=0):
 def query_and_write(p, x, open_page, start, end, page_row, cfg: ModelConfig, fmt: KVFormat):
   """x [B, D] -> q [B, 1, H, Dh] and the open page with the new row (packed) written at page_row; or x [B, T, D] ->
   q [B, T, H, Dh], the rows written at page_row .. page_row + T - 1 (those past the page dropped). The projections
-  run over the B * T rows as one matmul, on at least MIN_ROWS rows as a one-token step's (`on_min_rows`)."""
+  run over the B * T rows in blocks of a one-token step's rows (`on_min_rows` with batch B)."""
   b, t = x.shape[0], 1 if x.ndim == 2 else x.shape[1]
   pos = (end - start)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
   q, k, v = qkv(p, x.reshape(b * t, 1, -1), pos.reshape(b * t, 1), cfg, batch=b)

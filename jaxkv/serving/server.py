@@ -22,10 +22,9 @@ verified tokens head its next draft (a sampled request's tokens then depend on t
 docs/design.md). While a live slot is switched off (jaxkv.speculate.Switch: drafts that fail, or lookups that find
 nothing, turn it off, each failed probe for longer) a verify pass could advance the batch by one token only, so
 the steps are the plain loop's, run ahead as without speculation, from the tokens read (their passes count as the
-slot's wait); they read back and verify again once every live slot may draft. Drafts that fail cost 0.75x to 0.94x
-of plain serving on XLA:CPU (tools/check_serve_speculate.py --prompts=random, its docstring's CPU command;
-docs/design.md), where every pass verified before (0.30x to 0.46x). Requests that it cannot verify (penalties, logit
-rules, a grammar) are refused (`Server.check`).
+slot's wait); they read back and verify again once every live slot may draft (what drafts that fail cost:
+docs/design.md, "In the server"). Requests that it cannot verify (penalties, logit rules, a grammar) are refused
+(`Server.check`).
 
 Sampling: request r's token i draws with key fold_in(fold_in(key(seed_r), 0), i) (jaxkv.sampling), whatever its
 slot or step, so sampled output does not depend on the neighbours either. Each request has its own settings
