@@ -185,15 +185,18 @@ def on_min_rows(fn, *xs, batch: int | None = None):
 
   Fewer than MIN_ROWS rows run as [MIN_ROWS, 1, ...] (zero rows below the N * T). batch: the sequences of a decode
   pass whose N * T rows are batch x tokens (a verify pass); its rows then run as blocks of a one-token step's
-  [R, 1, ...], R = max(batch, MIN_ROWS), one block after another (fenced: no fusion or dot merger joins two blocks
-  into a larger shape). Without batch (a prefill chunk, or a step, whose rows are its batch), N * T >= MIN_ROWS rows
-  run as one call.
+  [R, 1, ...], R = max(batch, MIN_ROWS), one block after another (no fusion or dot merger joins two blocks into a
+  larger shape). Without batch (a prefill chunk, or a step, whose rows are its batch), N * T >= MIN_ROWS rows run as
+  one call. Every call of fn is fenced, its inputs and outputs behind optimization barriers: fn compiles to the same
+  fusions whatever pads, slices or joins its rows around it (a step's, a verify block's), so the GPU autotuner, whose
+  picks are per fusion, gives both the same kernels.
   """
   n, t = xs[0].shape[:2]
   rows = n * t
   r = MIN_ROWS if batch is None else max(batch, MIN_ROWS)
+  fenced = lambda *ys: jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(ys)))
   if rows >= MIN_ROWS and (batch is None or rows == r):
-    return fn(*xs)
+    return fenced(*xs)
   blocks = -(-rows // r)
   pad = lambda x: jnp.pad(x.reshape((rows, 1) + x.shape[2:]), [(0, blocks * r - rows)] + [(0, 0)] * (x.ndim - 1))
   padded = [pad(x) for x in xs]
@@ -202,7 +205,7 @@ def on_min_rows(fn, *xs, batch: int | None = None):
     block = [x[i * r : (i + 1) * r] for x in padded]
     if outs:  # Block i waits for block i - 1: two blocks cannot become one larger matmul.
       block, _ = jax.lax.optimization_barrier((block, outs[-1]))
-    outs.append(fn(*block))
+    outs.append(fenced(*block))
   out = outs[0] if blocks == 1 else jax.tree.map(lambda *ys: jnp.concatenate(ys), *outs)
   return jax.tree.map(lambda y: y[:rows].reshape((n, t) + y.shape[2:]), out)
 
