@@ -3,6 +3,7 @@ verify layer against one-token steps, bit for bit; greedy generation with specul
 generation without, over placements, depths, KV dtypes, batches and meshes; what it refuses."""
 
 import dataclasses
+import re
 
 import helpers
 import jax
@@ -195,6 +196,37 @@ def test_a_verify_pass_runs_its_rows_on_a_one_token_step_s_matmul_shapes(b, t):
   verify = _row_matmuls(layer, x) | _row_matmuls(lambda y: model.logits(params, y, cfg, batch=b), x)
   assert {s[0] for s in step} == {max(b, model.MIN_ROWS)}
   assert verify == step
+
+
+def _fenced_row_matmuls(fn, *args) -> set[str]:
+  """The code between two optimization barriers of fn's StableHLO wherever it holds a matmul without batch
+  dimensions (projections, MLP, head), value names dropped: what each such call compiles from."""
+  regions, lines = set(), []
+  for line in jax.jit(fn).lower(*args).as_text().splitlines():
+    if "optimization_barrier" not in line:
+      lines.append(re.sub(r"%[\w#:.]+", "%", re.sub(r"loc\(.*\)$", "", line)).strip())
+      continue
+    if any("dot_general" in l and "batching_dims" not in l for l in lines):
+      regions.add("\n".join(lines))
+    lines = []
+  return regions
+
+
+@pytest.mark.parametrize("b, t", [(2, 9), (20, 2)])
+def test_a_verify_pass_compiles_its_row_blocks_as_a_step_s_fenced_calls(b, t):
+  """Each block of a verify pass's projections, MLP and head is the code of a one-token step's call of them, fenced
+  alike (model.on_min_rows): the GPU compiles both to the same fusions and its autotuner, which picks kernels per
+  fusion, to the same kernels (unfenced, a block's slice or a step's padding joined the fusion: other tokens on the
+  H100, tools/check_serve_speculate.py --prompts=repeating)."""
+  cfg = helpers.tiny_config().model
+  params = model.init_params(cfg, jax.random.key(0), helpers.mesh(1))
+  page = jnp.zeros((2, b, cfg.num_kv_heads, 8, cfg.head_dim), cfg.dtype)
+  start, end = jnp.zeros((b,), jnp.int32), jnp.int32(3)
+  layer = lambda x: model.decode_layer(params["layers"][0], x, None, page, start, end, cfg=cfg)
+  x = jnp.ones((b, t, cfg.d_model), cfg.dtype)
+  step = _fenced_row_matmuls(layer, x[:, 0]) | _fenced_row_matmuls(lambda y: model.logits(params, y, cfg), x[:, 0])
+  verify = _fenced_row_matmuls(layer, x) | _fenced_row_matmuls(lambda y: model.logits(params, y, cfg, batch=b), x)
+  assert len(step) == 3 and verify == step
 
 
 def _speculating(eng, mode="lookup", k=8):
