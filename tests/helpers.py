@@ -304,13 +304,20 @@ json.dump(results, sys.stdout)
 
 
 def fork_apps(
-    folder, runs: dict[str, list[str]], prelude: str = "", parallel: int = 2, alarm_s: int = 300
+    folder,
+    runs: dict[str, list[str]],
+    prelude: str = "",
+    parallel: int = 2,
+    alarm_s: int = 300,
+    env: dict[str, str | None] | None = None,
 ) -> dict[str, tuple[int, str, str, float]]:
   """Runs name -> ["-m", module, *flags] or ["-c", code, *args], each in a process of its own forked from one that
-  imported jax and the library once (_FORKS), `parallel` at a time, in the environment of run_app; `prelude`: code
-  that process runs before it forks. Returns name -> (exit status, stdout, stderr, seconds)."""
+  imported jax and the library once (_FORKS), `parallel` at a time, in the environment of run_app with `env` added
+  (a None value: that variable removed); `prelude`: code that process runs before it forks. Returns name -> (exit
+  status, stdout, stderr, seconds)."""
   os.makedirs(folder, exist_ok=True)
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env = dict({k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}, **(env or {}))
+  env = {k: v for k, v in env.items() if v is not None}
   cmd = [sys.executable, "-c", _FORKS, str(folder), str(alarm_s), str(parallel), prelude, json.dumps(runs)]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=alarm_s * len(runs))
   assert proc.returncode == 0, proc.stderr[-3000:]
