@@ -319,7 +319,8 @@ def fork_apps(
   env = dict({k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}, **(env or {}))
   env = {k: v for k, v in env.items() if v is not None}
   cmd = [sys.executable, "-c", _FORKS, str(folder), str(alarm_s), str(parallel), prelude, json.dumps(runs)]
-  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=alarm_s * len(runs))
+  bound = alarm_s * (len(runs) / parallel + 1)  # Each child dies at its alarm; `parallel` slots take the runs in turn.
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=bound + 60)
   assert proc.returncode == 0, proc.stderr[-3000:]
 
   def read(name, ext):
