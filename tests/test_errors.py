@@ -1,7 +1,6 @@
 """Every bad input raises its promised error, before any work; the apps print it as one line with an exit status."""
 
 import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -106,45 +105,15 @@ def test_engine_rejects_a_mesh_that_does_not_split_the_model(field, value):
     engine_lib.Engine(dataclasses.replace(cfg, model=mc), helpers.mesh(8), params)
 
 
-# The apps, each case a process of its own whose weight building and checkpoint loading fail loudly: each case must stop
-# at its check, before any weights exist. The host has 8 GiB of RAM available there, so that the memory check's cases
-# do not depend on the machine. One process imports what every app imports (jax and the library; not the apps' own
-# modules, which define their flags) once, then forks a child per case, 4 at a time, that runs the app's module as
-# `python3 -m MODULE ARGS` does (or `python3 -c CODE ARGS`), its stdout and stderr in files of its own. A child that
-# runs past its alarm dies of SIGALRM. Prints {case: [exit status, seconds from fork to exit]}.
-_FORKS = """
-import json, os, runpy, signal, sys, time
-import jaxkv.checkpoint, jaxkv.engine, jaxkv.gguf_loader, jaxkv.host.memory, jaxkv.model, jaxkv.run, jaxkv.serving
+# The apps, each case a process of its own (helpers.fork_apps) whose weight building and checkpoint loading fail loudly:
+# each case must stop at its check, before any weights exist. The host has 8 GiB of RAM available there, so that the
+# memory check's cases do not depend on the machine.
+_PRELUDE = """
+import jaxkv.checkpoint, jaxkv.gguf_loader, jaxkv.host.memory, jaxkv.model
 def built(*args, **kwargs):
   raise SystemExit("weights were built")
 jaxkv.model.init_params = jaxkv.checkpoint.load = jaxkv.gguf_loader.load = built
 jaxkv.host.memory.available_host_bytes = lambda: 8 * 2**30
-folder, alarm_s, cases = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-running, results = {}, {}
-def wait_one():
-  pid, status = os.wait()
-  name, t0 = running.pop(pid)
-  results[name] = os.waitstatus_to_exitcode(status), time.monotonic() - t0
-for name, (kind, target, *args) in cases.items():
-  if len(running) == 4:
-    wait_one()
-  sys.stdout.flush()
-  pid = os.fork()
-  if pid == 0:
-    signal.alarm(alarm_s)
-    for fd, ext in ((1, "out"), (2, "err")):
-      os.dup2(os.open(os.path.join(folder, f"{name}.{ext}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-    if kind == "-m":
-      sys.argv = [target, *args]
-      runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-      sys.argv = ["-c", *args]
-      exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
-    sys.exit()
-  running[pid] = name, time.monotonic()
-while running:
-  wait_one()
-json.dump(results, sys.stdout)
 """
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jaxkv.__file__)))
 GEN, BENCH, GATES = "jaxkv.generate", "jaxkv.bench", "jaxkv.gates"  # Each defines its flags: one per process.
@@ -341,7 +310,7 @@ NO_ACCELERATOR = shutil.which("nvidia-smi") is None
 @pytest.fixture(scope="module")
 def apps(tmp_path_factory):
   """(the input error cases (_cases), name -> (exit status, stdout, stderr, seconds) of the runs of this module but
-  Ctrl-C's, all in one batch (_FORKS): the cases, --cpu_devices=0 where no accelerator may be present, --help and
+  Ctrl-C's, all in one batch (helpers.fork_apps): the cases, --cpu_devices=0 where no accelerator may be present, --help and
   each app's groups check)."""
   tmp = tmp_path_factory.mktemp("apps")
   cases = _cases(tmp)
@@ -350,17 +319,7 @@ def apps(tmp_path_factory):
     runs["cpu_devices_0"] = ["-m", GEN, "--cpu_devices=0"]
   runs["help"] = ["-m", GEN, "--help"]
   runs |= {f"groups {app}": ["-c", _GROUPS_CHECK, app] for app in GROUPS_APPS}
-  out = tmp / "runs"
-  out.mkdir()
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  cmd = [sys.executable, "-c", _FORKS, str(out), str(ALARM_S), json.dumps(runs)]
-  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  results = {
-      name: (status, (out / f"{name}.out").read_text(), (out / f"{name}.err").read_text(), seconds)
-      for name, (status, seconds) in json.loads(proc.stdout).items()
-  }
-  return cases, results
+  return cases, helpers.fork_apps(tmp / "runs", runs, prelude=_PRELUDE, parallel=4, alarm_s=ALARM_S)
 
 
 @pytest.fixture(scope="module")

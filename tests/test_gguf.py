@@ -431,8 +431,9 @@ def smollm2_tokenizer(smollm2_file) -> tokenizer_lib.Tokenizer:
 def test_smollm2_with_default_flags_stops_at_its_end_of_turn(smollm2_file, smollm2_tokenizer, tmp_path):
   """The generate app end to end with default flags but the file, its text and --chat (a subprocess: the CPU devices
   are set before JAX starts): 3 simulated devices (its 3 KV heads), float32 on them, the engine's sizes (not the tiny
-  config's), and the file's end-of-sequence id (tokenizer.ggml.eos_token_id, its template's <|im_end|>) ends the answer.
-  """
+  config's), and the file's end-of-sequence id (tokenizer.ggml.eos_token_id, its template's <|im_end|>) ends the answer
+  (jaxkv.apps.runs.generate_checkpoint, which the app calls); with eos=False the same tokens run on past it to
+  max_new_tokens."""
   out = tmp_path / "out.json"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   question = "What is the capital of France?"
@@ -452,19 +453,14 @@ def test_smollm2_with_default_flags_stops_at_its_end_of_turn(smollm2_file, smoll
   assert res["tokens"][0][-1] == 2 and len(res["tokens"][0]) < res["max_new_tokens"]  # Ended at <|im_end|>.
   assert res["transport"]["depth"] == 2  # 30 layers in 4 decode groups: the default depth runs.
   assert "Paris" in res["text"][0] and f"output: {res['text'][0]}" in proc.stdout
-
-
-def test_smollm2_ends_at_its_end_of_sequence_unless_told_to_run_past_it(smollm2_file):
-  """jaxkv.apps.runs.generate_checkpoint: the file's end-of-sequence ids end the answer by default; with eos=False
-  the same tokens run on past it to max_new_tokens."""
   cd = common.base_config()
-  cd.mesh.tensor = 3  # SmolLM2's 3 KV heads.
-  kwargs = dict(gguf=smollm2_file, prompts=["What is the capital of France?"], max_new_tokens=NEW_TOKENS, seed=0)
-  stopped = runs.generate_checkpoint(cd, None, chat=True, **kwargs)
-  ran_on = runs.generate_checkpoint(cd, None, chat=True, eos=False, **kwargs)
-  answer = stopped["tokens"][0]
-  assert stopped["eos_ids"] == [2] and ran_on["eos_ids"] == [] and answer[-1] == 2 and len(answer) < NEW_TOKENS
-  assert ran_on["tokens"][0][: len(answer)] == answer and len(ran_on["tokens"][0]) == NEW_TOKENS
+  cd.mesh.tensor = 3  # The app's default devices.
+  answer = res["tokens"][0]
+  assert res["max_new_tokens"] == NEW_TOKENS and len(answer) < NEW_TOKENS
+  kwargs = dict(gguf=smollm2_file, prompts=[question], max_new_tokens=NEW_TOKENS, seed=0, chat=True)
+  ran_on = runs.generate_checkpoint(cd, None, eos=False, **kwargs)
+  assert ran_on["eos_ids"] == [] and ran_on["tokens"][0][: len(answer)] == answer
+  assert len(ran_on["tokens"][0]) == NEW_TOKENS
 
 
 def test_kv_quality_tool_on_a_short_text(smollm2, smollm2_params):

@@ -1,37 +1,31 @@
 """Two processes of two simulated CPU devices each, joined through jax.distributed on localhost, decode like one
-process of four. Every run is `python -m jaxkv.generate` in subprocesses that the test starts and always kills.
+process of four. Every distributed run is `python -m jaxkv.generate` in processes of their own (helpers.fork_apps).
 
 The reference for the bits is one process of four devices that also joins jax.distributed, so that its
-all-reduces run over the same CPU collectives (gloo) as the two-process run. A plain one-process run sums the
-all-reduces in XLA:CPU's in-process order instead: the same tokens, logits that differ in the last bits.
+all-reduces run over the same CPU collectives (gloo) as the two-process run. A plain one-process run (generate's run in
+the test process) sums the all-reduces in XLA:CPU's in-process order instead: the same tokens, logits that differ in
+the last bits.
 """
 
 import json
-import os
 import socket
-import subprocess
-import sys
-import time
 
+import helpers
 import pytest
 
+from experiments import tiny
 from jaxkv import distributed
 from jaxkv import generate as generate_app
+from jaxkv.apps import runs as runs_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(generate_app.__file__)))  # Holds the jaxkv package.
-TIMEOUT_S = 600  # For all the processes of all the runs together.
+TIMEOUT_S = 600  # For each process.
 # New tokens after generate's default prompts (5, 12, 1 and 9 tokens): the longest one's window grows past 16 rows (2
 # blocks of 8) during the decode. Process 1 compiles every program (JAX writes the persistent compilation cache from
 # process 0 only), so each window size more, like each step more, costs every 2-process run.
 NEW_TOKENS = 6
+PROMPT_LENGTHS = [5, 12, 1, 9]  # generate's default --prompt_len.
 HOST = ("--kv_placement=host", "--kv_pipeline_depth=2", f"--max_new_tokens={NEW_TOKENS}")
 DEVICE = ("--kv_placement=device", f"--max_new_tokens={NEW_TOKENS}")
-
-
-def _env() -> dict:
-  """This environment without the device count, platform and distributed settings of the test process."""
-  drop = {"XLA_FLAGS", "JAX_PLATFORMS", "PJRT_NPROC", *distributed.ENV}
-  return {k: v for k, v in os.environ.items() if k not in drop}
 
 
 def _free_ports(n: int) -> list[int]:
@@ -46,45 +40,29 @@ def _free_ports(n: int) -> list[int]:
       s.close()
 
 
-def _start(tmp_path, name: str, port: int | None, processes: int, devices: int, *flags) -> list[tuple]:
-  """Starts generate in `processes` processes of `devices` CPU devices each, joined through jax.distributed at `port`
-  (None: one process without jax.distributed); returns per process (the process, its files)."""
-  dist = [] if port is None else [f"--coordinator_address=localhost:{port}", f"--num_processes={processes}"]
-  runs = []
-  for i in range(processes):
-    files = {k: tmp_path / f"{name}.{i}.{k}" for k in ("json", "out", "err")}
-    cmd = [sys.executable, "-m", generate_app.__name__, f"--cpu_devices={devices}", f"--json_out={files['json']}"]
-    cmd += dist + ([] if port is None else [f"--process_id={i}"]) + list(flags)
-    with open(files["out"], "w") as out, open(files["err"], "w") as err:
-      runs.append((subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=err), files))
-  return runs
-
-
 def _generate(tmp_path, runs: dict[str, tuple]) -> dict[str, list[dict]]:
-  """Runs of generate, all at once (the 2-process ones mostly wait on each other): name -> (processes, devices per
-  process, flags...), processes None for one process without jax.distributed. Returns per run and process its stdout
-  and the JSON it wrote (None where it wrote none)."""
+  """Runs of generate joined through jax.distributed, every process at once (the 2-process ones mostly wait on each
+  other), each forked from one process that imported the library (helpers.fork_apps) without the test process's device
+  count, platform and distributed settings: name -> (processes, devices per process, flags...). Returns per run and
+  process its stdout and the JSON it wrote (None where it wrote none)."""
   ports = iter(_free_ports(len(runs)))
-  started = {}
-  try:
-    for name, (processes, devices, *flags) in runs.items():
-      port = None if processes is None else next(ports)
-      started[name] = _start(tmp_path, name, port, processes or 1, devices, *flags)
-    deadline = time.monotonic() + TIMEOUT_S
-    for proc, _ in [r for rs in started.values() for r in rs]:
-      proc.wait(timeout=max(deadline - time.monotonic(), 1))
-  finally:
-    for proc, _ in [r for rs in started.values() for r in rs]:
-      if proc.poll() is None:
-        proc.kill()  # Not terminate(): JAX's preemption notifier catches SIGTERM.
-        proc.wait()
+  argv, json_out = {}, {}
+  for name, (processes, devices, *flags) in runs.items():
+    dist = [f"--coordinator_address=localhost:{next(ports)}", f"--num_processes={processes}"]
+    for i in range(processes):
+      json_out[f"{name}.{i}"] = tmp_path / f"{name}.{i}.json"
+      cmd = [f"--cpu_devices={devices}", f"--json_out={json_out[f'{name}.{i}']}", *dist, f"--process_id={i}", *flags]
+      argv[f"{name}.{i}"] = ["-m", generate_app.__name__, *cmd]
+  env = {k: None for k in ("PJRT_NPROC", *distributed.ENV)}
+  done = helpers.fork_apps(tmp_path / "runs", argv, parallel=len(argv), alarm_s=TIMEOUT_S, env=env)
   results = {}
-  for name, rs in started.items():
+  for name, (processes, *_) in runs.items():
     results[name] = []
-    for proc, files in rs:
-      assert proc.returncode == 0, files["err"].read_text()[-3000:]
-      out = json.loads(files["json"].read_text()) if files["json"].exists() else None
-      results[name].append(dict(stdout=files["out"].read_text(), json=out))
+    for i in range(processes):
+      status, stdout, stderr, _ = done[f"{name}.{i}"]
+      assert status == 0, stderr[-3000:]
+      out = json_out[f"{name}.{i}"]
+      results[name].append(dict(stdout=stdout, json=json.loads(out.read_text()) if out.exists() else None))
   return results
 
 
@@ -99,11 +77,10 @@ def test_two_processes_decode_like_one(tmp_path):
           one=(1, 4, *HOST),
           host=(2, 2, *HOST),
           device=(2, 2, *DEVICE),
-          plain=(None, 4, *DEVICE),
           split=(2, 2, *HOST, "--kv_host_attention"),  # Host attention, share measured.
       ),
   )
-  [one], host, device, [plain], split = runs["one"], runs["host"], runs["device"], runs["plain"], runs["split"]
+  [one], host, device, split = runs["one"], runs["host"], runs["device"], runs["split"]
   ref = one["json"]
   assert ref["processes"] == 1 and [len(t) for t in ref["tokens"]] == [NEW_TOKENS] * 4
   for run in (host, device):
@@ -119,8 +96,12 @@ def test_two_processes_decode_like_one(tmp_path):
   # Host attention sums in another order (not the same bits) and splits at process 0's measured share everywhere.
   assert split[0]["json"]["tokens"] == ref["tokens"]
   assert split[0]["json"]["transport"]["host_attention"]["source"] == "measured"
-  # In-process all-reduces round differently, not enough to change a token.
-  assert plain["json"]["processes"] == 1 and plain["json"]["tokens"] == ref["tokens"]
+  # In-process all-reduces (this process: generate's run on 4 of its devices, without jax.distributed) round
+  # differently, not enough to change a token.
+  cd = tiny.get_config()
+  cd.mesh.tensor, cd.kv.placement = 4, "device"
+  plain = runs_lib.generate_random(cd, PROMPT_LENGTHS, NEW_TOKENS, 0)
+  assert plain["processes"] == 1 and plain["tokens"] == ref["tokens"]
 
 
 def test_settings_come_from_the_flags_then_the_environment():

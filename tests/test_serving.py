@@ -210,7 +210,7 @@ def test_requests_without_max_new_tokens_share_an_epoch_and_end_at_the_capacity(
   """Without max_new_tokens a request reserves no rows: the first four take the four slots at once (with the capacity
   reserved, each would fit only at an end equal to its own prompt length), and each decodes to the capacity, its
   tokens those of a generate of as many."""
-  eng = helpers.engine(2, placement="host", depth=1)
+  eng = helpers.engine(2, placement="host", depth=1, capacity=64)
   capacity = eng.config.engine.capacity
   prompts = helpers.prompts([9, 30, 17, 5], seed=4)
   res = serving.Server(eng, 4).serve([serving.Request(tuple(p), None, seed=i) for i, p in enumerate(prompts)])
