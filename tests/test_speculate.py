@@ -180,24 +180,6 @@ def _row_matmuls(fn, *args) -> set:
   return shapes
 
 
-@pytest.mark.parametrize("b, t", [(2, 9), (20, 2)])
-def test_a_verify_pass_runs_its_rows_on_a_one_token_step_s_matmul_shapes(b, t):
-  """A verify pass of B sequences x T tokens past MIN_ROWS rows computes its projections, MLP and head in blocks of a
-  one-token step's rows (max(B, MIN_ROWS)): the same matmul shapes as the step, so each row rounds as the step's on
-  every backend (XLA:CPU rounds alike either way; the GPU's kernels do not: tools/check_serve_speculate.py)."""
-  cfg = helpers.tiny_config().model
-  params = model.init_params(cfg, jax.random.key(0), helpers.mesh(1))
-  p = params["layers"][0]
-  page = jnp.zeros((2, b, cfg.num_kv_heads, 8, cfg.head_dim), cfg.dtype)
-  start, end = jnp.zeros((b,), jnp.int32), jnp.int32(3)
-  layer = lambda x: model.decode_layer(p, x, None, page, start, end, cfg=cfg)
-  x = jnp.ones((b, t, cfg.d_model), cfg.dtype)
-  step = _row_matmuls(layer, x[:, 0]) | _row_matmuls(lambda y: model.logits(params, y, cfg), x[:, 0])
-  verify = _row_matmuls(layer, x) | _row_matmuls(lambda y: model.logits(params, y, cfg, batch=b), x)
-  assert {s[0] for s in step} == {max(b, model.MIN_ROWS)}
-  assert verify == step
-
-
 def _fenced_row_matmuls(fn, *args) -> set[str]:
   """The code between two optimization barriers of fn's StableHLO wherever it holds a matmul without batch
   dimensions (projections, MLP, head), value names dropped: what each such call compiles from."""
@@ -213,20 +195,28 @@ def _fenced_row_matmuls(fn, *args) -> set[str]:
 
 
 @pytest.mark.parametrize("b, t", [(2, 9), (20, 2)])
-def test_a_verify_pass_compiles_its_row_blocks_as_a_step_s_fenced_calls(b, t):
-  """Each block of a verify pass's projections, MLP and head is the code of a one-token step's call of them, fenced
-  alike (model.on_min_rows): the GPU compiles both to the same fusions and its autotuner, which picks kernels per
-  fusion, to the same kernels (unfenced, a block's slice or a step's padding joined the fusion: other tokens on the
-  H100, tools/check_serve_speculate.py --prompts=repeating)."""
+def test_a_verify_pass_runs_its_rows_as_a_one_token_step_s_fenced_matmuls(b, t):
+  """A verify pass of B sequences x T tokens past MIN_ROWS rows computes its projections, MLP and head in blocks of a
+  one-token step's rows (max(B, MIN_ROWS)), each block the code of the step's call of them, fenced alike
+  (model.on_min_rows): the same matmul shapes, so each row rounds as the step's, and the same fusions, so the GPU's
+  autotuner, which picks kernels per fusion, gives both the same kernels. XLA:CPU rounds alike either way; the GPU
+  did not (unblocked: other tokens on the H200; unfenced, a block's slice or a step's padding joined the fusion:
+  other tokens on the H100; tools/check_serve_speculate.py)."""
   cfg = helpers.tiny_config().model
   params = model.init_params(cfg, jax.random.key(0), helpers.mesh(1))
   page = jnp.zeros((2, b, cfg.num_kv_heads, 8, cfg.head_dim), cfg.dtype)
   start, end = jnp.zeros((b,), jnp.int32), jnp.int32(3)
   layer = lambda x: model.decode_layer(params["layers"][0], x, None, page, start, end, cfg=cfg)
+  step_head = lambda y: model.logits(params, y, cfg)
+  verify_head = lambda y: model.logits(params, y, cfg, batch=b)
   x = jnp.ones((b, t, cfg.d_model), cfg.dtype)
-  step = _fenced_row_matmuls(layer, x[:, 0]) | _fenced_row_matmuls(lambda y: model.logits(params, y, cfg), x[:, 0])
-  verify = _fenced_row_matmuls(layer, x) | _fenced_row_matmuls(lambda y: model.logits(params, y, cfg, batch=b), x)
-  assert len(step) == 3 and verify == step
+  step, verify = {}, {}
+  for collect in (_row_matmuls, _fenced_row_matmuls):
+    step[collect] = collect(layer, x[:, 0]) | collect(step_head, x[:, 0])
+    verify[collect] = collect(layer, x) | collect(verify_head, x)
+  assert {s[0] for s in step[_row_matmuls]} == {max(b, model.MIN_ROWS)}
+  assert verify[_row_matmuls] == step[_row_matmuls]
+  assert len(step[_fenced_row_matmuls]) == 3 and verify[_fenced_row_matmuls] == step[_fenced_row_matmuls]
 
 
 def _speculating(eng, mode="lookup", k=8):
