@@ -149,6 +149,17 @@ def place(
     free = free_device_bytes(meshes[0].local_devices)
     auto = auto_plan(model_config, kv, batch, capacity, prefill_chunk, groups, tensor, free)
     streamed = auto.streamed
+    logging.info(
+        "kv placement auto: %d of %d layers resident (%.1f MiB per layer per device, %d layers per group, budget %s "
+        "from %s), %d streamed",
+        auto.resident_layers,
+        num_layers,
+        layer_bytes / 2**20,
+        group,
+        "none" if auto.budget_bytes is None else f"{auto.budget_bytes / 2**20:.0f} MiB",
+        auto.budget_source,
+        num_layers - auto.resident_layers,
+    )
   else:
     streamed = (kv.placement == "host",) * num_layers
   if any(streamed):
@@ -272,19 +283,7 @@ def plan(groups: tuple[tuple[int, ...], ...], layer_bytes: int, budget_bytes: in
     if sum(len(g) for g, s in zip(groups, by_group) if not s) <= fits:
       break
   streamed = tuple(s for g, s in zip(groups, by_group) for _ in g)
-  p = Plan(streamed, layer_bytes, budget_bytes, source)
-  logging.info(
-      "kv placement auto: %d of %d layers resident (%.1f MiB per layer per device, %d layers per group, budget %s "
-      "from %s), %d streamed",
-      p.resident_layers,
-      num_layers,
-      layer_bytes / 2**20,
-      len(groups[0]),
-      "none" if budget_bytes is None else f"{budget_bytes / 2**20:.0f} MiB",
-      source,
-      num_layers - p.resident_layers,
-  )
-  return p
+  return Plan(streamed, layer_bytes, budget_bytes, source)
 
 
 def predict_step_ms(streamed_bytes_per_step: float, link_gbps: float, compute_ms: float) -> float:

@@ -127,19 +127,3 @@ def test_host_attention_with_chunked_tails_gives_the_bits_of_whole_tails():
   assert (whole.transport["delivery_chunk_rows"], chunks.transport["delivery_chunk_rows"]) == (0, S)
   assert chunks.transport["ring_high_water_bytes_per_device"] <= 4 * 2 * S * row
   assert whole.transport["ring_high_water_bytes_per_device"] > 4 * 2 * S * row
-
-
-def test_startup_env_sizes_jax_and_the_pinned_pool_for_a_1m_cache():
-  """Before the backend starts: the memory fraction for auto, and the pinned pool's cap to the 8B geometry's whole
-  1M bf16 cache (128 GiB and a layer in flight, over the 64 GiB default); what the user set is kept."""
-  cfg = config_lib.from_config_dict(llama3_8b.get_config()).model
-  auto = memory.CacheNeed(config_lib.KVConfig(placement="auto"), 1, 2**20)
-  assert auto.host_bytes(cfg) == 33 * 4 * 2**30 + 33 * cache_lib.row_bytes(cfg, "model", 1) * 256
-  env = {}
-  assert memory.startup_env(cfg, [auto], env) == {memory.MEM_FRACTION_ENV: "0.95", memory.POOL_ENV: "134"} == env
-  env = {memory.MEM_FRACTION_ENV: "0.9"}
-  assert memory.startup_env(cfg, [auto], env) == {memory.POOL_ENV: "134"}
-  assert env[memory.MEM_FRACTION_ENV] == "0.9"
-  device = memory.CacheNeed(config_lib.KVConfig(), 1, 2**20)
-  small = memory.CacheNeed(config_lib.KVConfig(placement="host"), 1, 2**15)
-  assert memory.startup_env(cfg, [device, small], {}) == {}  # Nothing streamed; a pool under the default.

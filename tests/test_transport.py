@@ -228,10 +228,12 @@ def test_host_ram_is_checked_before_allocating(monkeypatch):
   eng.generate(helpers.prompts([3]), 2)
   cfg = helpers.tiny_config().model
   fmt = kv_quant.KVFormat.of(cfg, "model")
-  memory.check_host_memory(10 * 2**30, 2, cfg, fmt, 1, 4096, available=11 * 2**30)  # Fits: no error.
-  memory.check_host_memory(10 * 2**30, 2, cfg, fmt, 1, 4096, available=None)  # Unknown: not checked.
+  memory.check_host_memory(10 * 2**30, 2, cfg, fmt, 1, 4096, 11 * 2**30, 11 * 2**30)  # Fits: no error.
+  memory.check_host_memory(10 * 2**30, 2, cfg, fmt, 1, 4096, None, None)  # Unknown: not checked.
   with pytest.raises(ValueError, match=r"needs 10\.00 GiB .*\(2 streamed layers x .* has 9\.50 GiB of RAM available"):
-    memory.check_host_memory(10 * 2**30, 2, cfg, fmt, 1, 4096, available=int(9.5 * 2**30))
+    memory.check_host_memory(10 * 2**30, 2, cfg, fmt, 1, 4096, int(9.5 * 2**30), None)
+  with pytest.raises(ValueError, match=r"needs 10\.00 GiB .* pinned pool is limited to 9\.00 GiB"):
+    memory.check_host_memory(10 * 2**30, 2, cfg, fmt, 1, 4096, None, 9 * 2**30)
 
 
 def test_debug_telemetry_has_per_step_and_per_layer_records():

@@ -2,7 +2,7 @@
 
 Runs `python3 -m jaxkv.bench` processes (random bf16 weights; --synthetic_context: each prompt's rows below its last
 prefill chunk stored as zeros, the decode doing the same work), each sizing JAX's memory fraction and the pinned
-pool itself (jaxkv.host.memory.startup_env):
+pool itself (jaxkv.host.startup.startup_env):
 
   1m       context 1,048,576, batch 1: arms auto_d2 (bf16, chunked delivery), auto_d2_ha (with host attention on the
            streamed layers) and auto_d2_int8 (int8 KV, which the planner keeps all resident).

@@ -30,7 +30,7 @@ from jaxkv import config as config_lib
 from jaxkv import distributed
 from jaxkv import preflight
 from jaxkv.apps import launch
-from jaxkv.host import memory
+from jaxkv.host import startup
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # Holds jaxkv and experiments.
 DEFAULT_CONFIG = os.path.join(_ROOT, "experiments", "tiny.py")
@@ -127,7 +127,7 @@ _CONFIG_GIVEN = [False]  # Whether the command line names --config (run() sets i
 def setup_platform(model: config_lib.ModelConfig | None = None, needs=()) -> None:
   """Applies --cpu_devices (per process; left out, as many devices up to its default as `model` divides over) and
   --compilation_cache_dir, and joins jax.distributed when it is set up; on the accelerators, sizes JAX's memory
-  fraction and the pinned pool for the caches the app may make (`needs`: jaxkv.host.memory.CacheNeed, startup_env).
+  fraction and the pinned pool for the caches the app may make (`needs`: jaxkv.host.startup.CacheNeed, startup_env).
   Must run before the first JAX call. InputError when --cpu_devices=0 finds no accelerator, for bad distributed
   settings, when processes do not join in time, or when the host's RAM cannot hold a host placement's cache."""
   n = CPU_DEVICES.value
@@ -143,8 +143,8 @@ def setup_platform(model: config_lib.ModelConfig | None = None, needs=()) -> Non
     args = distributed.settings(COORDINATOR_ADDRESS.value, NUM_PROCESSES.value, PROCESS_ID.value)
   if not n and model is not None and needs:
     with preflight.input_errors():
-      for name, value in memory.startup_env(model, list(needs)).items():
-        logging.info("%s=%s (jaxkv.host.memory.startup_env)", name, value)
+      for name, value in startup.startup_env(model, list(needs), startup.device_memory_bytes()).items():
+        logging.info("%s=%s (jaxkv.host.startup.startup_env)", name, value)
   if n:
     os.environ["JAX_PLATFORMS"] = "cpu"
     xla = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]

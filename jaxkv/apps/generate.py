@@ -28,7 +28,7 @@ from jaxkv import distributed
 from jaxkv import preflight
 from jaxkv.apps import cli
 from jaxkv.apps import launch
-from jaxkv.host import memory
+from jaxkv.host import startup
 
 BATCH = flags.DEFINE_integer("batch", None, "Sequences; default = number of --prompt_len values.")
 PROMPT_LEN = flags.DEFINE_list(
@@ -137,7 +137,8 @@ def main(argv):
   cd = cli.resolved_config_dict(checkpoint=bool(checkpoint))
   batch = PARALLEL.value if SEQUENCES.value else len(texts) or len(lens)
   with preflight.input_errors():
-    need = memory.CacheNeed(config_lib.KVConfig(**cd.kv.to_dict()), batch, cd.engine.capacity)
+    kv = config_lib.KVConfig(**cd.kv.to_dict())
+    need = startup.CacheNeed(kv, batch, cd.engine.capacity, cd.engine.prefill_chunk)
   cli.setup_platform(cli.model_of(cd, CHECKPOINT_DIR.value, GGUF.value, checkpoint_dtype()), [need])
   from jaxkv.apps import runs  # pylint: disable=g-import-not-at-top  (after the platform is set)
 

@@ -113,7 +113,7 @@ def main(argv):
   from jaxkv.bench import arms as arms_lib
   from jaxkv.bench import benchmark
   from jaxkv.bench import report
-  from jaxkv.host import memory
+  from jaxkv.host import startup
 
   with preflight.input_errors():
     spec = benchmark.BenchSpec(
@@ -132,7 +132,7 @@ def main(argv):
     for arm in spec.arms:  # An unknown arm, or a KV dtype that does not fit the model.
       arms_lib.arm_config(config, arm)
   needs = [
-      memory.CacheNeed(arms_lib.arm_config(config, arm).kv, batch, cap.engine.capacity)
+      startup.CacheNeed(arms_lib.arm_config(config, arm).kv, batch, cap.engine.capacity, cap.engine.prefill_chunk)
       for arm in spec.arms
       for batch in spec.batches
       for cap in [benchmark.cell_config(config, context, spec.new_tokens) for context in spec.contexts]
