@@ -14,7 +14,7 @@ H100, H200 = [81559 * 2**20], [143771 * 2**20]  # Their memory as NVML reports i
 
 
 def test_the_pinned_pool_is_capped_at_what_the_plan_streams_on_the_devices_found(monkeypatch):
-  """The memory fraction for auto, and the pinned pool's cap to the layers that the 8B's 1M bf16 cache streams on
+  """The memory fraction and CUDA's stream-ordered allocator for auto, and the pinned pool's cap to the layers that the 8B's 1M bf16 cache streams on
   the device found (its plan, a layer more), not the whole cache: on an 80 GiB H100 23 of 32 layers and one in
   flight (96 GiB), under a 128 GiB host's RAM; on an H200 under the 64 GiB default (no cap set). Unknown devices:
   the whole cache (134 GiB). What the user set is kept."""
@@ -25,9 +25,10 @@ def test_the_pinned_pool_is_capped_at_what_the_plan_streams_on_the_devices_found
   assert auto.layer_bytes(cfg) == layer and -(-24 * layer // GIB) + 1 == 98
   monkeypatch.setattr(memory, "available_host_bytes", lambda: 120 * GIB)
   env = {}
-  assert startup.startup_env(cfg, [auto], H100, env) == {startup.MEM_FRACTION_ENV: "0.95", memory.POOL_ENV: "98"}
-  assert env == {startup.MEM_FRACTION_ENV: "0.95", memory.POOL_ENV: "98"}
-  assert startup.startup_env(cfg, [auto], H200, {}) == {startup.MEM_FRACTION_ENV: "0.95"}
+  auto_env = {startup.MEM_FRACTION_ENV: "0.95", startup.ALLOCATOR_ENV: "cuda_async"}
+  assert startup.startup_env(cfg, [auto], H100, env) == dict(auto_env, **{memory.POOL_ENV: "98"}) == env
+  assert startup.startup_env(cfg, [auto], H200, {}) == auto_env
+  assert startup.startup_env(cfg, [auto], H200, {startup.ALLOCATOR_ENV: "bfc"}) == {startup.MEM_FRACTION_ENV: "0.95"}
   env = {startup.MEM_FRACTION_ENV: "0.9"}
   assert startup.startup_env(cfg, [auto], None, env) == {memory.POOL_ENV: "134"}
   assert env[startup.MEM_FRACTION_ENV] == "0.9"

@@ -24,6 +24,11 @@ from jaxkv.host import memory
 from jaxkv.kv_quant import KVFormat
 
 MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+ALLOCATOR_ENV = "XLA_PYTHON_CLIENT_ALLOCATOR"
+# JAX's device allocator with placement auto on NVIDIA GPUs: CUDA's stream-ordered pool maps its pages where a large
+# array needs them, where the default (a BFC allocator in one preallocated region) fails a 4 GiB window with more
+# than that free in pieces (an H100 at 1M: 9 GiB free at the plan, the warm-up out of memory; cuda_async ran it).
+AUTO_ALLOCATOR = "cuda_async"
 # JAX's pool with placement auto: the planner keeps resident the layers that fit in what is free in it; the rest of
 # the device (7 GiB of an H200) is left to what allocates outside it (cuBLAS, cuDNN and the CUDA context).
 AUTO_MEM_FRACTION = 0.95
@@ -100,7 +105,8 @@ def device_memory_bytes() -> list[int] | None:
 
 def startup_env(model: ModelConfig, needs: list[CacheNeed], devices: list[int] | None, environ=None) -> dict[str, str]:
   """Sets in `environ` (default os.environ), before the backend starts, what the user has not set: with a placement
-  auto among `needs`, JAX's memory fraction (MEM_FRACTION_ENV = AUTO_MEM_FRACTION); where a cache streams, the
+  auto among `needs`, JAX's memory fraction (MEM_FRACTION_ENV = AUTO_MEM_FRACTION) and, on NVIDIA GPUs (devices
+  known), its allocator (ALLOCATOR_ENV = AUTO_ALLOCATOR); where a cache streams, the
   pinned pool's cap (memory.POOL_ENV) to the largest such cache's streamed layers (CacheNeed.streamed_layers on
   `devices`: their memory sizes in bytes, device_memory_bytes(); None: unknown) plus one in flight, in GiB rounded up, plus one,
   where that is over the default cap. Returns what it set. ValueError (one line) where the host's available RAM
@@ -108,8 +114,11 @@ def startup_env(model: ModelConfig, needs: list[CacheNeed], devices: list[int] |
   (jaxkv.residency.place) counts the layers its plan streams."""
   environ = os.environ if environ is None else environ
   out = {}
-  if any(n.kv.placement == "auto" for n in needs) and MEM_FRACTION_ENV not in environ:
+  auto = any(n.kv.placement == "auto" for n in needs)
+  if auto and MEM_FRACTION_ENV not in environ:
     out[MEM_FRACTION_ENV] = environ[MEM_FRACTION_ENV] = str(AUTO_MEM_FRACTION)
+  if auto and devices is not None and ALLOCATOR_ENV not in environ:
+    out[ALLOCATOR_ENV] = environ[ALLOCATOR_ENV] = AUTO_ALLOCATOR
   fraction = float(environ.get(MEM_FRACTION_ENV, AUTO_MEM_FRACTION))
   needed = 0
   for need in needs:
