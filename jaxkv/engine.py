@@ -33,6 +33,7 @@ from jaxkv import distributed
 from jaxkv import jitted
 from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
+from jaxkv import model as model_lib
 from jaxkv import residency
 from jaxkv import sampling as sampling_lib
 from jaxkv import self_draft
@@ -346,11 +347,14 @@ class Engine:
     rows' hidden states, what the head reads: prompt logprobs; the last chunk's past `longest` are its padding's), in
     order; the programs run are the same.
 
-    Where the prompt's rows fit in device memory (`prefill_plan`), each layer's grown window stays on the devices
-    from one chunk to the next: the first chunk gets its window (the rows below `first`, if any) through the
-    transport, the later chunks get it from the devices, and the rows reach the cache's memory once, stored by the
-    consumer of the last chunk. Otherwise every chunk gets its window through the transport and stores it grown.
-    Either way each layer's prefill function sees the same values: the same bits.
+    The chunks run in spans of model.prefill_span chunks (1 GiB of hidden states), layer by layer: each layer
+    computes a span's chunks one after another, its window grown on the devices. Where the prompt's rows fit in
+    device memory (`prefill_plan`), each layer's grown window stays on the devices from one span to the next: the
+    first span gets its window (the rows below `first`, if any) through the transport, the later ones get it from
+    the devices, and the rows reach the cache's memory once, stored by the consumer of the last chunk. Otherwise
+    every span gets its windows through the transport and stores them grown: a streamed layer's rows cross the link
+    once a span, not once a chunk (a 1M prompt: 8 spans of 64 chunks of 2,048 rows). Either way each layer's
+    prefill function sees the same values as chunk by chunk: the same bits.
     """
     rows = prefill_rows(longest, self.config.kv.block, self.config.engine.prefill_chunk)
     return Prefill(self._prefill(gen, tokens, start, longest, first, prefix, next_pass, hidden), rows)
@@ -363,33 +367,41 @@ class Engine:
     plan = prefill_plan(cache, n_chunks - first, chunk, self.config.kv.headroom_mib)
     gen.prefill_summary = dict(plan, attention=self.stage_fns[0].prefill_attention)
     kept: list = [None] * len(layers)  # With plan["keep"]: each layer's window so far, on the devices.
-    x = None
-    for c in range(first, n_chunks):
-      last = c == n_chunks - 1
-      width = last_chunk_rows(longest - c * chunk, block, chunk) if last else chunk
-      x = self._first.embed(self.top, distributed.put_host(tokens[:, c * chunk : c * chunk + width], self._rep_first))
-      metas = self.to_stages(self.meta(start, c * chunk))
+    span = model_lib.prefill_span(self.config.model, tokens.shape[0], chunk)
+    for c0 in range(first, n_chunks, span):
+      cs = range(c0, min(c0 + span, n_chunks))
+      last = cs[-1] == n_chunks - 1
+      widths = [last_chunk_rows(longest - c * chunk, block, chunk) if c == n_chunks - 1 else chunk for c in cs]
+      xs = [
+          self._first.embed(self.top, distributed.put_host(tokens[:, c * chunk : c * chunk + w], self._rep_first))
+          for c, w in zip(cs, widths)
+      ]
+      metas = [self.to_stages(self.meta(start, c * chunk)) for c in cs]
       issued = Issued()
-      # With plan["keep"] the later chunks' windows are on the devices: nothing to deliver. Else with host attention
+      # With plan["keep"] the later spans' windows are on the devices: nothing to deliver. Else with host attention
       # the tail is delivered: the head is moved back and prepended.
-      windows = self._kept(kept) if plan["keep"] and c > first else self._delivered(gen, last, next_pass, plan)
+      windows = self._kept(kept) if plan["keep"] and c0 > first else self._delivered(gen, last, next_pass, plan)
       with contextlib.closing(windows):
         for l, window in windows:
           fns = self.layer_fns(l)
-          if prefix is not None and c == first:
+          if prefix is not None and c0 == first:
             window = fns.join(prefix[l])
-          gen.shapes.add(("prefill", 0 if window is None else window.shape[3], width))
-          x, rows = fns.prefill(layers[l], self.to_layer(x, l), window, metas[stage_of[l]])
-          if last:
-            yield PrefilledLayer(l, window, rows)
-          elif plan["keep"]:
-            kept[l] = fns.grow(window, rows)
-          else:
-            issued += cache.store(l, fns.grow(window, rows))
+          for i, c in enumerate(cs):
+            gen.shapes.add(("prefill", 0 if window is None else window.shape[3], widths[i]))
+            xs[i], rows = fns.prefill(layers[l], self.to_layer(xs[i], l), window, metas[i][stage_of[l]])
+            if c == n_chunks - 1:
+              yield PrefilledLayer(l, window, rows)
+            else:
+              window = fns.grow(window, rows)
+          if not last and plan["keep"]:
+            kept[l] = window
+          elif not last:
+            issued += cache.store(l, window)
       if hidden is not None:
-        hidden.append(x)
+        hidden.extend(xs)
       if not last:
-        gen.add_counters("prefill", issued, c * chunk + width)
+        gen.add_counters("prefill", issued, cs[-1] * chunk + widths[-1])
+    x = xs[-1]
     return self.fns.last_row(x, distributed.put_host(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
 
   @staticmethod
@@ -581,11 +593,11 @@ class Engine:
 
 
 def prefill_plan(cache: cache_lib.KVCache, chunks: int, chunk: int, headroom_mib: int) -> dict:
-  """Whether a prefill of `chunks` chunks keeps each streamed layer's window on the devices from one chunk to the
-  next (Engine.prefill): when the fullest device has room, beside what it holds now and kv.headroom_mib, for every
-  streamed layer's rows [0, chunks * chunk) (what the last chunk's windows hold, with its grown one); always where
-  the backend reports no device memory (CPU). Otherwise each chunk gets its window through the transport and stores
-  it grown, as decode does.
+  """Whether a prefill of `chunks` chunks keeps each streamed layer's window on the devices from one span of chunks
+  to the next (Engine.prefill): when the fullest device has room, beside what it holds now and kv.headroom_mib, for
+  every streamed layer's rows [0, chunks * chunk) (what the last chunk's windows hold, with its grown one); always
+  where the backend reports no device memory (CPU). Otherwise each span gets its windows through the transport and
+  stores them grown, as decode does.
 
   Returns keep (bool), bytes_per_device (the rows kept on the fullest device), free_bytes_per_device (None without
   memory stats) and reason."""
@@ -599,7 +611,8 @@ def prefill_plan(cache: cache_lib.KVCache, chunks: int, chunk: int, headroom_mib
   if room is not None and need > room:
     reason = (
         f"the streamed layers' {need / 2**20:.0f} MiB of prompt rows per device exceed the free device memory "
-        f"{free / 2**20:.0f} MiB - --kv_headroom_mib={headroom_mib}: every chunk gets its window through the transport"
+        f"{free / 2**20:.0f} MiB - --kv_headroom_mib={headroom_mib}: every span of chunks gets its windows through the "
+        "transport"
     )
     logging.warning("prefill: %s", reason)
     return dict(plan, reason=reason)

@@ -41,11 +41,19 @@ LAYER_AXES = {
     "w_down": (mesh_lib.MLP, mesh_lib.EMBED),
 }
 SCORE_BUDGET_BYTES = 2**30  # Largest f32 score block of a prefill chunk (jaxkv.model.blocked_attention).
+SPAN_HIDDEN_BYTES = 2**30  # The hidden states of the chunks a prefill computes layer by layer (prefill_span).
 TOP_AXES = {
     "embed": (None, mesh_lib.EMBED),  # Replicated: a gather by token id.
     "final_norm": (mesh_lib.EMBED,),
     "lm_head": (mesh_lib.EMBED, mesh_lib.VOCAB),
 }
+
+
+def prefill_span(cfg: ModelConfig, batch: int, chunk: int) -> int:
+  """The chunks of `chunk` rows that a prefill computes layer by layer (jaxkv.engine.Engine.prefill: each layer's
+  chunks one after another, their hidden states [batch, chunk, d_model] held from one layer to the next): as many
+  as SPAN_HIDDEN_BYTES holds, at least one."""
+  return max(1, SPAN_HIDDEN_BYTES // (batch * chunk * cfg.d_model * jnp.dtype(cfg.dtype).itemsize))
 
 
 def dtype_of(cfg: ModelConfig):

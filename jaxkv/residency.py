@@ -242,7 +242,8 @@ def workspace_bytes(
   chunk, at most half of `rows`, grow whole two at a time), else two (a group's windows grow inside its call, the
   grown beside the delivered, and are stored while the next group's grow); a prefill call's temporaries, one block,
   the larger of the attention's copy of a layer's window in the model dtype (cuDNN: reordered; XLA: joined to the
-  chunk) and the MLP's rows of the chunk (x, gate, up and their product: B x C x (D + 3 F / devices) values); one
+  chunk) and the MLP's rows of the chunk (x, gate, up and their product: B x C x (D + 3 F / devices) values), and
+  the hidden states of the chunks it computes layer by layer (model.prefill_span, up to `rows`); one
   layer's window more, for the holes that windows growing one after another leave, each a chunk or a page smaller
   than the next; the prefill scores. docs/design.md ("Residency planner") has the out-of-memory errors that decided
   it."""
@@ -250,7 +251,9 @@ def workspace_bytes(
   window_values = cache_lib.row_bytes(model_config, "model", batch, devices) * rows  # Unpacked to the model dtype.
   itemsize = jnp.dtype(model_config.dtype).itemsize
   mlp_rows = batch * prefill_chunk * (model_config.d_model + 3 * model_config.mlp_dim // devices) * itemsize
-  prefill = max(window_values, mlp_rows) if prefill_chunk else 0
+  span_rows = min(rows, model.prefill_span(model_config, batch, prefill_chunk) * prefill_chunk) if prefill_chunk else 0
+  hidden = batch * span_rows * model_config.d_model * itemsize  # A span's hidden states (Engine.prefill).
+  prefill = max(window_values, mlp_rows) + hidden if prefill_chunk else 0
   growth = (1 if chunked_growth else 2) * group * layer
   return growth + prefill + layer + WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
 

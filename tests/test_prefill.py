@@ -151,18 +151,24 @@ def test_host_prefill_keeps_earlier_rows_on_the_devices_with_the_same_bits(tenso
   assert prefill_d2h == cfg.num_layers * row * len(LENGTHS) * 40
 
 
-def test_host_prefill_past_the_device_budget_redelivers_each_chunk_with_the_same_bits():
+@pytest.mark.parametrize("span,rows", [(None, 0), (2, 32), (1, 16 + 32 + 16)])
+def test_host_prefill_past_the_device_budget_redelivers_each_span_with_the_same_bits(span, rows):
+  """With no room for the prompt's rows on the devices, each span of chunks (model.prefill_span; default: every
+  chunk of the tiny model's prompts) gets its windows through the transport: with spans of 2 chunks the 40-token
+  prompt's chunk 2 gets rows [0, 32); with 1, its chunks 1 and 2 get rows [0, 16) and [0, 32) and the 23-token
+  one's chunk 1 rows [0, 16). The bits of the prefill that keeps every row on the devices, in every case."""
   prompts = helpers.prompts(LENGTHS)
+  cfg = helpers.tiny_config().model
   kept = helpers.engine(2, placement="host", depth=2, debug=1).generate(prompts, 4)
+  hidden = model.SPAN_HIDDEN_BYTES if span is None else span * 16 * cfg.d_model * 4  # Chunks of 16 rows, f32.
   with mock.patch.object(residency, "free_device_bytes", lambda devices: 0):  # A full device.
-    res = helpers.engine(2, placement="host", depth=2, debug=1).generate(prompts, 4)
+    with mock.patch.object(model, "SPAN_HIDDEN_BYTES", hidden):
+      res = helpers.engine(2, placement="host", depth=2, debug=1).generate(prompts, 4)
   assert (res.tokens_sha256, res.logits_sha256) == (kept.tokens_sha256, kept.logits_sha256)
   plan = res.transport["prefill"]
   assert not plan["keep"] and "exceed the free device memory" in plan["reason"]
-  cfg = helpers.tiny_config().model
   row = 2 * cfg.num_kv_heads * cfg.head_dim * 4
-  # The 40-token prompt's chunks 1 and 2 got rows [0, 16) and [0, 32), the 23-token one's chunk 1 rows [0, 16).
-  assert _prefill_h2d(res) == cfg.num_layers * row * (16 + 32 + 16)
+  assert _prefill_h2d(res) == cfg.num_layers * row * rows
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5])

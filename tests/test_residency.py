@@ -57,29 +57,32 @@ def test_device_budget_from_free_memory_or_the_override():
 
 def test_workspace_counts_a_prefill_calls_largest_temporary():
   """The 8B geometry's two cells that ran out of device memory on the H200 (docs/design.md): 32 sequences x 32k,
-  whose prefill MLP rows (5.75 GiB) outgrow a layer's window, and 1M tokens at batch 1, whose window does."""
+  whose prefill MLP rows (5.75 GiB) outgrow a layer's window, and 1M tokens at batch 1, whose window does; beside
+  them the hidden states of the chunks a prefill computes layer by layer (model.prefill_span: 1 GiB)."""
   cfg = config_lib.from_config_dict(llama3_8b.get_config()).model
   gib, scores = 2**30, residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
   layer = 4 * gib  # 32 x 32k rows, or 1M rows of one sequence, of bf16 K and V.
-  ws = residency.workspace_bytes
-  assert ws(cfg, "model", 32, 2**15, 2048, 1, 1, False) == 2 * layer + 5.75 * gib + layer + scores
-  assert ws(cfg, "model", 1, 2**20, 2048, 1, 1, False) == 2 * layer + layer + layer + scores
+  ws, hidden = residency.workspace_bytes, gib
+  assert model.prefill_span(cfg, 32, 2048) * 32 * 2048 * cfg.d_model * 2 == hidden
+  assert model.prefill_span(cfg, 1, 2048) * 2048 * cfg.d_model * 2 == hidden
+  assert ws(cfg, "model", 32, 2**15, 2048, 1, 1, False) == 2 * layer + 5.75 * gib + hidden + layer + scores
+  assert ws(cfg, "model", 1, 2**20, 2048, 1, 1, False) == 2 * layer + layer + hidden + layer + scores
   assert ws(cfg, "model", 1, 2**20, 0, 1, 1, False) == 2 * layer + layer + scores  # No prefill.
   # Windows grown from their chunks (jaxkv.chunked): one window grows at a time.
-  assert ws(cfg, "model", 1, 2**20, 2048, 1, 1, True) == layer + layer + layer + scores
+  assert ws(cfg, "model", 1, 2**20, 2048, 1, 1, True) == layer + layer + hidden + layer + scores
   # int8 rows: the attention's copy holds the window's values in bf16, about twice its stored bytes.
   stored = cache_lib.row_bytes(cfg, "int8", 1) * 2**20
   assert stored < 0.6 * layer
-  assert ws(cfg, "int8", 1, 2**20, 2048, 1, 1, False) == 2 * stored + layer + stored + scores
+  assert ws(cfg, "int8", 1, 2**20, 2048, 1, 1, False) == 2 * stored + layer + hidden + stored + scores
   # Over 4 devices each holds a quarter of the heads and of the MLP's columns; groups of 2 layers.
   mlp = 32 * 2048 * (cfg.d_model + 3 * cfg.mlp_dim // 4) * 2
-  assert ws(cfg, "model", 32, 2**15, 2048, 2, 4, False) == 4 * gib + mlp + gib + scores
+  assert ws(cfg, "model", 32, 2**15, 2048, 2, 4, False) == 4 * gib + mlp + hidden + gib + scores
 
 
 def test_the_1m_plan_keeps_a_layer_more_resident_with_windows_grown_from_their_chunks():
   """The 8B at 1M (bf16, auto, one sequence) on a 139 GiB device with JAX's pool at 0.95, less the weights
-  (tools/plan_residency.py): windows grown from their chunks leave a workspace of one window for growth, 15 GiB where
-  two windows made it 19, and a layer more resident."""
+  (tools/plan_residency.py): windows grown from their chunks leave a workspace of one window for growth, 16 GiB where
+  two windows made it 20, and a layer more resident."""
   c = config_lib.from_config_dict(llama3_8b.get_config())
   kv = dataclasses.replace(c.kv, placement="auto")
   gib, rows = 2**30, cache_lib.rows_bound(2**20, c.kv.block)
@@ -88,11 +91,11 @@ def test_the_1m_plan_keeps_a_layer_more_resident_with_windows_grown_from_their_c
   groups = residency.decode_groups((0,) * c.model.num_layers, 1)
   after = residency.auto_plan(c.model, kv, 1, 2**20, c.engine.prefill_chunk, groups, 1, free)
   scores = residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
-  assert after.workspace_bytes == 3 * layer + scores and after.ring_bytes == 4 * (2**17 + 256) * layer // rows
+  assert after.workspace_bytes == 3 * layer + 2**30 + scores and after.ring_bytes == 4 * (2**17 + 256) * layer // rows
   before = after.workspace_bytes + layer  # Two windows for growth.
   budget, _ = residency.device_budget(free, None, after.ring_bytes, before, c.kv.headroom_mib)
   assert residency.plan(groups, layer, budget, "free device memory").resident_layers == 23
-  assert after.resident_layers == 24 and round(after.workspace_bytes / gib) == 15
+  assert after.resident_layers == 24 and round(after.workspace_bytes / gib) == 16
 
 
 def _auto(tensor, depth, layers):
