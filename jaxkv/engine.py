@@ -399,8 +399,8 @@ class Engine:
             issued += cache.store(l, window)
       if hidden is not None:
         hidden.extend(xs)
-      if not last:
-        gen.add_counters("prefill", issued, cs[-1] * chunk + widths[-1])
+      for i, c in enumerate(cs[:-1] if last else cs):  # Each chunk counted (the last one by the consumer).
+        gen.add_counters("prefill", issued if i == 0 else Issued(), c * chunk + widths[i])
     x = xs[-1]
     return self.fns.last_row(x, distributed.put_host(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
 

@@ -32,6 +32,8 @@ def test_the_pinned_pool_is_capped_at_what_the_plan_streams_on_the_devices_found
   env = {startup.MEM_FRACTION_ENV: "0.9"}
   assert startup.startup_env(cfg, [auto], None, env) == {memory.POOL_ENV: "134"}
   assert env[startup.MEM_FRACTION_ENV] == "0.9"
+  budget = startup.CacheNeed(config_lib.KVConfig(placement="auto", device_budget_gib=100.0), 1, 2**20)
+  assert budget.streamed_layers(cfg, H100, 0.95) == 32 - 24 + 1  # 100 GiB hold 24 windows; the device is not asked.
   device = startup.CacheNeed(config_lib.KVConfig(), 1, 2**20)
   small = startup.CacheNeed(config_lib.KVConfig(placement="host"), 1, 2**15)
   assert startup.startup_env(cfg, [device, small], H100, {}) == {}  # Nothing streamed; a pool under the default.

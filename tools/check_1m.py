@@ -153,7 +153,10 @@ def main(argv):
   # No ceilings: each fills a whole host cache (1M int8: 73 GiB pinned), which the host may not hold beside the run.
   common = [f"--new_tokens={NEW_TOKENS.value}", f"--rounds={ROUNDS.value}", "--noceilings"]
   runs = {
-      "prefill": ([f"--contexts={CONTEXT.value}", "--arms=auto_d2", "--new_tokens=2", "--rounds=1"], ("auto_d2",)),
+      "prefill": (
+          [f"--contexts={CONTEXT.value}", "--arms=auto_d2", "--new_tokens=2", "--rounds=1", "--noceilings"],
+          ("auto_d2",),
+      ),
       "1m": (
           [f"--contexts={CONTEXT.value}", f"--arms={','.join(_LONG_ARMS)}", "--synthetic_context", *common],
           _LONG_ARMS,

@@ -1,6 +1,6 @@
-"""What JAX reads only when its backend starts, sized by jaxkv before that: JAX's memory fraction and the pinned host
-pool's cap, from the residency plans of the caches an app may make (jaxkv.apps.cli.setup_platform calls
-`startup_env`).
+"""What JAX reads only when its backend starts, set by jaxkv before that: JAX's memory fraction and allocator for
+placement auto, and the pinned host pool's cap from the residency plans of the caches an app may make
+(jaxkv.apps.cli.setup_platform calls `startup_env`).
 
 The pinned pool is a BFC allocator that grows by regions of doubling size up to its cap: a cap far above what the
 caches take lets one region pin most of the host's RAM (an 80 GiB device, 1M tokens of the 8B: 88 GiB streamed,
@@ -25,9 +25,9 @@ from jaxkv.kv_quant import KVFormat
 
 MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 ALLOCATOR_ENV = "XLA_PYTHON_CLIENT_ALLOCATOR"
-# JAX's device allocator with placement auto on NVIDIA GPUs: CUDA's stream-ordered pool maps its pages where a large
-# array needs them, where the default (a BFC allocator in one preallocated region) fails a 4 GiB window with more
-# than that free in pieces (an H100 at 1M: 9 GiB free at the plan, the warm-up out of memory; cuda_async ran it).
+# JAX's device allocator with placement auto on NVIDIA GPUs: CUDA's stream-ordered pool, which maps its pages where a
+# large array needs them. With XLA's default (a BFC allocator carving one preallocated region) the 8B's 1M cache ran
+# out of device memory in its warm-up on an H100 and an H200, asking a 4 GiB window; with cuda_async it ran (H100).
 AUTO_ALLOCATOR = "cuda_async"
 # JAX's pool with placement auto: the planner keeps resident the layers that fit in what is free in it; the rest of
 # the device (7 GiB of an H200) is left to what allocates outside it (cuBLAS, cuDNN and the CUDA context).
@@ -53,20 +53,20 @@ class CacheNeed:
   def streamed_layers(self, model: ModelConfig, devices: list[int] | None, fraction: float) -> int:
     """The layers the cache streams on devices of these memory sizes (bytes; None: unknown, every layer for a
     placement that streams): placement auto's plan with JAX's pool (`fraction` of each device) less the weights,
-    less EARLY_PLAN_MARGIN_BYTES, and one layer more; the larger of the plans with and without host attention
-    (which, when it does not pay, is turned off at the cache)."""
+    less EARLY_PLAN_MARGIN_BYTES (or kv.device_budget_gib where given), and one layer more; the larger of the plans
+    with and without host attention (which, when it does not pay, is turned off at the cache)."""
     if self.kv.placement == "device":
       return 0
     if self.kv.placement == "host" or devices is None:
       return model.num_layers
     weights = model.num_params() * jnp.dtype(model.dtype).itemsize
     free = int(fraction * min(devices) * len(devices)) - weights - EARLY_PLAN_MARGIN_BYTES
+    free = None if self.kv.device_budget_gib is not None else max(free, 0)  # The budget given is the plan's.
     streamed = 0
     for kv in {self.kv, dataclasses.replace(self.kv, host_attention=False)}:
-      layer = cache_lib.row_bytes(model, kv.dtype, self.batch) * cache_lib.rows_bound(self.capacity, kv.block)
-      group = residency.group_layers(kv.group_layers, kv.host_attention, layer)
+      group = residency.group_layers(kv.group_layers, kv.host_attention, self.layer_bytes(model))
       groups = residency.decode_groups((0,) * model.num_layers, group)
-      plan = residency.auto_plan(model, kv, self.batch, self.capacity, self.prefill_chunk, groups, 1, max(free, 0))
+      plan = residency.auto_plan(model, kv, self.batch, self.capacity, self.prefill_chunk, groups, 1, free)
       streamed = max(streamed, len(plan.streamed) - plan.resident_layers)
     return min(streamed + 1 if streamed else 0, model.num_layers)
 
@@ -106,9 +106,9 @@ def device_memory_bytes() -> list[int] | None:
 def startup_env(model: ModelConfig, needs: list[CacheNeed], devices: list[int] | None, environ=None) -> dict[str, str]:
   """Sets in `environ` (default os.environ), before the backend starts, what the user has not set: with a placement
   auto among `needs`, JAX's memory fraction (MEM_FRACTION_ENV = AUTO_MEM_FRACTION) and, on NVIDIA GPUs (devices
-  known), its allocator (ALLOCATOR_ENV = AUTO_ALLOCATOR); where a cache streams, the
-  pinned pool's cap (memory.POOL_ENV) to the largest such cache's streamed layers (CacheNeed.streamed_layers on
-  `devices`: their memory sizes in bytes, device_memory_bytes(); None: unknown) plus one in flight, in GiB rounded up, plus one,
+  known), its allocator (ALLOCATOR_ENV = AUTO_ALLOCATOR); where a cache streams, the pinned pool's cap
+  (memory.POOL_ENV) to the largest such cache's streamed layers (CacheNeed.streamed_layers on `devices`: their
+  memory sizes in bytes, device_memory_bytes(); None: unknown) plus one in flight, in GiB rounded up, plus one,
   where that is over the default cap. Returns what it set. ValueError (one line) where the host's available RAM
   cannot hold a cache's streamed layers (planned on known devices, or all of placement host); the cache's own check
   (jaxkv.residency.place) counts the layers its plan streams."""
@@ -125,11 +125,11 @@ def startup_env(model: ModelConfig, needs: list[CacheNeed], devices: list[int] |
     layers = need.streamed_layers(model, devices, fraction)
     if not layers:
       continue
-    needed = max(needed, need.layer_bytes(model) * (layers + 1))
+    pinned = need.layer_bytes(model) * (layers + 1)
+    needed = max(needed, pinned)
     if need.kv.placement == "host" or devices is not None:  # Else the cache's own check, with the plan it makes.
       fmt, rows = KVFormat.of(model, need.kv.dtype), cache_lib.rows_bound(need.capacity, need.kv.block)
-      ram = memory.available_host_bytes()
-      memory.check_host_memory(need.layer_bytes(model) * (layers + 1), layers, model, fmt, need.batch, rows, ram, None)
+      memory.check_host_memory(pinned, layers, model, fmt, need.batch, rows, memory.available_host_bytes(), None)
   gib = needed / 2**30
   if gib > memory.DEFAULT_GPU_POOL_GB and memory.POOL_ENV not in environ:
     out[memory.POOL_ENV] = environ[memory.POOL_ENV] = str(math.ceil(gib) + 1)
