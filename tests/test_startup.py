@@ -14,7 +14,7 @@ H100, H200 = [81559 * 2**20], [143771 * 2**20]  # Their memory as NVML reports i
 
 
 def test_the_pinned_pool_is_capped_at_what_the_plan_streams_on_the_devices_found(monkeypatch):
-  """The memory fraction and CUDA's stream-ordered allocator for auto, and the pinned pool's cap to the layers that the 8B's 1M bf16 cache streams on
+  """The memory fraction for auto, CUDA's stream-ordered allocator where it streams, and the pinned pool's cap to the layers that the 8B's 1M bf16 cache streams on
   the device found (its plan, a layer more), not the whole cache: on an 80 GiB H100 23 of 32 layers and one in
   flight (96 GiB), under a 128 GiB host's RAM; on an H200 under the 64 GiB default (no cap set). Unknown devices:
   the whole cache (134 GiB). What the user set is kept."""
@@ -34,6 +34,8 @@ def test_the_pinned_pool_is_capped_at_what_the_plan_streams_on_the_devices_found
   assert env[startup.MEM_FRACTION_ENV] == "0.9"
   budget = startup.CacheNeed(config_lib.KVConfig(placement="auto", device_budget_gib=100.0), 1, 2**20)
   assert budget.streamed_layers(cfg, H100, 0.95) == 32 - 24 + 1  # 100 GiB hold 24 windows; the device is not asked.
+  fits = startup.CacheNeed(config_lib.KVConfig(placement="auto"), 1, 2**17, c.engine.prefill_chunk)  # 128k: 16 GiB.
+  assert startup.startup_env(cfg, [fits], H200, {}) == {startup.MEM_FRACTION_ENV: "0.95"}  # XLA's allocator kept.
   device = startup.CacheNeed(config_lib.KVConfig(), 1, 2**20)
   small = startup.CacheNeed(config_lib.KVConfig(placement="host"), 1, 2**15)
   assert startup.startup_env(cfg, [device, small], H100, {}) == {}  # Nothing streamed; a pool under the default.

@@ -25,8 +25,8 @@ from jaxkv.kv_quant import KVFormat
 
 MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 ALLOCATOR_ENV = "XLA_PYTHON_CLIENT_ALLOCATOR"
-# JAX's device allocator with placement auto on NVIDIA GPUs: CUDA's stream-ordered pool, which maps its pages where a
-# large array needs them. With XLA's default (a BFC allocator carving one preallocated region) the 8B's 1M cache ran
+# JAX's device allocator where placement auto streams on NVIDIA GPUs: CUDA's stream-ordered pool, which maps its
+# pages where a large array needs them. With XLA's default (a BFC allocator carving one preallocated region) the 8B's 1M cache ran
 # out of device memory in its warm-up on an H100 and an H200, asking a 4 GiB window; with cuda_async it ran (H100).
 AUTO_ALLOCATOR = "cuda_async"
 # JAX's pool with placement auto: the planner keeps resident the layers that fit in what is free in it; the rest of
@@ -105,8 +105,9 @@ def device_memory_bytes() -> list[int] | None:
 
 def startup_env(model: ModelConfig, needs: list[CacheNeed], devices: list[int] | None, environ=None) -> dict[str, str]:
   """Sets in `environ` (default os.environ), before the backend starts, what the user has not set: with a placement
-  auto among `needs`, JAX's memory fraction (MEM_FRACTION_ENV = AUTO_MEM_FRACTION) and, on NVIDIA GPUs (devices
-  known), its allocator (ALLOCATOR_ENV = AUTO_ALLOCATOR); where a cache streams, the pinned pool's cap
+  auto among `needs`, JAX's memory fraction (MEM_FRACTION_ENV = AUTO_MEM_FRACTION) and, where such a cache's plan
+  on NVIDIA GPUs (devices known) streams, its allocator (ALLOCATOR_ENV = AUTO_ALLOCATOR: the device is full of
+  windows); where a cache streams, the pinned pool's cap
   (memory.POOL_ENV) to the largest such cache's streamed layers (CacheNeed.streamed_layers on `devices`: their
   memory sizes in bytes, device_memory_bytes(); None: unknown) plus one in flight, in GiB rounded up, plus one,
   where that is over the default cap. Returns what it set. ValueError (one line) where the host's available RAM
@@ -117,14 +118,14 @@ def startup_env(model: ModelConfig, needs: list[CacheNeed], devices: list[int] |
   auto = any(n.kv.placement == "auto" for n in needs)
   if auto and MEM_FRACTION_ENV not in environ:
     out[MEM_FRACTION_ENV] = environ[MEM_FRACTION_ENV] = str(AUTO_MEM_FRACTION)
-  if auto and devices is not None and ALLOCATOR_ENV not in environ:
-    out[ALLOCATOR_ENV] = environ[ALLOCATOR_ENV] = AUTO_ALLOCATOR
   fraction = float(environ.get(MEM_FRACTION_ENV, AUTO_MEM_FRACTION))
   needed = 0
   for need in needs:
     layers = need.streamed_layers(model, devices, fraction)
     if not layers:
       continue
+    if need.kv.placement == "auto" and devices is not None and ALLOCATOR_ENV not in environ:
+      out[ALLOCATOR_ENV] = environ[ALLOCATOR_ENV] = AUTO_ALLOCATOR
     pinned = need.layer_bytes(model) * (layers + 1)
     needed = max(needed, pinned)
     if need.kv.placement == "host" or devices is not None:  # Else the cache's own check, with the plan it makes.
