@@ -13,6 +13,8 @@ import pytest
 from absl import flags
 
 from experiments import tiny
+from jaxkv import chunked
+from jaxkv import decode_attention
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv import run as run_lib
@@ -331,6 +333,64 @@ def test_auto_prediction_without_a_device_arm_is_the_links_term():
   assert auto["streamed_bytes_per_step_per_device"] == streamed and auto["predicted_compute_ms"] is None
   assert auto["predicted_ms_per_step"] == pytest.approx(1e3 * streamed / 50e9)
   assert auto["overlap_ratio"] == pytest.approx(1000.0 / auto["predicted_ms_per_step"])
+
+
+def test_a_chunked_auto_arm_is_predicted_at_the_chunked_link_rate(monkeypatch):
+  """An auto arm that streams its windows in chunks gets its prediction's link term from the chunked deliveries'
+  rate, measured once per KV dtype and chunk size; arms that stream nothing or whole windows are not measured."""
+  gib = 2**30
+  calls = []
+
+  def h2d_chunked(model, kv_dtype, mesh, batch, rows, chunk_rows, reps):
+    del model, mesh, batch, reps
+    calls.append((kv_dtype, rows, chunk_rows))
+    return dict(chunk_rows=chunk_rows, gbps_median=40.0)
+
+  monkeypatch.setattr(ceilings, "h2d_chunked", h2d_chunked)
+
+  def arm(streamed, c_rows):
+    plan = dict(resident_layers=32 - streamed, streamed_layers=streamed)
+    sample = dict(ms_per_step=1000.0, tok_s=1.0, prefill_s=2.0, tokens_sha256="t")
+    return dict(
+        status="ok",
+        samples=[sample],
+        kv_dtype="model",
+        kv_bytes_per_step_in_sequence=128 * gib,
+        kv_bytes_per_step_per_device=128 * gib,
+        transport=dict(residency=plan, delivery_chunk_rows=c_rows),
+    )
+
+  cell = dict(
+      arms={"auto_d2": arm(8, 1024), "auto_d1": arm(8, 1024), "auto_d2_g2": arm(8, 0), "auto_d0": arm(0, 1024)},
+      batch=1,
+      kv_dtype="model",
+      kv_bytes_per_step_per_device=128 * gib,
+      kv_bytes_per_step_in_sequence=128 * gib,
+      ceilings=dict(skipped="host RAM"),
+      ceilings_kv_dtype={},
+  )
+  links = benchmark._chunked_links(None, None, 1, 4096, 1, cell["arms"])  # pylint: disable=protected-access
+  cell["h2d_chunked"] = links
+  assert calls == [("model", 4096, 1024)] and sorted(links) == ["auto_d1", "auto_d2"]
+  benchmark._summarize(cell, 50.0)  # pylint: disable=protected-access
+  by = cell["arms"]
+  assert by["auto_d2"]["predicted_link_gbps"] == by["auto_d1"]["predicted_link_gbps"] == 40.0
+  assert by["auto_d2"]["predicted_ms_per_step"] == pytest.approx(1e3 * 32 * gib / 40e9)
+  assert by["auto_d2_g2"]["predicted_link_gbps"] == 50.0  # Whole windows: the link's peak.
+  assert by["auto_d2_g2"]["predicted_ms_per_step"] == pytest.approx(1e3 * 32 * gib / 50e9)
+
+
+def test_h2d_chunked_delivers_a_window_in_the_transport_s_chunks():
+  """ceilings.h2d_chunked moves one layer's window (K over the tensor axis) in jaxkv.chunked's chunks and reports the
+  window's bytes per device."""
+  config = _config()
+  mesh = mesh_lib.make_mesh(config.mesh)
+  leaf = decode_attention.LEAF_ROWS
+  out = ceilings.h2d_chunked(config.model, "int8", mesh, 2, 5 * leaf, 2 * leaf, 2)
+  assert out["chunks"] == len(chunked.chunks(5 * leaf, 2 * leaf)) == 3 and out["chunk_rows"] == 2 * leaf
+  heads = config.model.num_kv_heads // 2
+  assert out["bytes_per_device"] == 2 * 2 * heads * 5 * leaf * PACKED_ROWS["int8"]
+  assert len(out["gbps"]) == 2 and out["gbps_median"] > 0
 
 
 def _layer_config(proportions: str):

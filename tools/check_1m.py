@@ -10,11 +10,12 @@ pool itself (jaxkv.host.startup.startup_env):
   prefill  (only when named in --parts) a real 1M-token prompt, arm auto_d2: prefill_s, device peak, host peak RSS.
 
 For each auto arm it prints the plan (resident / streamed layers, free memory, ring, workspace, delivery chunk rows)
-and the predicted ms a step (jaxkv.residency.predict_step_ms of the streamed bytes over the link's peak) beside the
-measured one, then a pass/fail table of the issue's targets last: bf16 auto within 10% of its prediction and at
-least 2x the earlier 1.05 tok/s; with host attention at least 1.25x auto; int8 all resident at about 105 ms (within
-10%); 32 x 32k within 10% of its prediction; no arm out of memory. Details (the summary and every bench output) go to
---json_out. One call stays under --budget_s (default 530 s); run `--parts=prefill` as a call of its own.
+and the predicted ms a step (jaxkv.residency.predict_step_ms of the streamed bytes over the link's rate for the
+deliveries the arm makes: jaxkv.bench's chunked-delivery rate where it chunks) beside the measured one, then a
+pass/fail table of the issue's targets last: bf16 auto within 10% of its prediction and at least 2x the earlier
+1.05 tok/s; with host attention at least 1.25x auto; int8 all resident at about 105 ms (within 10%); 32 x 32k within
+10% of its prediction; no arm out of memory. Details (the summary and every bench output) go to --json_out. One call
+stays under --budget_s (default 530 s); run `--parts=prefill` as a call of its own.
 
   python3 tools/check_1m.py --json_out=$OUT/check_1m.json
   python3 tools/check_1m.py --parts=prefill --json_out=$OUT/check_1m_prefill.json
@@ -79,6 +80,7 @@ def _row(part: str, arm: str, rec: dict) -> dict:
       ms_per_step=ms,
       tok_s=(rec.get("tok_s") or {}).get("median"),
       predicted_ms_per_step=pred,
+      predicted_link_gbps=rec.get("predicted_link_gbps"),
       measured_over_predicted=ms / pred if ms and pred else None,
       resident_layers=plan.get("resident_layers"),
       streamed_layers=plan.get("streamed_layers"),
@@ -199,15 +201,16 @@ def main(argv):
           f"{_fmt(r.get('device_peak_gib'), '.1f')} GiB, host peak RSS {_fmt(r.get('host_peak_rss_gib'), '.1f')} GiB"
       )
   print(
-      "\n| part | arm | resident/streamed | free / ring / workspace GiB | chunk rows | predicted ms | ms/step | tok/s |"
+      "\n| part | arm | resident/streamed | free / ring / workspace GiB | chunk rows | link GB/s | predicted ms | ms/step "
+      "| tok/s |"
   )
-  print("|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     layers = "-" if r.get("resident_layers") is None else f"{r['resident_layers']}/{r['streamed_layers']}"
     mem = "/".join(_fmt(r.get(k), ".1f") for k in ("free_gib", "ring_gib", "workspace_gib"))
     print(
         f"| {r['part']} | {r['arm']} | {layers} | {mem} | {_fmt(r.get('delivery_chunk_rows'), 'd')} | "
-        f"{_fmt(r.get('predicted_ms_per_step'), '.1f')} | {_fmt(r.get('ms_per_step'), '.1f')} | "
+        f"{_fmt(r.get('predicted_link_gbps'), '.1f')} | {_fmt(r.get('predicted_ms_per_step'), '.1f')} | {_fmt(r.get('ms_per_step'), '.1f')} | "
         f"{_fmt(r.get('tok_s'), '.3f')} |"
     )
   print("\n| target | result | figures |")

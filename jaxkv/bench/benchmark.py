@@ -46,7 +46,7 @@ from jaxkv.bench import ceilings
 from jaxkv.bench import peer_hf
 from jaxkv.bench import report
 from jaxkv.bench.arms import DEVICE_ARM, ORDERED_ARM, PEER_ARM, arm_config, arm_kv_dtype, parse_arm
-from jaxkv.config import Config
+from jaxkv.config import Config, ModelConfig
 from jaxkv.engine import Engine
 
 _TRANSFER_ONLY_PASSES = 8
@@ -300,6 +300,7 @@ def _run_cell(
     kv = dataclasses.replace(cfg.kv, dtype="model") if name == PEER_ARM else arm_config(cfg, name).kv
     acfg = dataclasses.replace(cfg, kv=kv)
     rec.update(kv_dtype=kv.dtype, **_bytes_fields(acfg, layout, batch, rows))
+  cell["h2d_chunked"] = _chunked_links(cfg.model, mesh, batch, rows[0], spec.ceiling_reps, cell["arms"])
   _summarize(cell, peak_gbps)
   return cell
 
@@ -327,6 +328,29 @@ def _ceilings(cfg: Config, mesh, batch: int, rows: int, spec: BenchSpec, layout)
       raise
     out = dict(window_rows=rows, skipped=reason)
   gc.collect()
+  return out
+
+
+def _chunked_links(model: ModelConfig, mesh, batch: int, rows: int, reps: int, arms: dict) -> dict:
+  """Per auto arm that streams windows of `rows` rows in chunks: jaxkv.bench.ceilings.h2d_chunked at its KV dtype
+  and chunk rows (each pair measured once), or why it was skipped."""
+  out, seen = {}, {}
+  for name, rec in arms.items():
+    transport = rec.get("transport") or {}
+    c_rows, plan = transport.get("delivery_chunk_rows"), transport.get("residency")
+    if rec["status"] != "ok" or not c_rows or not (plan and plan["streamed_layers"]) or rows <= c_rows:
+      continue
+    key = (rec["kv_dtype"], c_rows)
+    if key not in seen:
+      try:
+        seen[key] = ceilings.h2d_chunked(model, rec["kv_dtype"], mesh, batch, rows, c_rows, reps)
+      except Exception as e:  # pylint: disable=broad-except  (re-raised unless it means "does not fit")
+        reason = skip_reason(e)
+        if reason is None:
+          raise
+        seen[key] = dict(skipped=reason)
+      gc.collect()
+    out[name] = seen[key]
   return out
 
 
@@ -389,12 +413,15 @@ def _summarize(cell: dict, peak_gbps: float) -> None:
     rec["x_link_bound"] = tok_s / bound if tok_s and bound and not is_device else None
     plan = rec.get("transport", {}).get("residency")
     if plan and (compute_ms or plan["streamed_layers"]):  # Residency planner: the streamed share of the KV against
-      # the model; without a device arm to time the compute (it did not run, or does not fit) the link's term alone.
+      # the model; without a device arm to time the compute (it did not run, or does not fit) the link's term alone,
+      # at the rate of the deliveries it makes (chunks, where it chunks).
       share = plan["streamed_layers"] / (plan["streamed_layers"] + plan["resident_layers"])
+      link = (cell.get("h2d_chunked", {}).get(name) or {}).get("gbps_median") or peak_gbps
       rec["streamed_bytes_per_step_per_device"] = share * rec["kv_bytes_per_step_per_device"]
       rec["predicted_compute_ms"] = compute_ms
+      rec["predicted_link_gbps"] = link
       rec["predicted_ms_per_step"] = residency.predict_step_ms(
-          rec["streamed_bytes_per_step_per_device"], peak_gbps, compute_ms or 0.0
+          rec["streamed_bytes_per_step_per_device"], link, compute_ms or 0.0
       )
       if ms:
         rec["overlap_ratio"] = ms / rec["predicted_ms_per_step"]

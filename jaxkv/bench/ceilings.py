@@ -15,12 +15,15 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jaxkv import cache as cache_lib
+from jaxkv import chunked
 from jaxkv import distributed
 from jaxkv import layout as layout_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import residency
 from jaxkv.cache import KVCache
-from jaxkv.config import Config
+from jaxkv.config import Config, ModelConfig
+from jaxkv.kv_quant import KVFormat
 from jaxkv.transport import Transport
 
 TRANSFER_ONLY_DEPTH = 2
@@ -59,6 +62,33 @@ def h2d_peak(mesh: jax.sharding.Mesh, bytes_per_device: int, reps: int) -> dict:
   seconds = [_put_seconds(host, dev) for _ in range(reps)]
   host.delete()
   return _gbps_summary(bytes_per_device, seconds)
+
+
+def h2d_chunked(
+    model: ModelConfig, kv_dtype: str, mesh: jax.sharding.Mesh, batch: int, rows: int, chunk_rows: int, reps: int
+) -> dict:
+  """GB/s of one streamed layer's window of `rows` rows (kv_dtype's stored rows, K split over `tensor`) delivered
+  as decode delivers it: in chunks of chunk_rows (jaxkv.chunked.chunks, each a jaxkv.cache.rows_to_device call),
+  issued back to back and waited for at the end; the window's bytes per device over that time (the chunks' leaf
+  overlaps included). One untimed delivery, then `reps`."""
+  fmt = KVFormat.of(model, kv_dtype)
+  dev = mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "device")
+  src = _ones((2, batch, model.num_kv_heads, rows, fmt.width), fmt.storage_dtype, dev)
+  window = distributed.move(src, mesh_lib.sharding(mesh, mesh_lib.CACHE_AXES, "pinned_host"))
+  jax.block_until_ready(window)
+  src.delete()
+  pieces = chunked.chunks(rows, chunk_rows)
+
+  def seconds() -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready([cache_lib.rows_to_device(window, c.first_row, c.rows, dev) for c in pieces])
+    return time.perf_counter() - t0
+
+  seconds()
+  timed = [seconds() for _ in range(reps)]
+  window.delete()
+  per_device = rows * cache_lib.row_bytes(model, kv_dtype, batch, mesh_lib.tensor_size(mesh))
+  return dict(chunk_rows=chunk_rows, chunks=len(pieces), **_gbps_summary(per_device, timed))
 
 
 def host_cache_filled(config: Config, mesh: jax.sharding.Mesh, batch: int, rows: int, layout=None) -> KVCache:
