@@ -20,8 +20,8 @@ stays under --budget_s (default 530 s); run `--parts=prefill` as a call of its o
   python3 tools/check_1m.py --json_out=$OUT/check_1m.json
   python3 tools/check_1m.py --parts=prefill --json_out=$OUT/check_1m_prefill.json
 
-A smoke run on CPU: --config=experiments/tiny.py --bench_args=--cpu_devices=1 --context=2048 --many_context=256
---many_batch=4 --int8_ms=0.
+A smoke run on CPU (int8 needs head_dim 32): --config=experiments/tiny.py "--bench_args=--cpu_devices=1
+--config.model.head_dim=32" --context=2048 --many_context=256 --many_batch=4 --int8_ms=0.
 """
 
 from __future__ import annotations
@@ -174,7 +174,8 @@ def main(argv):
   for i, part in enumerate(order):
     left = t_end - time.perf_counter()
     args, arms = runs[part]
-    out = _bench(args, max(left / (len(order) - i) if part != "1m" else left * 0.7, 30))
+    share = 0.7 if part == "1m" and i < len(order) - 1 else 1 / (len(order) - i)  # 1m: three arms.
+    out = _bench(args, max(left * share, 30))
     summary["runs"][part] = out
     part_rows = _rows(part, out, arms)
     if part == "prefill":
