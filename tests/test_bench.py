@@ -306,30 +306,41 @@ def test_arm_that_does_not_fit_is_skipped(monkeypatch):
   assert arms.PEER_ARM not in cell["arms"]
 
 
-def test_auto_prediction_without_a_device_arm_is_the_links_term():
-  """An auto arm alone in its cell (the device arm does not fit: 1M tokens of bf16 KV on one H200) is predicted
-  from its streamed bytes over the link alone, and says that no compute time entered."""
-  gib = 2**30
+_GIB = 2**30
+
+
+def _auto_arm(resident: int, streamed: int, c_rows: int = 0) -> dict:
+  """A finished auto arm of 1M tokens of the 8B (128 GiB of KV) at 1 s a step, `streamed` layers streamed."""
   sample = dict(ms_per_step=1000.0, tok_s=1.0, prefill_s=2.0, tokens_sha256="t")
-  auto = dict(
+  return dict(
       status="ok",
       samples=[sample],
       kv_dtype="model",
-      kv_bytes_per_step_in_sequence=128 * gib,
-      kv_bytes_per_step_per_device=128 * gib,
-      transport=dict(residency=dict(resident_layers=20, streamed_layers=12)),
+      kv_bytes_per_step_in_sequence=128 * _GIB,
+      kv_bytes_per_step_per_device=128 * _GIB,
+      transport=dict(residency=dict(resident_layers=resident, streamed_layers=streamed), delivery_chunk_rows=c_rows),
   )
-  cell = dict(
-      arms={"auto_d2": auto},
+
+
+def _auto_cell(**arms_by_name) -> dict:
+  """A cell of those arms alone (no device arm, no ceilings)."""
+  return dict(
+      arms=arms_by_name,
       batch=1,
       kv_dtype="model",
-      kv_bytes_per_step_per_device=128 * gib,
-      kv_bytes_per_step_in_sequence=128 * gib,
+      kv_bytes_per_step_per_device=128 * _GIB,
+      kv_bytes_per_step_in_sequence=128 * _GIB,
       ceilings=dict(skipped="host RAM"),
       ceilings_kv_dtype={},
   )
-  benchmark._summarize(cell, 50.0)  # pylint: disable=protected-access
-  streamed = 48 * gib
+
+
+def test_auto_prediction_without_a_device_arm_is_the_links_term():
+  """An auto arm alone in its cell (the device arm does not fit: 1M tokens of bf16 KV on one H200) is predicted
+  from its streamed bytes over the link alone, and says that no compute time entered."""
+  auto = _auto_arm(20, 12)
+  benchmark._summarize(_auto_cell(auto_d2=auto), 50.0)  # pylint: disable=protected-access
+  streamed = 48 * _GIB
   assert auto["streamed_bytes_per_step_per_device"] == streamed and auto["predicted_compute_ms"] is None
   assert auto["predicted_ms_per_step"] == pytest.approx(1e3 * streamed / 50e9)
   assert auto["overlap_ratio"] == pytest.approx(1000.0 / auto["predicted_ms_per_step"])
@@ -338,7 +349,6 @@ def test_auto_prediction_without_a_device_arm_is_the_links_term():
 def test_a_chunked_auto_arm_is_predicted_at_the_chunked_link_rate(monkeypatch):
   """An auto arm that streams its windows in chunks gets its prediction's link term from the chunked deliveries'
   rate, measured once per KV dtype and chunk size; arms that stream nothing or whole windows are not measured."""
-  gib = 2**30
   calls = []
 
   def h2d_chunked(model, kv_dtype, mesh, batch, rows, chunk_rows, reps):
@@ -347,27 +357,11 @@ def test_a_chunked_auto_arm_is_predicted_at_the_chunked_link_rate(monkeypatch):
     return dict(chunk_rows=chunk_rows, gbps_median=40.0)
 
   monkeypatch.setattr(ceilings, "h2d_chunked", h2d_chunked)
-
-  def arm(streamed, c_rows):
-    plan = dict(resident_layers=32 - streamed, streamed_layers=streamed)
-    sample = dict(ms_per_step=1000.0, tok_s=1.0, prefill_s=2.0, tokens_sha256="t")
-    return dict(
-        status="ok",
-        samples=[sample],
-        kv_dtype="model",
-        kv_bytes_per_step_in_sequence=128 * gib,
-        kv_bytes_per_step_per_device=128 * gib,
-        transport=dict(residency=plan, delivery_chunk_rows=c_rows),
-    )
-
-  cell = dict(
-      arms={"auto_d2": arm(8, 1024), "auto_d1": arm(8, 1024), "auto_d2_g2": arm(8, 0), "auto_d0": arm(0, 1024)},
-      batch=1,
-      kv_dtype="model",
-      kv_bytes_per_step_per_device=128 * gib,
-      kv_bytes_per_step_in_sequence=128 * gib,
-      ceilings=dict(skipped="host RAM"),
-      ceilings_kv_dtype={},
+  cell = _auto_cell(
+      auto_d2=_auto_arm(24, 8, 1024),
+      auto_d1=_auto_arm(24, 8, 1024),
+      auto_d2_g2=_auto_arm(24, 8),
+      auto_d0=_auto_arm(32, 0, 1024),
   )
   links = benchmark._chunked_links(None, None, 1, 4096, 1, cell["arms"])  # pylint: disable=protected-access
   cell["h2d_chunked"] = links
@@ -375,9 +369,9 @@ def test_a_chunked_auto_arm_is_predicted_at_the_chunked_link_rate(monkeypatch):
   benchmark._summarize(cell, 50.0)  # pylint: disable=protected-access
   by = cell["arms"]
   assert by["auto_d2"]["predicted_link_gbps"] == by["auto_d1"]["predicted_link_gbps"] == 40.0
-  assert by["auto_d2"]["predicted_ms_per_step"] == pytest.approx(1e3 * 32 * gib / 40e9)
+  assert by["auto_d2"]["predicted_ms_per_step"] == pytest.approx(1e3 * 32 * _GIB / 40e9)
   assert by["auto_d2_g2"]["predicted_link_gbps"] == 50.0  # Whole windows: the link's peak.
-  assert by["auto_d2_g2"]["predicted_ms_per_step"] == pytest.approx(1e3 * 32 * gib / 50e9)
+  assert by["auto_d2_g2"]["predicted_ms_per_step"] == pytest.approx(1e3 * 32 * _GIB / 50e9)
 
 
 def test_h2d_chunked_delivers_a_window_in_the_transport_s_chunks():
