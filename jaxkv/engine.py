@@ -164,6 +164,22 @@ def last_chunk_rows(rows: int, block: int, chunk: int) -> int:
   return min(blocks * block, chunk)
 
 
+PREFILL_BUCKETS = 8  # A prefill window's sizes per doubling of its chunks (prefill_window_rows).
+
+
+def prefill_window_rows(rows: int, chunk: int, capacity: int, block: int) -> int:
+  """A, the rows a prefill chunk's window of `rows` rows (whole chunks) is computed at, padded at its start: the
+  fewest chunks m * 2^s, m in [PREFILL_BUCKETS, 2 PREFILL_BUCKETS), that hold it, at most the cache's largest
+  window (jaxkv.cache.rows_bound less the open page) and at least `rows`. Windows of up to 2 PREFILL_BUCKETS chunks are exact; a longer prompt's
+  chunks share O(PREFILL_BUCKETS log(chunks)) window shapes, each at most 1 / PREFILL_BUCKETS of padding (a 1M
+  prompt of 2,048-row chunks: 57 window shapes where exact windows were 512)."""
+  n, shift = rows // chunk, 0
+  while -(-n >> shift) >= 2 * PREFILL_BUCKETS:
+    shift += 1
+  limit = cache_lib.rows_bound(capacity, block) - block
+  return max(min((-(-n >> shift) << shift) * chunk, limit), rows)
+
+
 def prefill_rows(length: int, block: int, chunk: int) -> int:
   """R, the rows a prefill of a prompt of `length` tokens computes: its whole chunks, then its last chunk's
   (last_chunk_rows)."""
@@ -368,6 +384,9 @@ class Engine:
     gen.prefill_summary = dict(plan, attention=self.stage_fns[0].prefill_attention)
     kept: list = [None] * len(layers)  # With plan["keep"]: each layer's window so far, on the devices.
     span = model_lib.prefill_span(self.config.model, tokens.shape[0], chunk)
+    # Chunk c's window of c * chunk rows is computed at a_rows[c] rows padded at its start: its rows' left padding
+    # moves by the padding (the meta's start), so the values attended and their order are the exact window's.
+    a_rows = [prefill_window_rows(c * chunk, chunk, self.config.engine.capacity, block) for c in range(n_chunks + 1)]
     for c0 in range(first, n_chunks, span):
       cs = range(c0, min(c0 + span, n_chunks))
       last = cs[-1] == n_chunks - 1
@@ -376,7 +395,7 @@ class Engine:
           self._first.embed(self.top, distributed.put_host(tokens[:, c * chunk : c * chunk + w], self._rep_first))
           for c, w in zip(cs, widths)
       ]
-      metas = [self.to_stages(self.meta(start, c * chunk)) for c in cs]
+      metas = [self.to_stages(self.meta(start + (a_rows[c] - c * chunk), c * chunk)) for c in cs]
       issued = Issued()
       # With plan["keep"] the later spans' windows are on the devices: nothing to deliver. Else with host attention
       # the tail is delivered: the head is moved back and prepended.
@@ -386,23 +405,30 @@ class Engine:
           fns = self.layer_fns(l)
           if prefix is not None and c0 == first:
             window = fns.join(prefix[l])
+          if window is not None and window.shape[3] != a_rows[c0]:  # Exact rows (delivered, joined): padded.
+            window = fns.pad(window, rows=a_rows[c0])
           for i, c in enumerate(cs):
-            gen.shapes.add(("prefill", 0 if window is None else window.shape[3], widths[i]))
+            gen.shapes.add(("prefill", a_rows[c], widths[i]))
             xs[i], rows = fns.prefill(layers[l], self.to_layer(xs[i], l), window, metas[i][stage_of[l]])
             if c == n_chunks - 1:
-              yield PrefilledLayer(l, window, rows)
+              yield PrefilledLayer(l, self._exact(fns, window, c * chunk), rows)
             else:
-              window = fns.grow(window, rows)
+              window = fns.grow(window, rows, to=a_rows[c + 1])
           if not last and plan["keep"]:
             kept[l] = window
           elif not last:
-            issued += cache.store(l, window)
+            issued += cache.store(l, self._exact(fns, window, (cs[-1] + 1) * chunk))
       if hidden is not None:
         hidden.extend(xs)
       for i, c in enumerate(cs[:-1] if last else cs):  # Each chunk counted (the last one by the consumer).
         gen.add_counters("prefill", issued if i == 0 else Issued(), c * chunk + widths[i])
     x = xs[-1]
     return self.fns.last_row(x, distributed.put_host(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
+
+  @staticmethod
+  def _exact(fns, window: jax.Array | None, rows: int) -> jax.Array | None:
+    """A prefill window padded at its start (prefill_window_rows) -> its `rows` rows."""
+    return window if window is None or window.shape[3] == rows else fns.tail(window, rows=rows)
 
   @staticmethod
   def _kept(kept: list) -> Iterator[tuple[int, jax.Array | None]]:

@@ -35,7 +35,9 @@ class Fns:
   prefill: object  # (p, x, window, meta) -> x, the chunk's rows.
   decode_group: object  # (ps, x, windows, opens, meta) -> x, opens.
   decode_group_full: object  # The same when the open pages fill (static grow_to): -> x, grown windows, zero pages.
-  grow: object
+  grow: object  # (window, rows, to=None) -> the window grown by rows (jaxkv.cache.grow; static `to`).
+  pad: object  # (window, rows=A) -> the window padded at its start to A rows (jaxkv.cache.pad_front).
+  tail: object  # (window, rows=R) -> its last R rows (a prefill window without its padding).
   join: object  # Blocks of rows on the devices, concatenated (a prompt's rows from the prefix cache).
   place: object  # A prompt's rows prefilled from row 0 moved to a slot's window and open page.
   block: object  # A block of rows, to pinned host memory (the prefix cache's).
@@ -153,7 +155,11 @@ def functions(
           out_shardings=(rep, kv, kv),
           donate_argnums=(3,),
       ),
-      grow=jax.jit(cache_lib.grow, out_shardings=kv),
+      grow=jax.jit(cache_lib.grow, static_argnames="to", out_shardings=kv),
+      pad=jax.jit(cache_lib.pad_front, static_argnames="rows", out_shardings=kv),
+      tail=jax.jit(
+          lambda window, rows: window[:, :, :, window.shape[3] - rows :], static_argnames="rows", out_shardings=kv
+      ),
       join=jax.jit(lambda blocks: jnp.concatenate(blocks, axis=3), out_shardings=kv),
       place=jax.jit(place, static_argnames=("a_rows", "block"), out_shardings=kv),
       block=jax.jit(block, static_argnames="size", out_shardings=kv_host),
