@@ -170,9 +170,9 @@ PREFILL_BUCKETS = 8  # A prefill window's sizes per doubling of its chunks (pref
 def prefill_window_rows(rows: int, chunk: int, capacity: int, block: int) -> int:
   """A, the rows a prefill chunk's window of `rows` rows (whole chunks) is computed at, padded at its start: the
   fewest chunks m * 2^s, m in [PREFILL_BUCKETS, 2 PREFILL_BUCKETS), that hold it, at most the cache's largest
-  window (jaxkv.cache.rows_bound less the open page) and at least `rows`. Windows of up to 2 PREFILL_BUCKETS chunks are exact; a longer prompt's
-  chunks share O(PREFILL_BUCKETS log(chunks)) window shapes, each at most 1 / PREFILL_BUCKETS of padding (a 1M
-  prompt of 2,048-row chunks: 57 window shapes where exact windows were 512)."""
+  window (jaxkv.cache.rows_bound less the open page) and at least `rows`. Windows of up to 2 PREFILL_BUCKETS chunks
+  are exact; a longer prompt's chunks share O(PREFILL_BUCKETS log(chunks)) window shapes, each at most
+  1 / PREFILL_BUCKETS of padding (a 1M prompt of 2,048-row chunks: 57 window shapes where exact windows were 512)."""
   n, shift = rows // chunk, 0
   while -(-n >> shift) >= 2 * PREFILL_BUCKETS:
     shift += 1
@@ -351,8 +351,9 @@ class Engine:
   ) -> Prefill:
     """Prefills right-aligned prompts into the generation's cache in chunks of engine.prefill_chunk rows, the last
     one a power of two of kv.block rows that holds the rest (last_chunk_rows: a prompt's chunks and their bits depend
-    on its length only, and lengths whose last chunks share a size share its programs); returns the prefill to iterate
-    over: the last chunk's layers (PrefilledLayer: rows [0, R), R = prefill_rows(longest)), which the consumer
+    on its length only, and lengths whose last chunks share a size share its programs), each chunk's window computed
+    at prefill_window_rows (padded at its start: O(log) window shapes, not one per chunk); returns the prefill to
+    iterate over: the last chunk's layers (PrefilledLayer: rows [0, R), R = prefill_rows(longest)), which the consumer
     places, then the last prompt row's hidden state (Prefill.x).
 
     tokens i32[B, n * chunk] (prompt b at rows [start[b], longest)); chunks before `first` are skipped: their
@@ -380,13 +381,14 @@ class Engine:
     layers, stage_of = self.params["layers"], self.layout.stage_of
     cache = gen.cache
     n_chunks = -(-longest // chunk)
-    plan = prefill_plan(cache, n_chunks - first, chunk, self.config.kv.headroom_mib)
-    gen.prefill_summary = dict(plan, attention=self.stage_fns[0].prefill_attention)
-    kept: list = [None] * len(layers)  # With plan["keep"]: each layer's window so far, on the devices.
-    span = model_lib.prefill_span(self.config.model, tokens.shape[0], chunk)
     # Chunk c's window of c * chunk rows is computed at a_rows[c] rows padded at its start: its rows' left padding
     # moves by the padding (the meta's start), so the values attended and their order are the exact window's.
     a_rows = [prefill_window_rows(c * chunk, chunk, self.config.engine.capacity, block) for c in range(n_chunks + 1)]
+    kept_rows = max(n_chunks * chunk, a_rows[n_chunks - 1])  # The largest window a layer holds.
+    plan = prefill_plan(cache, n_chunks - first, kept_rows, self.config.kv.headroom_mib)
+    gen.prefill_summary = dict(plan, attention=self.stage_fns[0].prefill_attention)
+    kept: list = [None] * len(layers)  # With plan["keep"]: each layer's window so far, on the devices.
+    span = model_lib.prefill_span(self.config.model, tokens.shape[0], chunk)
     for c0 in range(first, n_chunks, span):
       cs = range(c0, min(c0 + span, n_chunks))
       last = cs[-1] == n_chunks - 1
@@ -618,16 +620,16 @@ class Engine:
     return loop.recorder.all_done()
 
 
-def prefill_plan(cache: cache_lib.KVCache, chunks: int, chunk: int, headroom_mib: int) -> dict:
+def prefill_plan(cache: cache_lib.KVCache, chunks: int, rows: int, headroom_mib: int) -> dict:
   """Whether a prefill of `chunks` chunks keeps each streamed layer's window on the devices from one span of chunks
   to the next (Engine.prefill): when the fullest device has room, beside what it holds now and kv.headroom_mib, for
-  every streamed layer's rows [0, chunks * chunk) (what the last chunk's windows hold, with its grown one); always
-  where the backend reports no device memory (CPU). Otherwise each span gets its windows through the transport and
-  stores them grown, as decode does.
+  `rows` rows of every streamed layer (the largest window a layer holds: the prompt's rows with the last chunk's, or
+  a padded window, prefill_window_rows); always where the backend reports no device memory (CPU). Otherwise each
+  span gets its windows through the transport and stores them grown, as decode does.
 
   Returns keep (bool), bytes_per_device (the rows kept on the fullest device), free_bytes_per_device (None without
   memory stats) and reason."""
-  need = cache.streamed_bytes_per_device(chunks * chunk)
+  need = cache.streamed_bytes_per_device(rows)
   devices = {d for s in cache.device_shardings for d in s.mesh.devices.flat if d.process_index == jax.process_index()}
   free = residency.free_device_bytes(sorted(devices, key=lambda d: d.id)) if need else None
   plan = dict(keep=False, bytes_per_device=need, free_bytes_per_device=free)
