@@ -191,12 +191,14 @@ def prefill_rows(length: int, block: int, chunk: int) -> int:
 class PrefilledLayer:
   """A layer after the last prefill chunk, to be placed (jitted.Fns.place): its rows [0, R) as the prefill computed
   them (R = Prefill.rows), on the devices in two parts, never copied into one array (the place reads both): window
-  [2, B, K, W0, E] rows [0, W0) (None while W0 = 0) and the last chunk's rows [2, B, K, C, E] rows [W0, R). The rows
-  from the longest prompt's end on are the last chunk's padding, which decode masks until it writes them."""
+  [2, B, K, pad + W0, E] rows [0, W0) after `pad` rows of padding (prefill_window_rows; None while W0 = 0) and the
+  last chunk's rows [2, B, K, C, E] rows [W0, R). The rows from the longest prompt's end on are the last chunk's
+  padding, which decode masks until it writes them."""
 
   layer: int
   window: jax.Array | None
   chunk: jax.Array
+  pad: int = 0
 
 
 class Prefill:
@@ -407,30 +409,26 @@ class Engine:
           fns = self.layer_fns(l)
           if prefix is not None and c0 == first:
             window = fns.join(prefix[l])
-          if window is not None and window.shape[3] != a_rows[c0]:  # Exact rows (delivered, joined): padded.
-            window = fns.pad(window, rows=a_rows[c0])
           for i, c in enumerate(cs):
             gen.shapes.add(("prefill", a_rows[c], widths[i]))
-            xs[i], rows = fns.prefill(layers[l], self.to_layer(xs[i], l), window, metas[i][stage_of[l]])
+            # A window that came exact (delivered, joined) is padded inside the call, by the copy its attention
+            # makes anyway: no padded copy of it beside the window.
+            xs[i], rows = fns.prefill(layers[l], self.to_layer(xs[i], l), window, metas[i][stage_of[l]], rows=a_rows[c])
             if c == n_chunks - 1:
-              yield PrefilledLayer(l, self._exact(fns, window, c * chunk), rows)
+              yield PrefilledLayer(l, window, rows, 0 if window is None else window.shape[3] - c * chunk)
             else:
               window = fns.grow(window, rows, to=a_rows[c + 1])
           if not last and plan["keep"]:
             kept[l] = window
           elif not last:
-            issued += cache.store(l, self._exact(fns, window, (cs[-1] + 1) * chunk))
+            w_rows = (cs[-1] + 1) * chunk
+            issued += cache.store(l, window if window.shape[3] == w_rows else fns.tail(window, rows=w_rows))
       if hidden is not None:
         hidden.extend(xs)
       for i, c in enumerate(cs[:-1] if last else cs):  # Each chunk counted (the last one by the consumer).
         gen.add_counters("prefill", issued if i == 0 else Issued(), c * chunk + widths[i])
     x = xs[-1]
     return self.fns.last_row(x, distributed.put_host(np.int32(longest - 1 - (n_chunks - 1) * chunk), self._rep))
-
-  @staticmethod
-  def _exact(fns, window: jax.Array | None, rows: int) -> jax.Array | None:
-    """A prefill window padded at its start (prefill_window_rows) -> its `rows` rows."""
-    return window if window is None or window.shape[3] == rows else fns.tail(window, rows=rows)
 
   @staticmethod
   def _kept(kept: list) -> Iterator[tuple[int, jax.Array | None]]:
@@ -547,7 +545,7 @@ class Engine:
     """A prefilled layer's rows at rows [at, at + R) of a window of a_rows rows and the open page after it
     (jitted.Fns.place; `at` traced: the program depends on its parts' rows and a_rows only)."""
     fns = self.layer_fns(layer.layer)
-    return fns.place(layer.window, layer.chunk, np.int32(at), a_rows=a_rows, block=self.config.kv.block)
+    return fns.place(layer.window, layer.chunk, np.int32(at - layer.pad), a_rows=a_rows, block=self.config.kv.block)
 
   def speculator(self) -> spec_decode.Speculator | None:
     """config.speculate's speculative decoder, a fresh one (None: off); the server's epochs take one each."""

@@ -110,16 +110,13 @@ def _prefill(engine, cache, w0: int, c: int, length: int, windows: list[int]) ->
     l = layout.stage_of.index(stage)  # Its first layer: every layer of a stage runs the same program.
     fns = engine.layer_fns(l)
     window = _zeros(cache, l, a0) if w0 else None
-    x, rows = fns.prefill(engine.params["layers"][l], xs[stage], window, metas[stage])
+    x, rows = fns.prefill(engine.params["layers"][l], xs[stage], window, metas[stage], rows=a0)
     out.append(x)
     if c == chunk and w0 + c < capacity:
       out.append(fns.grow(window, rows, to=engine_lib.prefill_window_rows(w0 + c, chunk, capacity, block)))
-    if window is not None and a0 != w0:
-      window = fns.tail(window, rows=w0)
-      out.append(window)
     w_rows = length // block * block
     for a in windows:
-      out.append(fns.place(window, rows, np.int32(a - w_rows), a_rows=a, block=block))
+      out.append(fns.place(window, rows, np.int32(a - w_rows - (a0 - w0)), a_rows=a, block=block))
   out.append(engine.fns.last_row(x, engine.put(length - 1 - w0, np.int32)))
   jax.block_until_ready(out)
 
