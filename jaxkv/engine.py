@@ -164,6 +164,22 @@ def last_chunk_rows(rows: int, block: int, chunk: int) -> int:
   return min(blocks * block, chunk)
 
 
+PREFILL_BUCKETS = 8  # A prefill window's sizes per doubling of its chunks (prefill_window_rows).
+
+
+def prefill_window_rows(rows: int, chunk: int, capacity: int, block: int) -> int:
+  """A, the rows a prefill chunk's window of `rows` rows (whole chunks) is computed at, padded at its start: the
+  fewest chunks m * 2^s, m in [PREFILL_BUCKETS, 2 PREFILL_BUCKETS), that hold it, at most the cache's largest
+  window (jaxkv.cache.rows_bound less the open page) and at least `rows`. Windows of up to 2 PREFILL_BUCKETS chunks
+  are exact; a longer prompt's chunks share O(PREFILL_BUCKETS log(chunks)) window shapes, each at most
+  1 / PREFILL_BUCKETS of padding (a 1M prompt of 2,048-row chunks: 57 window shapes where exact windows were 512)."""
+  n, shift = rows // chunk, 0
+  while -(-n >> shift) >= 2 * PREFILL_BUCKETS:
+    shift += 1
+  limit = cache_lib.rows_bound(capacity, block) - block
+  return max(min((-(-n >> shift) << shift) * chunk, limit), rows)
+
+
 def prefill_rows(length: int, block: int, chunk: int) -> int:
   """R, the rows a prefill of a prompt of `length` tokens computes: its whole chunks, then its last chunk's
   (last_chunk_rows)."""
@@ -175,12 +191,14 @@ def prefill_rows(length: int, block: int, chunk: int) -> int:
 class PrefilledLayer:
   """A layer after the last prefill chunk, to be placed (jitted.Fns.place): its rows [0, R) as the prefill computed
   them (R = Prefill.rows), on the devices in two parts, never copied into one array (the place reads both): window
-  [2, B, K, W0, E] rows [0, W0) (None while W0 = 0) and the last chunk's rows [2, B, K, C, E] rows [W0, R). The rows
-  from the longest prompt's end on are the last chunk's padding, which decode masks until it writes them."""
+  [2, B, K, pad + W0, E] rows [0, W0) after `pad` rows of padding (prefill_window_rows; None while W0 = 0) and the
+  last chunk's rows [2, B, K, C, E] rows [W0, R). The rows from the longest prompt's end on are the last chunk's
+  padding, which decode masks until it writes them."""
 
   layer: int
   window: jax.Array | None
   chunk: jax.Array
+  pad: int = 0
 
 
 class Prefill:
@@ -335,8 +353,9 @@ class Engine:
   ) -> Prefill:
     """Prefills right-aligned prompts into the generation's cache in chunks of engine.prefill_chunk rows, the last
     one a power of two of kv.block rows that holds the rest (last_chunk_rows: a prompt's chunks and their bits depend
-    on its length only, and lengths whose last chunks share a size share its programs); returns the prefill to iterate
-    over: the last chunk's layers (PrefilledLayer: rows [0, R), R = prefill_rows(longest)), which the consumer
+    on its length only, and lengths whose last chunks share a size share its programs), each chunk's window computed
+    at prefill_window_rows (padded at its start: O(log) window shapes, not one per chunk); returns the prefill to
+    iterate over: the last chunk's layers (PrefilledLayer: rows [0, R), R = prefill_rows(longest)), which the consumer
     places, then the last prompt row's hidden state (Prefill.x).
 
     tokens i32[B, n * chunk] (prompt b at rows [start[b], longest)); chunks before `first` are skipped: their
@@ -364,7 +383,11 @@ class Engine:
     layers, stage_of = self.params["layers"], self.layout.stage_of
     cache = gen.cache
     n_chunks = -(-longest // chunk)
-    plan = prefill_plan(cache, n_chunks - first, chunk, self.config.kv.headroom_mib)
+    # Chunk c's window of c * chunk rows is computed at a_rows[c] rows padded at its start: its rows' left padding
+    # moves by the padding (the meta's start), so the values attended and their order are the exact window's.
+    a_rows = [prefill_window_rows(c * chunk, chunk, self.config.engine.capacity, block) for c in range(n_chunks + 1)]
+    kept_rows = max(n_chunks * chunk, a_rows[n_chunks - 1])  # The largest window a layer holds.
+    plan = prefill_plan(cache, n_chunks - first, kept_rows, self.config.kv.headroom_mib)
     gen.prefill_summary = dict(plan, attention=self.stage_fns[0].prefill_attention)
     kept: list = [None] * len(layers)  # With plan["keep"]: each layer's window so far, on the devices.
     span = model_lib.prefill_span(self.config.model, tokens.shape[0], chunk)
@@ -376,7 +399,7 @@ class Engine:
           self._first.embed(self.top, distributed.put_host(tokens[:, c * chunk : c * chunk + w], self._rep_first))
           for c, w in zip(cs, widths)
       ]
-      metas = [self.to_stages(self.meta(start, c * chunk)) for c in cs]
+      metas = [self.to_stages(self.meta(start + (a_rows[c] - c * chunk), c * chunk)) for c in cs]
       issued = Issued()
       # With plan["keep"] the later spans' windows are on the devices: nothing to deliver. Else with host attention
       # the tail is delivered: the head is moved back and prepended.
@@ -387,16 +410,19 @@ class Engine:
           if prefix is not None and c0 == first:
             window = fns.join(prefix[l])
           for i, c in enumerate(cs):
-            gen.shapes.add(("prefill", 0 if window is None else window.shape[3], widths[i]))
-            xs[i], rows = fns.prefill(layers[l], self.to_layer(xs[i], l), window, metas[i][stage_of[l]])
+            gen.shapes.add(("prefill", a_rows[c], widths[i]))
+            # A window that came exact (delivered, joined) is padded inside the call, by the copy its attention
+            # makes anyway: no padded copy of it beside the window.
+            xs[i], rows = fns.prefill(layers[l], self.to_layer(xs[i], l), window, metas[i][stage_of[l]], rows=a_rows[c])
             if c == n_chunks - 1:
-              yield PrefilledLayer(l, window, rows)
+              yield PrefilledLayer(l, window, rows, 0 if window is None else window.shape[3] - c * chunk)
             else:
-              window = fns.grow(window, rows)
+              window = fns.grow(window, rows, to=a_rows[c + 1])
           if not last and plan["keep"]:
             kept[l] = window
           elif not last:
-            issued += cache.store(l, window)
+            w_rows = (cs[-1] + 1) * chunk
+            issued += cache.store(l, window if window.shape[3] == w_rows else fns.tail(window, rows=w_rows))
       if hidden is not None:
         hidden.extend(xs)
       for i, c in enumerate(cs[:-1] if last else cs):  # Each chunk counted (the last one by the consumer).
@@ -519,7 +545,7 @@ class Engine:
     """A prefilled layer's rows at rows [at, at + R) of a window of a_rows rows and the open page after it
     (jitted.Fns.place; `at` traced: the program depends on its parts' rows and a_rows only)."""
     fns = self.layer_fns(layer.layer)
-    return fns.place(layer.window, layer.chunk, np.int32(at), a_rows=a_rows, block=self.config.kv.block)
+    return fns.place(layer.window, layer.chunk, np.int32(at - layer.pad), a_rows=a_rows, block=self.config.kv.block)
 
   def speculator(self) -> spec_decode.Speculator | None:
     """config.speculate's speculative decoder, a fresh one (None: off); the server's epochs take one each."""
@@ -592,16 +618,16 @@ class Engine:
     return loop.recorder.all_done()
 
 
-def prefill_plan(cache: cache_lib.KVCache, chunks: int, chunk: int, headroom_mib: int) -> dict:
+def prefill_plan(cache: cache_lib.KVCache, chunks: int, rows: int, headroom_mib: int) -> dict:
   """Whether a prefill of `chunks` chunks keeps each streamed layer's window on the devices from one span of chunks
   to the next (Engine.prefill): when the fullest device has room, beside what it holds now and kv.headroom_mib, for
-  every streamed layer's rows [0, chunks * chunk) (what the last chunk's windows hold, with its grown one); always
-  where the backend reports no device memory (CPU). Otherwise each span gets its windows through the transport and
-  stores them grown, as decode does.
+  `rows` rows of every streamed layer (the largest window a layer holds: the prompt's rows with the last chunk's, or
+  a padded window, prefill_window_rows); always where the backend reports no device memory (CPU). Otherwise each
+  span gets its windows through the transport and stores them grown, as decode does.
 
   Returns keep (bool), bytes_per_device (the rows kept on the fullest device), free_bytes_per_device (None without
   memory stats) and reason."""
-  need = cache.streamed_bytes_per_device(chunks * chunk)
+  need = cache.streamed_bytes_per_device(rows)
   devices = {d for s in cache.device_shardings for d in s.mesh.devices.flat if d.process_index == jax.process_index()}
   free = residency.free_device_bytes(sorted(devices, key=lambda d: d.id)) if need else None
   plan = dict(keep=False, bytes_per_device=need, free_bytes_per_device=free)

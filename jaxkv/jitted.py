@@ -32,10 +32,11 @@ from jaxkv.meta import DecodeState, HeadOut, Meta
 class Fns:
   """One stage's functions (jaxkv.layout: the mesh of its layers)."""
 
-  prefill: object  # (p, x, window, meta) -> x, the chunk's rows.
+  prefill: object  # (p, x, window, meta, rows=None) -> x, the chunk's rows (the window padded to rows, static).
   decode_group: object  # (ps, x, windows, opens, meta) -> x, opens.
   decode_group_full: object  # The same when the open pages fill (static grow_to): -> x, grown windows, zero pages.
-  grow: object
+  grow: object  # (window, rows, to=None) -> the window grown by rows (jaxkv.cache.grow; static `to`).
+  tail: object  # (window, rows=R) -> its last R rows (a prefill window without its padding).
   join: object  # Blocks of rows on the devices, concatenated (a prompt's rows from the prefix cache).
   place: object  # A prompt's rows prefilled from row 0 moved to a slot's window and open page.
   block: object  # A block of rows, to pinned host memory (the prefix cache's).
@@ -68,7 +69,11 @@ def functions(
   attention_impl = model.prefill_attention_impl(prefill_attention, cfg, fmt, mesh.local_devices[0])
   decode_impl = decode_attention.resolve(decode_attention_choice, cfg, fmt, mesh.local_devices[0])
 
-  def prefill(p, x, window, meta):
+  def prefill(p, x, window, meta, rows=None):
+    """model.prefill_layer over `window` padded at its start to `rows` rows (jaxkv.engine.prefill_window_rows;
+    static; None: as it is)."""
+    if window is not None and rows is not None:
+      window = cache_lib.pad_front(window, rows)
     return model.prefill_layer(p, x, window, Meta.start(meta), cfg=cfg, kv_format=fmt, attention_impl=attention_impl)
 
   def decode(p, x, window, open_page, meta):
@@ -145,7 +150,7 @@ def functions(
     )
 
   return Fns(
-      prefill=jax.jit(prefill, out_shardings=(rep, kv)),
+      prefill=jax.jit(prefill, static_argnames="rows", out_shardings=(rep, kv)),
       decode_group=jax.jit(decode_group, out_shardings=(rep, kv), donate_argnums=(3,)),
       decode_group_full=jax.jit(
           functools.partial(decode_group, full=True),
@@ -153,7 +158,10 @@ def functions(
           out_shardings=(rep, kv, kv),
           donate_argnums=(3,),
       ),
-      grow=jax.jit(cache_lib.grow, out_shardings=kv),
+      grow=jax.jit(cache_lib.grow, static_argnames="to", out_shardings=kv),
+      tail=jax.jit(
+          lambda window, rows: window[:, :, :, window.shape[3] - rows :], static_argnames="rows", out_shardings=kv
+      ),
       join=jax.jit(lambda blocks: jnp.concatenate(blocks, axis=3), out_shardings=kv),
       place=jax.jit(place, static_argnames=("a_rows", "block"), out_shardings=kv),
       block=jax.jit(block, static_argnames="size", out_shardings=kv_host),

@@ -100,22 +100,23 @@ def _prefill(engine, cache, w0: int, c: int, length: int, windows: list[int]) ->
   grown window where it is a whole chunk before others, its last row's read, and its place into a slot's window of
   each of `windows` rows (the server's buckets that such a prompt can enter)."""
   cfg, layout = engine.config, engine.layout
-  block = cfg.kv.block
+  block, chunk, capacity = cfg.kv.block, cfg.engine.prefill_chunk, cfg.engine.capacity
+  a0 = engine_lib.prefill_window_rows(w0, chunk, capacity, block)  # The window's rows, padded at its start.
   tokens = distributed.put_host(np.zeros((1, c), np.int32), mesh_lib.replicated(layout.first))
   x = engine.layer_fns(0).embed(engine.top, tokens)
-  xs, metas = engine.to_stages(x), engine.to_stages(engine.meta(np.zeros(1, np.int32), w0))
+  xs, metas = engine.to_stages(x), engine.to_stages(engine.meta(np.full(1, a0 - w0, np.int32), w0))
   out = []
   for stage in range(len(layout.meshes)):
     l = layout.stage_of.index(stage)  # Its first layer: every layer of a stage runs the same program.
     fns = engine.layer_fns(l)
-    window = _zeros(cache, l, w0) if w0 else None
-    x, rows = fns.prefill(engine.params["layers"][l], xs[stage], window, metas[stage])
+    window = _zeros(cache, l, a0) if w0 else None
+    x, rows = fns.prefill(engine.params["layers"][l], xs[stage], window, metas[stage], rows=a0)
     out.append(x)
-    if c == cfg.engine.prefill_chunk and w0 + c < cfg.engine.capacity:
-      out.append(fns.grow(window, rows))
+    if c == chunk and w0 + c < capacity:
+      out.append(fns.grow(window, rows, to=engine_lib.prefill_window_rows(w0 + c, chunk, capacity, block)))
     w_rows = length // block * block
     for a in windows:
-      out.append(fns.place(window, rows, np.int32(a - w_rows), a_rows=a, block=block))
+      out.append(fns.place(window, rows, np.int32(a - w_rows - (a0 - w0)), a_rows=a, block=block))
   out.append(engine.fns.last_row(x, engine.put(length - 1 - w0, np.int32)))
   jax.block_until_ready(out)
 

@@ -72,10 +72,13 @@ def test_a_sequence_across_many_blocks_compiles_decode_programs_per_bucket():
   assert programs() - before <= 3 * 3
 
 
-def test_a_warm_server_compiles_nothing():
+@pytest.mark.parametrize("prefill_buckets", [engine_lib.PREFILL_BUCKETS, 1])
+def test_a_warm_server_compiles_nothing(monkeypatch, prefill_buckets):
   """Warmed up for its capacity, a started server (a first run of one-token requests on its slots: a run's batch is
   its requests', each size compiling its head) compiles no program for prompts of new lengths: neither decode's nor
-  the prefill's."""
+  the prefill's, also where a prefill window is padded (one bucket a doubling: chunk 3's window of 384 rows is
+  computed at 512)."""
+  monkeypatch.setattr(engine_lib, "PREFILL_BUCKETS", prefill_buckets)
   eng = helpers.engine(2, placement="device", capacity=600, chunk=128)
   lines = []
   done = warmup.warm_up(eng, 2, lines.append)
@@ -87,7 +90,8 @@ def test_a_warm_server_compiles_nothing():
   server = serving.Server(eng, 2)
   server.serve([serving.Request((0,), 2)] * 2)
   with compile_cache.CompileCounter() as counter:
-    out = server.serve([serving.Request(tuple(p), 300) for p in helpers.prompts([30, 290, 45], 2)])
+    requests = [serving.Request(tuple(p), 300) for p in helpers.prompts([30, 290, 45], 2)]
+    out = server.serve(requests + [serving.Request(tuple(helpers.prompts([450], 3)[0]), 100)])
   assert all(r.error is None for r in out.results)
   assert counter.counts() == dict(programs_compiled=0, programs_from_cache=0)
 

@@ -171,6 +171,45 @@ def test_host_prefill_past_the_device_budget_redelivers_each_span_with_the_same_
   assert _prefill_h2d(res) == cfg.num_layers * row * rows
 
 
+def test_prefill_windows_are_m_times_powers_of_two_of_chunks():
+  """Exact up to 2 PREFILL_BUCKETS chunks; past that m * 2^s chunks, m in [PREFILL_BUCKETS, 2 PREFILL_BUCKETS), at
+  most 1 / PREFILL_BUCKETS of padding; never past the cache's largest window, never below the window."""
+  b, chunk = engine_lib.PREFILL_BUCKETS, 16
+  rows = lambda n, capacity=10**6: engine_lib.prefill_window_rows(n * chunk, chunk, capacity, 8) // chunk
+  assert [rows(n) for n in range(2 * b)] == list(range(2 * b))
+  assert [rows(n) for n in (2 * b + 1, 4 * b - 1, 4 * b + 1, 511)] == [2 * b + 2, 4 * b, 4 * b + 4, 512]
+  for n in range(1, 2000):
+    assert n <= rows(n) <= n * (b + 1) / b
+  # 16 exact, 8 a doubling from 16 to 512 chunks, and 512: a 1M prompt's 512 chunks of 2,048 rows.
+  assert len({rows(n) for n in range(512)}) == 2 * b + 5 * b + 1
+  assert engine_lib.prefill_window_rows(17 * 16, 16, 280, 8) == 280  # 18 chunks past the largest window, 280 rows.
+
+
+def test_padded_prefill_windows_give_every_placement_the_same_bits(monkeypatch):
+  """With two window sizes a doubling (engine.PREFILL_BUCKETS = 2), a 118-token prompt's chunks 5 and 7 run at
+  windows of 96 and 128 rows padded at their start: the device placement, host placement keeping the rows and host
+  placement re-delivering each chunk's windows give the same bits, and the prefill records those shapes."""
+  monkeypatch.setattr(engine_lib, "PREFILL_BUCKETS", 2)
+  prompts = helpers.prompts([118, 90])
+  ref = helpers.engine(2).generate(prompts, 4, keep_logits=True)
+  kept = helpers.engine(2, placement="host", depth=2).generate(prompts, 4, keep_logits=True)
+  with mock.patch.object(residency, "free_device_bytes", lambda devices: 0):
+    with mock.patch.object(model, "SPAN_HIDDEN_BYTES", 1):  # One chunk a span.
+      res = helpers.engine(2, placement="host", depth=2).generate(prompts, 4, keep_logits=True)
+  assert not res.transport["prefill"]["keep"] and kept.transport["prefill"]["keep"]
+  for other in (kept, res):
+    np.testing.assert_array_equal(other.logits, ref.logits)
+    assert other.tokens_sha256 == ref.tokens_sha256
+  eng = helpers.engine(2)
+  gen = eng.start(1)
+  try:
+    eng.prefill_prompts(gen, prompts[:1], next_pass=False)
+    windows = sorted({w for kind, w, _ in gen.shapes if kind == "prefill"})
+  finally:
+    gen.close()
+  assert windows == [0, 16, 32, 48, 64, 96, 128]  # Chunks 0 to 4 exact, 5 (80 rows) and 6 at 96, 7 (112) at 128.
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
 def test_host_prefill_with_zero_rows_and_host_attention_keeps_the_bits(fraction):
   """A synthetic context (rows below the first chunk prefilled are zeros, delivered once) and host attention's

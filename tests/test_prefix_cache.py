@@ -6,6 +6,7 @@ import helpers
 import numpy as np
 import pytest
 
+from jaxkv import engine as engine_lib
 from jaxkv import serving
 from jaxkv.serving import prefix_cache
 
@@ -147,6 +148,21 @@ def test_one_slot_hits_give_the_bits_of_a_cold_prefill(engine):
   for _ in range(2):
     assert server.serve(reqs).transcript_sha256 == want.transcript_sha256
   assert server.prefix_cache.summary()["hits"] == 5
+
+
+def test_hits_with_padded_prefill_windows_give_the_bits_of_a_cold_prefill(monkeypatch):
+  """With one prefill window size a doubling (engine.PREFILL_BUCKETS = 1: chunk 3's 48 rows computed at 64), a hit
+  joins its blocks exact and pads them inside the chunk's call, a miss grows its padded window, and the blocks a
+  prefill stores are read past the padding: the bits of a cold prefill."""
+  monkeypatch.setattr(engine_lib, "PREFILL_BUCKETS", 1)
+  eng = helpers.engine(2, placement="host", depth=1)
+  reqs = _requests()
+  assert max(len(r.prompt) for r in reqs) > 3 * 16  # A chunk 3 (rows 48 to 64) with a padded window.
+  want = serving.Server(eng, 1, prefix_cache_bytes=1).serve(reqs)
+  server = serving.Server(eng, 1, prefix_cache_bytes=2**30)
+  for _ in range(2):
+    assert server.serve(reqs).transcript_sha256 == want.transcript_sha256
+  assert server.prefix_cache.summary()["hits"] > 0
 
 
 def test_hits_with_host_attention_give_the_bits_of_a_cold_prefill():

@@ -102,7 +102,7 @@ class SlotFiller:
           layers.append(layer)
         fns = eng.layer_fns(layer.layer)
         for i, rows in enumerate(fresh):
-          rows.append(fns.block(layer.window, layer.chunk, np.int32((len(hit) + i) * chunk), size=chunk))
+          rows.append(fns.block(layer.window, layer.chunk, np.int32(layer.pad + (len(hit) + i) * chunk), size=chunk))
       if fresh:  # Its own blocks stay pinned meanwhile: a block is not evicted to make room for its children.
         pc.add(keys, fresh, sum(a.nbytes for a in fresh[0]))
     finally:
@@ -126,7 +126,8 @@ class SlotFiller:
         self.scratch(), ids, np.zeros(1, np.int32), (i + 1) * chunk, first=i, prefix=self._to_devices(before)
     )
     rows = [
-        eng.layer_fns(layer.layer).block(layer.window, layer.chunk, np.int32(i * chunk), size=chunk) for layer in run
+        eng.layer_fns(layer.layer).block(layer.window, layer.chunk, np.int32(layer.pad + i * chunk), size=chunk)
+        for layer in run
     ]
     pc.add(keys, [rows], sum(a.nbytes for a in rows))
     return rows
