@@ -6,11 +6,13 @@ reach each. For each bucket of A rows, `warm_up` runs the programs a request mee
 server's batch: a slot's insert (jaxkv.cache.KVCache.insert_slot), a decode pass (every decode group at A rows), the
 pass whose open pages fill inside the bucket (A -> A) and the one that crosses into the next (A -> its next bucket).
 
-A prefill's programs follow its chunks: one per chunk index, the last chunk one of log2(chunk / block) + 1 sizes
-(jaxkv.engine.last_chunk_rows). For each chunk index and last-chunk size that a prompt within the capacity meets,
-`warm_up` then runs, on zeros, one layer of each stage (every layer of a stage is the same program), the token
+A prefill's programs follow its chunks' windows (jaxkv.engine.prefill_window_rows: exact up to 16 chunks, then
+buckets) and its last chunk, one of log2(chunk / block) + 1 sizes (jaxkv.engine.last_chunk_rows). For each chunk
+index and last-chunk size that a prompt within the capacity meets, `warm_up` then runs, on zeros, one layer of each
+stage (every layer of a stage is the same program) over the chunk's window as the prefill computes it, the token
 embedding, the last row's read, the grown window of a whole chunk, and the place into a slot's window of each bucket
-that such a prompt can enter (jitted.Fns.place): a prompt of a new length then compiles nothing. The prefix cache's
+that such a prompt can enter (jitted.Fns.place): a prompt of a new length then compiles nothing (chunk indices that
+share a window reuse its programs). The prefix cache's
 block copies (when on) and the prompt logprobs' head still compile with the first prompt of each shape.
 """
 
