@@ -12,8 +12,9 @@ index and last-chunk size that a prompt within the capacity meets, `warm_up` the
 stage (every layer of a stage is the same program) over the chunk's window as the prefill computes it, the token
 embedding, the last row's read, the grown window of a whole chunk, and the place into a slot's window of each bucket
 that such a prompt can enter (jitted.Fns.place): a prompt of a new length then compiles nothing (chunk indices that
-share a window reuse its programs). The prefix cache's
-block copies (when on) and the prompt logprobs' head still compile with the first prompt of each shape.
+share a window reuse its programs). With the prefix cache on, its block copies and a hit's first chunk (over its
+blocks joined exact, padded inside the call) and place still compile with the first prompt of each shape, as does
+the prompt logprobs' head.
 """
 
 from __future__ import annotations

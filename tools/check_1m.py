@@ -202,8 +202,8 @@ def main(argv):
           f"{_fmt(r.get('device_peak_gib'), '.1f')} GiB, host peak RSS {_fmt(r.get('host_peak_rss_gib'), '.1f')} GiB"
       )
   print(
-      "\n| part | arm | resident/streamed | free / ring / workspace GiB | chunk rows | link GB/s | predicted ms | ms/step "
-      "| tok/s |"
+      "\n| part | arm | resident/streamed | free / ring / workspace GiB | chunk rows | link GB/s | predicted ms "
+      "| ms/step | tok/s |"
   )
   print("|---|---|---|---|---|---|---|---|---|")
   for r in rows:
@@ -211,8 +211,8 @@ def main(argv):
     mem = "/".join(_fmt(r.get(k), ".1f") for k in ("free_gib", "ring_gib", "workspace_gib"))
     print(
         f"| {r['part']} | {r['arm']} | {layers} | {mem} | {_fmt(r.get('delivery_chunk_rows'), 'd')} | "
-        f"{_fmt(r.get('predicted_link_gbps'), '.1f')} | {_fmt(r.get('predicted_ms_per_step'), '.1f')} | {_fmt(r.get('ms_per_step'), '.1f')} | "
-        f"{_fmt(r.get('tok_s'), '.3f')} |"
+        f"{_fmt(r.get('predicted_link_gbps'), '.1f')} | {_fmt(r.get('predicted_ms_per_step'), '.1f')} | "
+        f"{_fmt(r.get('ms_per_step'), '.1f')} | {_fmt(r.get('tok_s'), '.3f')} |"
     )
   print("\n| target | result | figures |")
   print("|---|---|---|")

@@ -26,8 +26,9 @@ from jaxkv.kv_quant import KVFormat
 MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 ALLOCATOR_ENV = "XLA_PYTHON_CLIENT_ALLOCATOR"
 # JAX's device allocator where placement auto streams on NVIDIA GPUs: CUDA's stream-ordered pool, which maps its
-# pages where a large array needs them. With XLA's default (a BFC allocator carving one preallocated region) the 8B's 1M cache ran
-# out of device memory in its warm-up on an H100 and an H200, asking a 4 GiB window; with cuda_async it ran (H100).
+# pages where a large array needs them. With XLA's default (a BFC allocator carving one preallocated region) the 8B's
+# 1M cache ran out of device memory in its warm-up on an H100 and an H200, asking a 4 GiB window; with cuda_async it
+# ran (H100, H200).
 AUTO_ALLOCATOR = "cuda_async"
 # JAX's pool with placement auto: the planner keeps resident the layers that fit in what is free in it; the rest of
 # the device (7 GiB of an H200) is left to what allocates outside it (cuBLAS, cuDNN and the CUDA context).
