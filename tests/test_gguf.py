@@ -457,7 +457,8 @@ def test_smollm2_with_default_flags_stops_at_its_end_of_turn(smollm2_file, smoll
   cd.mesh.tensor = 3  # The app's default devices.
   answer = res["tokens"][0]
   assert res["max_new_tokens"] == NEW_TOKENS and len(answer) < NEW_TOKENS
-  kwargs = dict(gguf=smollm2_file, prompts=[question], max_new_tokens=NEW_TOKENS, seed=0, chat=True)
+  # The app's dtype on CPU devices (float32); the GGUF default, bfloat16, answers otherwise on some CPUs.
+  kwargs = dict(gguf=smollm2_file, prompts=[question], max_new_tokens=NEW_TOKENS, seed=0, chat=True, dtype="float32")
   ran_on = runs.generate_checkpoint(cd, None, eos=False, **kwargs)
   assert ran_on["eos_ids"] == [] and ran_on["tokens"][0][: len(answer)] == answer
   assert len(ran_on["tokens"][0]) == NEW_TOKENS
