@@ -14,6 +14,7 @@ chunk; during decode the head carries the decode state (jaxkv.meta.DecodeState) 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -423,6 +424,9 @@ class Engine:
           elif not last:
             w_rows = (cs[-1] + 1) * chunk
             issued += cache.store(l, window if window.shape[3] == w_rows else fns.tail(window, rows=w_rows))
+          # Dropped before the next layer's window arrives: a stored window lives in the cache (or on the host) now,
+          # and a window of the last chunk in its consumer's hands.
+          window = rows = None
       if hidden is not None:
         hidden.extend(xs)
       for i, c in enumerate(cs[:-1] if last else cs):  # Each chunk counted (the last one by the consumer).
@@ -441,8 +445,14 @@ class Engine:
     run = gen.transport.deliveries(next_pass if last else not plan["keep"], whole=True, next_whole=not last)
     with contextlib.closing(run) as deliveries:
       for d in deliveries:
-        for l, tail in zip(d.layers, d.windows):
-          yield l, gen.cache.full_window(l, tail)
+        layers, tails = d.layers, list(d.windows)
+        del d  # Held across the next delivery, its windows would outlive their ring slot (as would `tail` below).
+        for i, l in enumerate(layers):
+          tail, tails[i] = tails[i], None
+          window = gen.cache.full_window(l, tail)
+          del tail
+          yield l, window
+          del window
 
   def prefill_prompts(self, gen: Generation, prompts, *, next_pass: bool, zero_rows: int = 0):
     """Prefills a batch of prompts right-aligned at the longest one's end E into the generation's fresh cache (window,
@@ -470,6 +480,7 @@ class Engine:
       for layer in run:
         window, gen.cache.opens[layer.layer] = self._place(layer, a_rows - w_rows, a_rows)
         issued += gen.cache.store(layer.layer, window if w_rows else None)
+        del layer, window  # Else held while the next layer computes: a streamed layer's two windows on the devices.
       gen.add_counters("prefill", issued, run.rows)
       gen.cache.rows = w_rows
       return run.x, gen.start, longest
@@ -480,8 +491,7 @@ class Engine:
         if zero_rows:
           own.cache.store_zeros(zero_rows)
         run = self.prefill_slot(own, gen.cache, b, prompt, longest, first=zero_rows // chunk)
-        for _ in run:
-          pass
+        collections.deque(run, maxlen=0)  # Runs it, holding no layer while the next computes.
         xs.append(run.x)
         plans.append(own.prefill_summary)
     finally:
@@ -536,7 +546,9 @@ class Engine:
     for layer in run:
       window, open_page = self._place(layer, offset + a_rows - w_rows, a_rows)
       issued += cache.insert_slot(layer.layer, slot, window if w_rows else None, open_page)
+      del window, open_page
       yield layer
+      del layer
     own.add_counters("prefill", issued, run.rows)
     own.cache.clear()  # The slot holds its rows now.
     return run.x

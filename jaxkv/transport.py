@@ -212,6 +212,9 @@ class Transport:
           self._held[s] += nbytes
           self._high_water[s] = max(self._high_water[s], self._held[s] + self._previous[s])
         self._ready.put((group, chunk, windows, nbytes, calls, slots, time.perf_counter()))
+        # The consumer holds the delivery now; a reference kept here while this thread waits for the next slot would
+        # keep the windows on the devices past their slot's release (a prefill's whole 4 GiB window at 1M).
+        windows = moved = w = None
 
   def deliveries(self, next_pass: bool, whole: bool = False, next_whole: bool | None = None) -> Iterator[Delivery]:
     """Every group of a pass, in order, its windows on the devices: a streamed group's as the feeder delivered them

@@ -248,3 +248,54 @@ def test_the_gpu_check_script_reports_a_cudnn_failure_and_times_the_placements()
   assert all(r["same_bits_as_placements"] and r["same_bits_twice"] and r["warm_prefill_s"] > 0 for r in rows)
   assert rows[1]["keep"] and rows[1]["prefill_h2d_bytes"] == 0 < rows[1]["prefill_d2h_bytes"]
   assert "| 40 | xla (xla) | host | 16 |" in script._table(acc, rows)  # pylint: disable=protected-access
+
+
+def test_a_prefill_holds_three_windows_beside_the_cache(monkeypatch):
+  """The device memory a prefill past the device budget takes beside the cache's windows: after each call of every
+  layer (jax.live_arrays), at most three windows larger than a delivery chunk (each takes the whole ring, as a 1M
+  prompt's 4 GiB windows do) are on the devices: the delivered one (its ring slot), the one grown by the chunks
+  and the next size of it or the one placed for the cache, never a layer's before it (a reference held by the
+  consumer, the prefill or the transport's feeder while the next layer computes: on the H200 a 1M prompt's last
+  span ran out of memory with two such windows more)."""
+  cfg = helpers.tiny_config()
+  chunk_rows = 256  # One leaf (jaxkv.decode_attention.LEAF_ROWS), the smallest delivery chunk.
+  row_bytes = 2 * cfg.model.num_kv_heads * cfg.model.head_dim * 4
+  cfg = dataclasses.replace(cfg, kv=dataclasses.replace(cfg.kv, delivery_chunk_mib=chunk_rows * row_bytes / 2**20))
+  eng = helpers.engine(1, placement="host", depth=2, capacity=1024, chunk=64, group_layers=1, cfg=cfg)
+  counts = []
+
+  def count(cache) -> None:
+    own = {id(w) for w in cache.windows if w is not None}  # The cache's (here on the host).
+    big = [a for a in jax.live_arrays() if a.ndim == 5 and a.shape[3] > chunk_rows and "host" not in str(a.aval)]
+    counts.append(sum(id(a) not in own for a in big))
+
+  layer_fns, store = eng.layer_fns, engine_lib.cache_lib.KVCache.store
+
+  def counted_fns(layer):
+    fns = layer_fns(layer)
+
+    def counted(f):
+      def call(*args, **kwargs):
+        out = f(*args, **kwargs)
+        count(gen.cache)
+        return out
+
+      return call
+
+    return types.SimpleNamespace(**{n: counted(getattr(fns, n)) for n in ("prefill", "grow", "tail", "place")})
+
+  def counted_store(cache, layer, window):
+    out = store(cache, layer, window)
+    count(cache)
+    return out
+
+  monkeypatch.setattr(eng, "layer_fns", counted_fns)
+  monkeypatch.setattr(engine_lib.cache_lib.KVCache, "store", counted_store)
+  gen = eng.start(1)
+  try:
+    with mock.patch.object(residency, "free_device_bytes", lambda devices: 0):  # A full device.
+      with mock.patch.object(model, "SPAN_HIDDEN_BYTES", 2 * 64 * cfg.model.d_model * 4):  # Spans of 2 chunks.
+        eng.prefill_prompts(gen, helpers.prompts([600]), next_pass=False)
+  finally:
+    gen.close()
+  assert len(counts) > 10 * cfg.model.num_layers and max(counts) == 3, counts

@@ -89,6 +89,7 @@ class SlotFiller:
       for layer in run:
         if shares:
           layers.append(layer)
+        del layer  # Else held while the next layer computes.
       self._share(prompt, run, layers, shares)
       return run.x
     chunk = eng.config.engine.prefill_chunk
@@ -103,6 +104,7 @@ class SlotFiller:
         fns = eng.layer_fns(layer.layer)
         for i, rows in enumerate(fresh):
           rows.append(fns.block(layer.window, layer.chunk, np.int32(layer.pad + (len(hit) + i) * chunk), size=chunk))
+        del layer
       if fresh:  # Its own blocks stay pinned meanwhile: a block is not evicted to make room for its children.
         pc.add(keys, fresh, sum(a.nbytes for a in fresh[0]))
     finally:
