@@ -127,6 +127,12 @@ def is_main() -> bool:
   return jax.process_index() == 0
 
 
+def device_stat(mesh: jax.sharding.Mesh, stat: str = "peak_bytes_in_use") -> int | None:
+  """Largest memory_stats()[stat] of this process's devices of the mesh, or None where there are no stats (CPU)."""
+  values = [(d.memory_stats() or {}).get(stat) for d in mesh.local_devices]
+  return None if None in values else max(values)
+
+
 def process_bytes(arrays) -> int:
   """Bytes of the shards of `arrays` (jax.Arrays or None) that this process holds."""
   return sum(s.data.nbytes for a in arrays if a is not None for s in a.addressable_shards)

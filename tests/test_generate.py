@@ -84,6 +84,10 @@ def test_the_readme_exactness_commands_give_one_pair_of_hashes_at_the_depths_the
   assert dev["transport"]["dispatches_per_step"] == 6  # 3 group calls, the head, the tokens' and logits' copies.
   assert f"logits_sha256 {dev['logits_sha256']}" in out_dev and "sequence 3 (prompt 9 tokens)" in out_dev
   assert "kv placement device, nothing streamed," in out_dev  # No depth where no ring delivers.
+  # Peak memory: no device stats on CPU; this process's resident set, printed as in the JSON.
+  m = dev["memory"]
+  assert m["device_peak_bytes"] is None and m["host_peak_rss_bytes"] > 2**20
+  assert f"peak memory: host RSS {m['host_peak_rss_bytes'] / 2**30:.1f} GiB" in out_dev
 
 
 def test_config_fields_and_the_capacity_are_overridable(apps):

@@ -7,7 +7,8 @@ pool itself (jaxkv.host.startup.startup_env):
   1m       context 1,048,576, batch 1: arms auto_d2 (bf16, chunked delivery), auto_d2_ha (with host attention on the
            streamed layers) and auto_d2_int8 (int8 KV, which the planner keeps all resident).
   32x32k   context 32,768, batch 32: arm auto_d2.
-  prefill  (only when named in --parts) a real 1M-token prompt, arm auto_d2: prefill_s, device peak, host peak RSS.
+  prefill  (only when named in --parts) a real 1M-token prompt through `python3 -m jaxkv.generate` once (placement
+           auto, one prefill with its compilation, then one decode step): prefill_s, device peak, host peak RSS.
 
 For each auto arm it prints the plan (resident / streamed layers, free memory, ring, workspace, delivery chunk rows)
 and the predicted ms a step (jaxkv.residency.predict_step_ms of the streamed bytes over the link's rate for the
@@ -15,10 +16,11 @@ deliveries the arm makes: jaxkv.bench's chunked-delivery rate where it chunks) b
 pass/fail table of the issue's targets last: bf16 auto within 10% of its prediction and at least 2x the earlier
 1.05 tok/s; with host attention at least 1.25x auto; int8 all resident at about 105 ms (within 10%); 32 x 32k within
 10% of its prediction; no arm out of memory. Details (the summary and every bench output) go to --json_out. One call
-stays under --budget_s (default 530 s); run `--parts=prefill` as a call of its own.
+stays under --budget_s (default 530 s); run `--parts=prefill` alone, with a budget that holds a real 1M prefill
+(about 10 minutes on an H200: 448 of its 512 chunks took 467 s).
 
   python3 tools/check_1m.py --json_out=$OUT/check_1m.json
-  python3 tools/check_1m.py --parts=prefill --json_out=$OUT/check_1m_prefill.json
+  python3 tools/check_1m.py --parts=prefill --budget_s=1200 --json_out=$OUT/check_1m_prefill.json
 
 A smoke run on CPU (int8 needs head_dim 32): --config=experiments/tiny.py "--bench_args=--cpu_devices=1
 --config.model.head_dim=32" --context=2048 --many_context=256 --many_batch=4 --int8_ms=0.
@@ -64,6 +66,34 @@ def _bench(args: list[str], timeout: float) -> dict:
   host_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
   out.update(command=" ".join(cmd), wall_s=wall, rc=rc, host_peak_rss_bytes_so_far=host_peak)
   return out
+
+
+def _generate(timeout: float) -> dict:
+  """One real prompt of --context tokens through the generate app: its JSON (timing, memory, transport), or why
+  there is none."""
+  cmd = [sys.executable, "-m", "jaxkv.generate", f"--config={CONFIG.value}", f"--prompt_len={CONTEXT.value}"]
+  cmd += [f"--capacity={CONTEXT.value + 256}", "--max_new_tokens=2", "--kv_placement=auto", *BENCH_ARGS.value.split()]
+  json_out = os.path.join(tempfile.mkdtemp(prefix="check_1m_"), "generate.json")
+  out, rc, wall = bench_child.run([*cmd, f"--json_out={json_out}"], json_out, timeout, done="timing")
+  out.update(command=" ".join(cmd), wall_s=wall, rc=rc)
+  return out
+
+
+def _prefill_row(out: dict) -> dict:
+  t, m = out.get("transport") or {}, out.get("memory") or {}
+  plan = t.get("residency") or {}
+  gib = lambda b: None if b is None else b / _GIB
+  return dict(
+      part="prefill",
+      arm="auto_d2",
+      status="ok" if out["rc"] == 0 and "timing" in out else "error",
+      reason=out.get("error"),
+      prefill_s=(out.get("timing") or {}).get("prefill_s"),
+      resident_layers=plan.get("resident_layers"),
+      streamed_layers=plan.get("streamed_layers"),
+      device_peak_gib=gib(m.get("device_peak_bytes")),
+      host_peak_rss_gib=gib(m.get("host_peak_rss_bytes")),
+  )
 
 
 def _row(part: str, arm: str, rec: dict) -> dict:
@@ -155,10 +185,6 @@ def main(argv):
   # No ceilings: each fills a whole host cache (1M int8: 73 GiB pinned), which the host may not hold beside the run.
   common = [f"--new_tokens={NEW_TOKENS.value}", f"--rounds={ROUNDS.value}", "--noceilings"]
   runs = {
-      "prefill": (
-          [f"--contexts={CONTEXT.value}", "--arms=auto_d2", "--new_tokens=2", "--rounds=1", "--noceilings"],
-          ("auto_d2",),
-      ),
       "1m": (
           [f"--contexts={CONTEXT.value}", f"--arms={','.join(_LONG_ARMS)}", "--synthetic_context", *common],
           _LONG_ARMS,
@@ -173,18 +199,15 @@ def main(argv):
   order = [p for p in ("prefill", "1m", "32x32k") if p in PARTS.value]
   for i, part in enumerate(order):
     left = t_end - time.perf_counter()
-    args, arms = runs[part]
     share = 0.7 if part == "1m" and i < len(order) - 1 else 1 / (len(order) - i)  # 1m: three arms.
-    out = _bench(args, max(left * share, 30))
-    summary["runs"][part] = out
-    part_rows = _rows(part, out, arms)
     if part == "prefill":
-      rec = ((out.get("cells") or [{}])[0].get("arms") or {}).get("auto_d2", {})
-      samples = rec.get("samples") or []
-      part_rows[0].update(
-          prefill_s=samples[0]["prefill_s"] if samples else None,
-          host_peak_rss_gib=out["host_peak_rss_bytes_so_far"] / _GIB,
-      )
+      out = _generate(max(left * share, 30))
+      part_rows = [_prefill_row(out)]
+    else:
+      args, arms = runs[part]
+      out = _bench(args, max(left * share, 30))
+      part_rows = _rows(part, out, arms)
+    summary["runs"][part] = out
     rows += part_rows
     print(f"{part}: {out['wall_s']:.0f} s, rc {out['rc']}", flush=True)
   checks = _checks(rows)

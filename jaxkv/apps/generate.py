@@ -249,6 +249,9 @@ def _report(out: dict, json_out: str | None) -> None:
           f"{d['fill_s']:.2f} s, {d['steps']} draft steps"
       )
   print(_compilation_line(out["compilation"]))
+  m = out["memory"]
+  device = "" if m["device_peak_bytes"] is None else f"device {m['device_peak_bytes'] / 2**30:.1f} GiB, "
+  print(f"peak memory: {device}host RSS {m['host_peak_rss_bytes'] / 2**30:.1f} GiB")
   launch.write_json(out, json_out)
 
 

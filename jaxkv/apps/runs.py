@@ -4,6 +4,7 @@ or text prompts, and the result as a JSON-ready dict with the compile counts."""
 from __future__ import annotations
 
 import dataclasses
+import resource
 import time
 from collections.abc import Sequence
 
@@ -49,6 +50,15 @@ def _progress(what: str, total: int | None = None) -> tqdm.tqdm:
   return tqdm.tqdm(total=total, desc=what, unit="step", delay=5, leave=False, disable=not distributed.is_main())
 
 
+def peak_memory(engine: engine_lib.Engine) -> dict:
+  """The JSON's `memory`: the peak bytes in use of this process's fullest device (None without memory stats: CPU)
+  and this process's peak resident set (ru_maxrss)."""
+  return dict(
+      device_peak_bytes=distributed.device_stat(engine.mesh),
+      host_peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+  )
+
+
 def _result(
     res: engine_lib.GenerateResult, kv_bytes: int, config_dict, prompt_lengths, max_new_tokens: int, seed: int
 ) -> dict:
@@ -79,6 +89,7 @@ def generate_random(config_dict, lengths, max_new_tokens: int, seed: int) -> dic
   return dict(
       _result(res, kv_bytes, config_dict, lengths, max_new_tokens, seed),
       compilation=compilation(counter, decode_start),
+      memory=peak_memory(engine),
   )
 
 
@@ -168,6 +179,7 @@ def generate_checkpoint(
       model=dataclasses.asdict(job.config.model),
       eos_ids=sorted(job.config.sampling.stop_ids),
       compilation=compilation(counter, decode_start),
+      memory=peak_memory(engine),
   )
   if tok is not None:
     out.update(prompts=list(prompts), chat=chat, prompt_tokens=ids, text=[tok.decode(t) for t in res.tokens])

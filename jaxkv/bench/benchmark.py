@@ -141,12 +141,6 @@ def _stats(values: list[float]) -> dict | None:
   return dict(median=statistics.median(values), min=min(values), max=max(values)) if values else None
 
 
-def device_stat(mesh: jax.sharding.Mesh, stat: str = "peak_bytes_in_use") -> int | None:
-  """Largest memory_stats()[stat] of this process's devices of the mesh, or None where there are no stats."""
-  values = [(d.memory_stats() or {}).get(stat) for d in mesh.local_devices]
-  return None if None in values else max(values)
-
-
 def fullest_device_stats(mesh: jax.sharding.Mesh) -> dict | None:
   """memory_stats() of the mesh's local device with the most bytes in use, or None where there are no stats."""
   stats = [d.memory_stats() for d in mesh.local_devices]
@@ -196,7 +190,7 @@ class _Arm:
     s.update(
         ms_per_step=1e3 * s["decode_s"] / s["decode_steps"],
         tok_s=batch * s["decode_steps"] / s["decode_s"],
-        device_peak_bytes_in_use_process=device_stat(mesh),
+        device_peak_bytes_in_use_process=distributed.device_stat(mesh),
     )
     return s
 

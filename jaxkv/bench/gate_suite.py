@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from jaxkv import cache as cache_lib
+from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
 from jaxkv import run as run_lib
 from jaxkv import serving
@@ -114,7 +115,7 @@ def run(
         ring_high_water_bytes_per_device=max(high),
         ring_bytes_per_device_needed=max(needed),
         ring_bytes_per_device_configured=configured,
-        device_peak_bytes_in_use_process=benchmark.device_stat(mesh),
+        device_peak_bytes_in_use_process=distributed.device_stat(mesh),
         over_needed_prompt_lengths=[n for n, h, w in zip(lengths, high, needed) if h > w],  # Tasks that fail.
     )
     memory[arm]["passed"] = not memory[arm]["over_needed_prompt_lengths"] and max(high) <= configured
