@@ -103,6 +103,7 @@ def test_sequences_are_served_on_parallel_slots(apps):
   for r in dev["requests"]:
     assert 1 <= r["prompt_length"] <= 20 and 3 <= len(r["tokens"]) == r["max_new_tokens"] <= 6
   assert f"transcript_sha256 {dev['transcript_sha256']}" in stdout and "request 5 (prompt" in stdout
+  assert f"peak memory: host RSS {dev['memory']['host_peak_rss_bytes'] / 2**30:.1f} GiB" in stdout
 
 
 @pytest.mark.parametrize("sequences", [1, 8])

@@ -181,6 +181,7 @@ def _report_served(out: dict, json_out: str | None) -> None:
   print(f"transcript_sha256 {out['transcript_sha256']}")
   print(served_summary(out["transport"], out["timing"]))
   print(_compilation_line(out["compilation"]))
+  print(_memory_line(out["memory"]))
   launch.write_json(out, json_out)
 
 
@@ -249,10 +250,13 @@ def _report(out: dict, json_out: str | None) -> None:
           f"{d['fill_s']:.2f} s, {d['steps']} draft steps"
       )
   print(_compilation_line(out["compilation"]))
-  m = out["memory"]
-  device = "" if m["device_peak_bytes"] is None else f"device {m['device_peak_bytes'] / 2**30:.1f} GiB, "
-  print(f"peak memory: {device}host RSS {m['host_peak_rss_bytes'] / 2**30:.1f} GiB")
+  print(_memory_line(out["memory"]))
   launch.write_json(out, json_out)
+
+
+def _memory_line(m: dict) -> str:
+  device = "" if m["device_peak_bytes"] is None else f"device {m['device_peak_bytes'] / 2**30:.1f} GiB, "
+  return f"peak memory: {device}host RSS {m['host_peak_rss_bytes'] / 2**30:.1f} GiB"
 
 
 def _compilation_line(c: dict) -> str:

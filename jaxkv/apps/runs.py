@@ -114,11 +114,13 @@ def serve_random(
   prompts = run.random_prompts(job.config.model.vocab_size, lengths, seed)
   requests = [serving.Request(tuple(p), n, seed=seed + i) for i, (p, n) in enumerate(zip(prompts, news))]
   with compile_cache.CompileCounter() as counter:
-    server = serving.Server(run.random_engine(job, seed)[1], parallel, prefix_cache_bytes)
+    engine = run.random_engine(job, seed)[1]
+    server = serving.Server(engine, parallel, prefix_cache_bytes)
     with _progress("serve decode steps") as bar:
       res = server.serve(requests, on_step=lambda *_: bar.update())
   return dict(
       compilation=compilation(counter),
+      memory=peak_memory(engine),
       requests=[
           dict(prompt_length=len(r.prompt), max_new_tokens=r.max_new_tokens, **dataclasses.asdict(o))
           for r, o in zip(requests, res.results)
