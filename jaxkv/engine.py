@@ -446,11 +446,9 @@ class Engine:
     with contextlib.closing(run) as deliveries:
       for d in deliveries:
         layers, tails = d.layers, list(d.windows)
-        del d  # Held across the next delivery, its windows would outlive their ring slot (as would `tail` below).
-        for i, l in enumerate(layers):
-          tail, tails[i] = tails[i], None
-          window = gen.cache.full_window(l, tail)
-          del tail
+        del d  # Held across the next delivery, its windows would outlive their ring slot (as would `window`).
+        for l in layers:
+          window = gen.cache.full_window(l, tails.pop(0))
           yield l, window
           del window
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -58,13 +57,11 @@ _LONG_ARMS = ("auto_d2", "auto_d2_ha", "auto_d2_int8")
 
 
 def _bench(args: list[str], timeout: float) -> dict:
-  """One bench process: its JSON (or why there is none), wall_s, rc and the host's peak RSS of the bench processes
-  so far (ru_maxrss of the children: the largest one's)."""
+  """One bench process: its JSON (or why there is none), wall_s and rc."""
   cmd = [sys.executable, "-m", "jaxkv.bench", f"--config={CONFIG.value}", "--nopeer", *args, *BENCH_ARGS.value.split()]
   json_out = os.path.join(tempfile.mkdtemp(prefix="check_1m_"), "bench.json")
   out, rc, wall = bench_child.run([*cmd, f"--json_out={json_out}"], json_out, timeout)
-  host_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-  out.update(command=" ".join(cmd), wall_s=wall, rc=rc, host_peak_rss_bytes_so_far=host_peak)
+  out.update(command=" ".join(cmd), wall_s=wall, rc=rc)
   return out
 
 
