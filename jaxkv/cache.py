@@ -244,12 +244,13 @@ class KVCache:
   def host_bytes_per_process(self) -> int:
     return host_bytes_per_process(self.mesh, self.layer_bytes, sum(self.streamed))
 
-  def streamed_bytes_per_device(self, rows: int) -> int:
-    """Bytes that `rows` rows of every streamed layer take on the fullest device (its heads of the layers on it)."""
+  def layers_bytes_per_device(self, rows: int, streamed: bool = True) -> int:
+    """Bytes that `rows` rows of every streamed layer (streamed=False: every resident one) take on the fullest
+    device (its heads of the layers on it)."""
     per_device = collections.Counter()
-    for l, streamed in enumerate(self.streamed):
+    for l, s in enumerate(self.streamed):
       mesh = self.device_shardings[l].mesh
-      for d in mesh.devices.flat if streamed else ():
+      for d in mesh.devices.flat if s == streamed else ():
         per_device[d] += self.row_bytes(mesh_lib.tensor_size(mesh)) * rows
     return max(per_device.values(), default=0)
 

@@ -630,27 +630,32 @@ class Engine:
 
 def prefill_plan(cache: cache_lib.KVCache, chunks: int, rows: int, headroom_mib: int) -> dict:
   """Whether a prefill of `chunks` chunks keeps each streamed layer's window on the devices from one span of chunks
-  to the next (Engine.prefill): when the fullest device has room, beside what it holds now and kv.headroom_mib, for
-  `rows` rows of every streamed layer (the largest window a layer holds: the prompt's rows with the last chunk's, or
-  a padded window, prefill_window_rows); always where the backend reports no device memory (CPU). Otherwise each
+  to the next (Engine.prefill): when the fullest device has room for `rows` rows of every streamed layer (the
+  largest window a layer holds: the prompt's rows with the last chunk's, or a padded window, prefill_window_rows)
+  beside what it holds now, the resident layers' windows grown to `rows` rows, auto's ring and workspace
+  (jaxkv.residency) and kv.headroom_mib; always where the backend reports no device memory (CPU). Otherwise each
   span gets its windows through the transport and stores them grown, as decode does.
 
   Returns keep (bool), bytes_per_device (the rows kept on the fullest device), free_bytes_per_device (None without
   memory stats) and reason."""
-  need = cache.streamed_bytes_per_device(rows)
+  need = cache.layers_bytes_per_device(rows)
   devices = {d for s in cache.device_shardings for d in s.mesh.devices.flat if d.process_index == jax.process_index()}
   free = residency.free_device_bytes(sorted(devices, key=lambda d: d.id)) if need else None
   plan = dict(keep=False, bytes_per_device=need, free_bytes_per_device=free)
   if not need or chunks < 2:
     return dict(plan, reason="nothing streamed" if not need else "one chunk: nothing to keep")
-  room = None if free is None else free - headroom_mib * 2**20
+  held = min((w.shape[3] for w, s in zip(cache.windows, cache.streamed) if not s and w is not None), default=0)
+  growth = cache.layers_bytes_per_device(rows, streamed=False) - cache.layers_bytes_per_device(held, streamed=False)
+  reserved = 0 if cache.plan is None else cache.plan.ring_bytes + cache.plan.workspace_bytes
+  room = None if free is None else free - growth - reserved - headroom_mib * 2**20
   if room is not None and need > room:
     reason = (
         f"the streamed layers' {need / 2**20:.0f} MiB of prompt rows per device exceed the free device memory "
-        f"{free / 2**20:.0f} MiB - --kv_headroom_mib={headroom_mib}: every span of chunks gets its windows through the "
-        "transport"
+        f"{free / 2**20:.0f} MiB less the resident layers' growth {growth / 2**20:.0f} MiB, the ring and workspace "
+        f"{reserved / 2**20:.0f} MiB and --kv_headroom_mib={headroom_mib}: every span of chunks gets its windows "
+        "through the transport"
     )
-    logging.warning("prefill: %s", reason)
+    logging.info("prefill: %s", reason)
     return dict(plan, reason=reason)
-  where = "no device memory limit" if room is None else f"within {room / 2**20:.0f} MiB free - headroom"
+  where = "no device memory limit" if room is None else f"within the {room / 2**20:.0f} MiB of room"
   return dict(plan, keep=True, reason=f"earlier rows stay on the devices ({need / 2**20:.0f} MiB per device, {where})")

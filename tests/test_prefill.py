@@ -250,22 +250,14 @@ def test_the_gpu_check_script_reports_a_cudnn_failure_and_times_the_placements()
   assert "| 40 | xla (xla) | host | 16 |" in script._table(acc, rows)  # pylint: disable=protected-access
 
 
-def test_a_prefill_holds_three_windows_beside_the_cache(monkeypatch):
-  """The device memory a prefill past the device budget takes beside the cache's windows: after each call of every
-  layer (jax.live_arrays), at most three windows larger than a delivery chunk (each takes the whole ring, as a 1M
-  prompt's 4 GiB windows do) are on the devices: the delivered one (its ring slot), the one grown by the chunks
-  and the next size of it or the one placed for the cache, never a layer's before it (a reference held by the
-  consumer, the prefill or the transport's feeder while the next layer computes: on the H200 a 1M prompt's last
-  span ran out of memory with two such windows more)."""
-  cfg = helpers.tiny_config()
-  chunk_rows = 256  # One leaf (jaxkv.decode_attention.LEAF_ROWS), the smallest delivery chunk.
-  row_bytes = 2 * cfg.model.num_kv_heads * cfg.model.head_dim * 4
-  cfg = dataclasses.replace(cfg, kv=dataclasses.replace(cfg.kv, delivery_chunk_mib=chunk_rows * row_bytes / 2**20))
-  eng = helpers.engine(1, placement="host", depth=2, capacity=1024, chunk=64, group_layers=1, cfg=cfg)
+def _windows_beside_the_cache(eng, prompt_len: int, chunk_rows: int, free: int | None) -> tuple[list[int], dict]:
+  """Prefills one prompt of prompt_len tokens (spans of 2 chunks) where the fullest device has `free` bytes free;
+  after each call of every layer (jax.live_arrays) counts the windows larger than a delivery chunk on the devices
+  that are not a resident layer's window in the cache. Returns the counts and the prefill's summary (its plan)."""
   counts = []
 
   def count(cache) -> None:
-    own = {id(w) for w in cache.windows if w is not None}  # The cache's (here on the host).
+    own = {id(w) for w, s in zip(cache.windows, cache.streamed) if w is not None and not s}
     big = [a for a in jax.live_arrays() if a.ndim == 5 and a.shape[3] > chunk_rows and "host" not in str(a.aval)]
     counts.append(sum(id(a) not in own for a in big))
 
@@ -289,13 +281,56 @@ def test_a_prefill_holds_three_windows_beside_the_cache(monkeypatch):
     count(cache)
     return out
 
-  monkeypatch.setattr(eng, "layer_fns", counted_fns)
-  monkeypatch.setattr(engine_lib.cache_lib.KVCache, "store", counted_store)
-  gen = eng.start(1)
-  try:
-    with mock.patch.object(residency, "free_device_bytes", lambda devices: 0):  # A full device.
-      with mock.patch.object(model, "SPAN_HIDDEN_BYTES", 2 * 64 * cfg.model.d_model * 4):  # Spans of 2 chunks.
-        eng.prefill_prompts(gen, helpers.prompts([600]), next_pass=False)
-  finally:
-    gen.close()
+  d_model = eng.config.model.d_model
+  with (
+      mock.patch.object(eng, "layer_fns", counted_fns),
+      mock.patch.object(engine_lib.cache_lib.KVCache, "store", counted_store),
+      mock.patch.object(residency, "free_device_bytes", lambda devices: free),
+      mock.patch.object(model, "SPAN_HIDDEN_BYTES", 2 * eng.config.engine.prefill_chunk * d_model * 4),
+  ):
+    gen = eng.start(1)
+    try:
+      eng.prefill_prompts(gen, helpers.prompts([prompt_len]), next_pass=False)
+    finally:
+      gen.close()
+  return counts, gen.prefill_summary
+
+
+def _chunked_config(chunk_rows: int) -> config_lib.Config:
+  """The tiny config with delivery chunks of chunk_rows rows."""
+  cfg = helpers.tiny_config()
+  row_bytes = 2 * cfg.model.num_kv_heads * cfg.model.head_dim * 4
+  return dataclasses.replace(cfg, kv=dataclasses.replace(cfg.kv, delivery_chunk_mib=chunk_rows * row_bytes / 2**20))
+
+
+def test_a_prefill_holds_three_windows_beside_the_cache():
+  """The device memory a prefill past the device budget takes beside the cache's windows: after each call of every
+  layer, at most three windows larger than a delivery chunk (each takes the whole ring, as a 1M prompt's 4 GiB
+  windows do) are on the devices: the delivered one (its ring slot), the one grown by the chunks and the next size
+  of it or the one placed for the cache, never a layer's before it (a reference held by the consumer, the prefill
+  or the transport's feeder while the next layer computes: on the H200 a 1M prompt's last span ran out of memory
+  with two such windows more)."""
+  chunk_rows = 256  # One leaf (jaxkv.decode_attention.LEAF_ROWS), the smallest delivery chunk.
+  cfg = _chunked_config(chunk_rows)
+  eng = helpers.engine(1, placement="host", depth=2, capacity=1024, chunk=64, group_layers=1, cfg=cfg)
+  counts, _ = _windows_beside_the_cache(eng, 600, chunk_rows, free=0)  # A full device.
   assert len(counts) > 10 * cfg.model.num_layers and max(counts) == 3, counts
+
+
+def test_a_prefill_keeps_no_streamed_window_in_the_resident_layers_room():
+  """auto's resident layers fill the device at the cache's capacity, so a long prompt's streamed windows go through
+  the transport from span to span, not kept on the devices while the resident windows grow (on the H200 a 1M
+  prompt, 24 layers resident, held all 8 streamed windows there and ran out of memory in its last span): at most
+  three windows beside the resident ones, as where every layer streams. With room for them, they stay."""
+  chunk_rows = 256
+  cfg = _chunked_config(chunk_rows)
+  capacity, resident = 2048, 3
+  eng = helpers.engine(1, placement="auto", depth=1, capacity=capacity, chunk=64, group_layers=1, cfg=cfg)
+  kv, layers = eng.config.kv, cfg.model.num_layers
+  layer = engine_lib.cache_lib.row_bytes(cfg.model, kv.dtype, 1, 1) * engine_lib.cache_lib.rows_bound(capacity, kv.block)
+  ample = residency.auto_plan(cfg.model, kv, 1, capacity, 64, tuple((l,) for l in range(layers)), 1, 2**40)
+  full = resident * layer + ample.ring_bytes + ample.workspace_bytes + kv.headroom_mib * 2**20
+  counts, summary = _windows_beside_the_cache(eng, 1400, chunk_rows, free=full)
+  assert not summary["keep"] and max(counts) == 3, (summary, counts)
+  _, summary = _windows_beside_the_cache(eng, 1400, chunk_rows, free=full + layer)  # One more resident: room.
+  assert summary["keep"], summary
