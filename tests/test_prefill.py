@@ -327,7 +327,9 @@ def test_a_prefill_keeps_no_streamed_window_in_the_resident_layers_room():
   capacity, resident = 2048, 3
   eng = helpers.engine(1, placement="auto", depth=1, capacity=capacity, chunk=64, group_layers=1, cfg=cfg)
   kv, layers = eng.config.kv, cfg.model.num_layers
-  layer = engine_lib.cache_lib.row_bytes(cfg.model, kv.dtype, 1, 1) * engine_lib.cache_lib.rows_bound(capacity, kv.block)
+  layer = engine_lib.cache_lib.row_bytes(cfg.model, kv.dtype, 1, 1) * engine_lib.cache_lib.rows_bound(
+      capacity, kv.block
+  )
   ample = residency.auto_plan(cfg.model, kv, 1, capacity, 64, tuple((l,) for l in range(layers)), 1, 2**40)
   full = resident * layer + ample.ring_bytes + ample.workspace_bytes + kv.headroom_mib * 2**20
   counts, summary = _windows_beside_the_cache(eng, 1400, chunk_rows, free=full)
