@@ -46,9 +46,9 @@ from absl import logging
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxkv import kv_quant
 from jaxkv import mesh as mesh_lib
 from jaxkv.config import DECODE_ATTENTIONS, ModelConfig
-from jaxkv import kv_quant
 from jaxkv.kv_quant import KVFormat
 
 LEAF_ROWS = 256  # S: rows per leaf. The bits of every decode attention depend on it; change it and they change.
