@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 
 from jaxkv import decode_attention as da
 from jaxkv import engine as engine_lib
@@ -153,6 +154,23 @@ def test_the_kernel_reads_int8_rows_packed_with_the_bits_of_their_unpacked_value
   got, want = chunk(parts[:1], jnp.int32(1), fmt), chunk(values[:1], jnp.int32(1), None)
   assert np.isfinite(np.asarray(got.m)).any()
   assert _equal(got, want)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_the_kernel_lowers_to_triton_for_a_cuda_gpu(kv_dtype):
+  """Pallas's Triton lowering of the kernel, run here for a CUDA target (jax.export; no GPU needed): the Llama-3-8B
+  heads over a window and the open page, and over a chunk's leaves (a traced first_leaf); int8 read packed. What
+  Pallas cannot lower (a load it does not support) fails here, not at a GPU's start-up check."""
+  fmt = KVFormat(kv_dtype, 128, "bfloat16")
+  rows = lambda n: jax.ShapeDtypeStruct((2, 1, 8, n, fmt.width), fmt.storage_dtype)
+  spec = (jax.ShapeDtypeStruct((1, 8, 4, 128), jnp.bfloat16), rows(4096), rows(256))
+  start = jax.ShapeDtypeStruct((1,), jnp.int32)
+  attend = lambda q, w, p, s: da.attend(q, (w, p), 0, s, 4106, impl="pallas", kv_format=fmt)
+  chunk = lambda q, w, p, s: da.leaf_partials(q, (w,), 0, s, 4106, 2, first_leaf=s[0], impl="pallas", kv_format=fmt)
+  triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  for f, kernels in ((attend, 2), (chunk, 1)):
+    lowered = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[triton])(*spec, start)
+    assert lowered.mlir_module().count("xla.gpu.triton(") == kernels
 
 
 def test_the_kernel_sharded_by_kv_head_gives_the_unsharded_bits():
