@@ -89,7 +89,7 @@ def main():
     if fmt.quantized:
       ms["unpacked"] = _median_ms(_layers("unpacked", fmt), args, a.reps)
       same = (_layers(n, fmt)(*args) for n in ("attend", "unpacked"))
-      ms["unpacked: the same bits"] = float(bool(jnp.array_equal(*same)))
+      out.setdefault("same_bits_packed_unpacked", {})[cell] = bool(jnp.array_equal(*same))
     for v in a.variants.split(","):
       da.TILE_ROWS, da.NUM_WARPS, da.NUM_STAGES = (int(x) for x in v.split("x"))
       try:
@@ -109,6 +109,8 @@ def main():
   for n in names:
     row = [out["cells"][c].get(n) for c in out["cells"]]
     print(f"| {n} | " + " | ".join(f"{x:.3f}" if isinstance(x, float) else "err" for x in row) + " |")
+  if "same_bits_packed_unpacked" in out:
+    print("packed and unpacked reads, the same bits:", out["same_bits_packed_unpacked"])
 
 
 if __name__ == "__main__":
