@@ -139,6 +139,16 @@ def _grow_fn(sharding: jax.sharding.Sharding):
 
 
 @functools.lru_cache(maxsize=None)
+def _write_fn(sharding: jax.sharding.Sharding):
+  """(buffer [2, B, K, A, E] donated, rows [2, B, K, N, E], at) -> buffer with rows at row `at`, in place."""
+  return jax.jit(
+      lambda buf, rows, at: jax.lax.dynamic_update_slice_in_dim(buf, rows, at, axis=3),
+      out_shardings=sharding,
+      donate_argnums=(0,),
+  )
+
+
+@functools.lru_cache(maxsize=None)
 def _zeros_fn(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
   return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
@@ -182,16 +192,19 @@ class KVCache:
       placement,
       head_share: Callable[[int], float] | None = None,
       buckets: int = 0,
+      full_windows: bool = False,
   ):
     """layout (jaxkv.layout.Layout): the mesh of each layer. placement (jaxkv.residency.Placement, from
     residency.place with the same arguments): where each window lives, the decode groups and the auto plan.
     head_share: with host attention, the host's share f of a streamed window of that many bytes per device
     (jaxkv.host.split.Split.share); None without. buckets: window sizes per doubling (window_rows; 0 = exact
-    windows); not with head_share."""
-    if buckets and head_share is not None:
-      raise ValueError("window buckets need a cache without host attention")
+    windows); not with head_share. full_windows: a resident layer's window, once placed by a prefill or settled, is
+    allocated at the largest window (rows_bound less the open page) and keeps that size as it grows (a grown window
+    replaces one of its own size, leaving no hole); not with head_share."""
+    if (buckets or full_windows) and head_share is not None:
+      raise ValueError("window buckets and full windows need a cache without host attention")
     self.model, self.kv, self.layout = model, kv, layout
-    self.buckets = buckets
+    self.buckets, self.full_windows = buckets, full_windows
     self.batch, self.capacity, self.block = batch, capacity, kv.block
     self.format = KVFormat.of(model, kv.dtype)
     meshes = [layout.mesh(l) for l in range(model.num_layers)]
@@ -234,8 +247,10 @@ class KVCache:
   def rows_bound(self) -> int:
     return rows_bound(self.capacity, self.block)
 
-  def window_rows(self, rows: int) -> int:
-    """A, the rows allocated for a window of `rows` rows (module docstring)."""
+  def window_rows(self, rows: int, layer: int) -> int:
+    """A, the rows allocated for layer's window of `rows` rows (module docstring; full_windows)."""
+    if rows and self.full_windows and not self.streamed[layer]:
+      return self.rows_bound() - self.block
     return window_rows(rows, self.block, self.capacity, self.buckets)
 
   def row_bytes(self, devices: int = 1) -> int:
@@ -273,11 +288,31 @@ class KVCache:
     zeros as every slot's window (window_rows(rows) rows) and open page. With one slot the window is left for its
     insert to store whole."""
     if rows and self.batch > 1:
-      self.store_zeros(self.window_rows(rows))
+      for l in sorted(range(self.model.num_layers), key=lambda l: self.streamed[l]):  # As store_zeros.
+        self.store(l, self.device_zeros(l, self.window_rows(rows, l)))
     shape = (2, self.batch, self.model.num_kv_heads, self.block, self.row_width)
     for l in range(self.model.num_layers):
       self.opens[l] = _zeros_fn(shape, self.dtype, self.device_shardings[l])()
     self.rows = rows
+
+  def settle(self, plan) -> None:
+    """Places the cache as `plan` says (jaxkv.residency.decode_plan, after a prefill of this cache with full_windows):
+    each promoted layer's window (pinned host, rows [W - A, W)) moves to the devices into a zero buffer of the largest
+    window, one delivery chunk at a time (a chunk's rows beside the buffer, not a second window), after every stored
+    window's D2H copy has landed. Nothing may read or write the windows meanwhile."""
+    self.land_copies()
+    for l in plan.promoted:
+      window, sharding = self.windows[l], self.device_shardings[l]
+      if window is not None:
+        a, full = window.shape[3], self.rows_bound() - self.block
+        moved = self.device_zeros(l, full)
+        step = self.chunk_rows or a
+        for first in range(0, a, step):
+          rows = min(step, a - first)
+          moved = _write_fn(sharding)(moved, rows_to_device(window, first, rows, sharding), full - a + first)
+        self.windows[l] = jax.block_until_ready(moved)  # One layer's chunks on the devices at a time.
+        del window
+    self.streamed, self.plan = plan.streamed, plan
 
   def store(self, layer: int, window_device: jax.Array | None) -> Issued:
     """Places layer `layer`'s window (a device array) in the cache's memory."""

@@ -83,7 +83,7 @@ class GroupRunner:
     args = (ps, moved, windows, [cache.opens[l] for l in layers], ctx.meta(layers[0]))
     fns = eng.layer_fns(layers[0])
     if ctx.full:
-      x, grown, opens = fns.decode_group_full(*args, grow_to=cache.window_rows(cache.rows + cache.block))
+      x, grown, opens = fns.decode_group_full(*args, grow_to=cache.window_rows(cache.rows + cache.block, layers[0]))
     else:
       x, opens = fns.decode_group(*args)
     for l, open_page in zip(layers, opens):

@@ -114,8 +114,9 @@ class Generation:
   decode passes (jaxkv.decode: the device groups', and the host-attention path's, None without one), where the
   transport's counters go, the shapes compiled so far, the split (with kv.host_attention, also where it turned the
   path off), and on the host: start i32[B], each sequence's first row (meta's starts: the host kernel's mask; read
-  from meta, it would wait for the last pass), end, the row the next pass writes (set by a prefill), and the last
-  prefill's attention and plan (prefill_plan). Close it when done."""
+  from meta, it would wait for the last pass), end, the row the next pass writes (set by a prefill), the last
+  prefill's attention and plan (prefill_plan), and the placement its decode takes after its prefill (Engine.settle;
+  None: the cache's). Close it when done."""
 
   cache: cache_lib.KVCache
   transport: Transport
@@ -127,6 +128,7 @@ class Generation:
   start: np.ndarray | None = None
   end: int = 0
   prefill_summary: dict = dataclasses.field(default_factory=dict)
+  decode_plan: residency.Plan | None = None
 
   def add_counters(self, kind: str, issued: Issued, rows: int | None = None) -> None:
     """After a pass ("prefill" chunk or "decode") that issued `issued` (its stores, its calls), the window rows now
@@ -312,7 +314,8 @@ class Engine:
     config.speculate's."""
     self.validate(prompts, max_new_tokens, zero_rows)
     cfg, speculator = self.config, self._speculator(drafter)
-    gen = self.start(len(prompts), counters=telemetry.Counters(cfg.kv.transport_debug, on_chunk))
+    counters = telemetry.Counters(cfg.kv.transport_debug, on_chunk)
+    gen = self.start(len(prompts), counters=counters, settles=speculator is None and max_new_tokens > 1)
     # The record's clock starts here: prefill_s does not count the cache's start (the host's share measured).
     rec = telemetry.Recorder(cfg.sampling.stop_ids, step_hash=True, keep_logits=keep_logits)
     try:
@@ -321,11 +324,12 @@ class Engine:
       gen.close()
       rec.close()
 
-  def start(self, batch: int, *, kv=None, counters=None, shapes=None) -> Generation:
+  def start(self, batch: int, *, kv=None, counters=None, shapes=None, settles=False) -> Generation:
     """A generation of `batch` sequences: a fresh cache placed as `kv` says (default config.kv; residency.place
     plans it), its host-attention path (host_decode.plan measures its split, or turns it off) and its transport.
     counters: where the transport's counters go (default fresh telemetry.Counters); shapes: the set of compiled shapes
-    to add to (default a new one)."""
+    to add to (default a new one). settles: nothing prefills into the cache after its first prefill (generate), so
+    that decode may run with residency.decode_plan's placement (Engine.settle)."""
     m, capacity, kv = self.config.model, self.config.engine.capacity, kv or self.config.kv
     chunk = self.config.engine.prefill_chunk
     place = lambda kv: residency.place(m, kv, self.layout, batch, capacity, prefill_chunk=chunk)
@@ -338,16 +342,42 @@ class Engine:
     # Window buckets change no bits of the leaves' decode attention; legacy's would change (jaxkv.cache). A streamed
     # window would carry its padding over the link every step (up to 2x its rows at kv.window_buckets 1, 1.39x on
     # average), where the link bounds the step: buckets only where every window stays on the device.
-    exact = any(placement.streamed) or any(f.decode_attention == "legacy" for f in self.stage_fns)
+    legacy = any(f.decode_attention == "legacy" for f in self.stage_fns)
+    exact = any(placement.streamed) or legacy
     buckets = 0 if exact else kv.window_buckets
+    decode_plan = None
+    if settles and share is None and not legacy:
+      gathers = any(f.decode_attention == "xla" for f in self.stage_fns)
+      tensor = mesh_lib.tensor_size(self.layout.mesh(0))
+      decode_plan = residency.decode_plan(m, kv, batch, capacity, tensor, placement, gathers)
     cache = cache_lib.KVCache(
-        m, kv, self.layout, batch, capacity, placement=placement, head_share=share, buckets=buckets
+        m,
+        kv,
+        self.layout,
+        batch,
+        capacity,
+        placement=placement,
+        head_share=share,
+        buckets=buckets,
+        full_windows=decode_plan is not None,
     )
     host = None if share is None else host_decode.HostDecode(self, cache, split)
     transport = Transport(cache, kv.pipeline_depth, kv.transport_debug)
     counters = telemetry.Counters() if counters is None else counters
     groups = decode.GroupRunner(self, cache)
-    return Generation(cache, transport, groups, host, counters, set() if shapes is None else shapes, split)
+    shapes = set() if shapes is None else shapes
+    return Generation(cache, transport, groups, host, counters, shapes, split, decode_plan=decode_plan)
+
+  def settle(self, gen: Generation) -> None:
+    """After the generation's prefill: its cache placed by its decode plan (KVCache.settle: the promoted layers'
+    windows moved to the devices), and a transport for that placement (the prefill's, closed, holds no ring)."""
+    if gen.decode_plan is None:
+      return
+    gen.transport.close()
+    gen.cache.settle(gen.decode_plan)
+    kv = gen.cache.kv
+    gen.transport = Transport(gen.cache, kv.pipeline_depth, kv.transport_debug)
+    gen.decode_plan = None
 
   def prefill(
       self, gen: Generation, tokens, start, longest, *, first=0, prefix=None, next_pass=False, hidden=None
@@ -474,8 +504,8 @@ class Engine:
           gen, self._tokens(prompts[0]), gen.start, longest, first=zero_rows // chunk, next_pass=next_pass
       )
       w_rows = longest // block * block
-      a_rows = gen.cache.window_rows(w_rows)
       for layer in run:
+        a_rows = gen.cache.window_rows(w_rows, layer.layer)
         window, gen.cache.opens[layer.layer] = self._place(layer, a_rows - w_rows, a_rows)
         issued += gen.cache.store(layer.layer, window if w_rows else None)
         del layer, window  # Else held while the next layer computes: a streamed layer's two windows on the devices.
@@ -540,8 +570,8 @@ class Engine:
 
   def _fill_slot(self, own: Generation, run: Prefill, cache, slot: int, offset: int, end: int):
     w_rows, issued = end // self.config.kv.block * self.config.kv.block, Issued()
-    a_rows = cache.window_rows(w_rows)  # The window's buffer holds rows [w_rows - a_rows, w_rows).
     for layer in run:
+      a_rows = cache.window_rows(w_rows, layer.layer)  # The window's buffer holds rows [w_rows - a_rows, w_rows).
       window, open_page = self._place(layer, offset + a_rows - w_rows, a_rows)
       issued += cache.insert_slot(layer.layer, slot, window if w_rows else None, open_page)
       del window, open_page
@@ -578,7 +608,9 @@ class Engine:
     """Prefill, then decode (speculatively with a speculator: jaxkv.spec_decode); the caller closes the
     generation."""
     cfg, batch = self.config, len(prompts)
-    x_last, start, longest = self.prefill_prompts(gen, prompts, next_pass=max_new_tokens > 1, zero_rows=zero_rows)
+    next_pass = max_new_tokens > 1 and gen.decode_plan is None  # A settled cache gets a new transport.
+    x_last, start, longest = self.prefill_prompts(gen, prompts, next_pass=next_pass, zero_rows=zero_rows)
+    self.settle(gen)
     owners = list(range(batch))
     for b in owners:
       rec.add(b, max_new_tokens, hashed=False)

@@ -19,6 +19,11 @@ WORKSPACE_SCORE_BLOCKS x jaxkv.model.SCORE_BUDGET_BYTES), minus kv.headroom_mib.
 automatic figure (and lets tests and benchmarks emulate a smaller device); it may not exceed the free memory where
 that is known. Where the backend reports no memory (CPU) and no budget is given, every layer is resident.
 
+Decode after a prefill (`decode_plan`): where nothing prefills into the cache again (jaxkv.engine.Engine.generate),
+decode runs on a second plan of the same free memory and ring less decode's own workspace (no prefill temporaries,
+no holes: the cache's resident windows are allocated at the largest window, jaxkv.cache.KVCache's full_windows),
+which makes more of the prefill's streamed layers resident (KVCache.settle moves them).
+
 Order: the resident layers are spread evenly among the streamed ones (`spread`), so that the link keeps
 delivering streamed layers while resident layers compute: with a contiguous resident block, the ring
 (depth + 1 deliveries ahead) fills and the link idles for the rest of the block.
@@ -45,6 +50,9 @@ from jaxkv.kv_quant import KVFormat
 WORKSPACE_SCORE_BLOCKS = 3  # f32 scores, their softmax weights and one spare, of the prefill's query blocks.
 GROUP_TARGET_BYTES = 2**30  # Per device: what an automatic group (kv.group_layers 0) delivers, up to GROUP_MAX_LAYERS.
 GROUP_MAX_LAYERS = 8  # Layers in an automatic group: a step of L layers has at least L / 8 deliveries to overlap.
+# The XLA leaves' temporaries in a decode step, in windows of the model dtype: 2.13 at a 4096-row window (XLA's
+# memory analysis on CPU, tests/test_residency.py).
+XLA_LEAVES_WINDOWS = 3
 RING_SPARE = 2  # Ring slots beyond the depth: the delivery being computed and the previous one (jaxkv.transport).
 
 
@@ -87,7 +95,9 @@ class Plan:
   layer_bytes: one layer's KV per device at full capacity; budget_bytes: device bytes the KV may take;
   budget_source: "kv.device_budget_gib", "free device memory" or "no device memory limit"; what the budget left
   out of the free memory (per device): free_bytes (None: unknown), ring_bytes (the delivery ring at the depth asked,
-  in chunks where windows are chunked) and workspace_bytes (workspace_bytes)."""
+  in chunks where windows are chunked) and workspace_bytes (workspace_bytes). A plan for decode after a prefill
+  (decode_plan) also has the layers it made resident that the prefill streamed (promoted) and the prefill's
+  workspace (prefill_workspace_bytes; None for any other plan)."""
 
   streamed: tuple[bool, ...]
   layer_bytes: int
@@ -96,6 +106,8 @@ class Plan:
   free_bytes: int | None = None
   ring_bytes: int = 0
   workspace_bytes: int = 0
+  promoted: tuple[int, ...] = ()
+  prefill_workspace_bytes: int | None = None
 
   @property
   def resident_layers(self) -> int:
@@ -112,6 +124,11 @@ class Plan:
         ring_bytes_per_device=self.ring_bytes,
         workspace_bytes_per_device=self.workspace_bytes,
         streamed=[l for l, s in enumerate(self.streamed) if s],
+        **(
+            {}
+            if self.prefill_workspace_bytes is None
+            else dict(promoted=list(self.promoted), prefill_workspace_bytes_per_device=self.prefill_workspace_bytes)
+        ),
     )
 
 
@@ -190,13 +207,61 @@ def auto_plan(
   ring = ring_bytes(
       kv.pipeline_depth, chunked.slot_bytes(min(group, model_config.num_layers) * layer_bytes, c_rows, row)
   )
-  # Windows past two chunks grow from their chunks, smaller ones whole, two at a time but together at most a window;
-  # host attention's tails grow whole (jaxkv.host).
-  chunked_growth = bool(c_rows) and 2 * (c_rows + kv.block) <= rows and not kv.host_attention
-  workspace = workspace_bytes(model_config, kv.dtype, batch, rows, prefill_chunk, group, devices, chunked_growth)
+  growth = chunked_growth(kv, c_rows, rows)
+  workspace = workspace_bytes(model_config, kv.dtype, batch, rows, prefill_chunk, group, devices, growth)
   budget, source = device_budget(free, kv.device_budget_gib, ring, workspace, kv.headroom_mib)
   auto = plan(groups, layer_bytes, budget, source)
   return dataclasses.replace(auto, free_bytes=free, ring_bytes=ring, workspace_bytes=workspace)
+
+
+def chunked_growth(kv: KVConfig, c_rows: int, rows: int) -> bool:
+  """Whether windows of up to `rows` rows grow from their delivery chunks of c_rows rows (jaxkv.chunked): those past
+  two chunks do, smaller ones grow whole, two at a time but together at most a window; host attention's tails grow
+  whole (jaxkv.host)."""
+  return bool(c_rows) and 2 * (c_rows + kv.block) <= rows and not kv.host_attention
+
+
+def decode_plan(
+    model_config: ModelConfig,
+    kv: KVConfig,
+    batch: int,
+    capacity: int,
+    devices: int,
+    prefill: Placement,
+    gathers: bool,
+) -> Plan | None:
+  """auto's plan for the decode that follows a prefill into a cache placed as `prefill` (its placement, heads over
+  `devices`), where nothing prefills into the cache again (jaxkv.engine.Engine.generate): the budget of the same
+  free memory less the same ring and decode_workspace_bytes (the resident windows allocated at the largest window),
+  and as many more of the streamed groups resident (`promoted`, spread evenly among them) as it holds. None where
+  there is no such plan: nothing streamed (every window stays as the cache allocates it), host attention, or a
+  budget given (kv.device_budget_gib)."""
+  before = prefill.plan
+  if before is None or before.budget_source != "free device memory" or kv.host_attention or not any(before.streamed):
+    return None
+  rows = cache_lib.rows_bound(capacity, kv.block)
+  group = max(map(len, prefill.groups))
+  growth = chunked_growth(kv, prefill.chunk_rows, rows)
+  workspace = decode_workspace_bytes(model_config, kv.dtype, batch, rows, group, devices, growth, gathers)
+  budget, source = device_budget(before.free_bytes, None, before.ring_bytes, workspace, kv.headroom_mib)
+  room = budget // max(before.layer_bytes, 1) - before.resident_layers
+  streamed = [g for g in prefill.groups if before.streamed[g[0]]]
+  for kept in range(len(streamed) + 1):  # The fewest streamed groups left whose promotion fits.
+    promoted = [g for g, s in zip(streamed, spread(len(streamed), len(streamed) - kept)) if not s]
+    if sum(map(len, promoted)) <= room:
+      break
+  up = {l for g in promoted for l in g}
+  return Plan(
+      tuple(s and l not in up for l, s in enumerate(before.streamed)),
+      before.layer_bytes,
+      budget,
+      source,
+      before.free_bytes,
+      before.ring_bytes,
+      workspace,
+      promoted=tuple(sorted(up)),
+      prefill_workspace_bytes=before.workspace_bytes,
+  )
 
 
 def delivery_chunk_rows(kv: KVConfig, group: int, row_bytes: int) -> int:
@@ -256,6 +321,27 @@ def workspace_bytes(
   prefill = max(window_values, mlp_rows) + hidden if prefill_chunk else 0
   growth = (1 if chunked_growth else 2) * group * layer
   return growth + prefill + layer + WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
+
+
+def decode_workspace_bytes(
+    model_config: ModelConfig,
+    kv_dtype: str,
+    batch: int,
+    rows: int,
+    group: int,
+    devices: int,
+    chunked_growth: bool,
+    gathers: bool,
+) -> int:
+  """Device memory per device that decode alone needs beside the ring where every resident window is allocated at
+  the largest window (jaxkv.cache.KVCache's full_windows, after a prefill: decode_plan): the windows that grow at a
+  page boundary (as workspace_bytes counts them), and where the decode attention gathers its leaves (`gathers`:
+  the XLA leaves, jaxkv.decode_attention) XLA_LEAVES_WINDOWS windows in the model dtype; the kernel reads the
+  windows in place. No window for holes: every resident window is replaced by one of its own size, and a streamed
+  one grows into a buffer no larger. No prefill term, no scores."""
+  layer = cache_lib.row_bytes(model_config, kv_dtype, batch, devices) * rows
+  window_values = cache_lib.row_bytes(model_config, "model", batch, devices) * rows
+  return (1 if chunked_growth else 2) * group * layer + (XLA_LEAVES_WINDOWS * window_values if gathers else 0)
 
 
 def device_budget(

@@ -126,7 +126,7 @@ class SelfDraft:
       if window is not None:
         if exact.streamed[l]:
           window = exact.full_window(l, distributed.move(window, exact.device_shardings[l]))
-        draft.windows[l] = _quantize_fn(exact.model, fmt, draft.window_rows(exact.rows), draft.device_shardings[l])(
+        draft.windows[l] = _quantize_fn(exact.model, fmt, draft.window_rows(exact.rows, l), draft.device_shardings[l])(
             window
         )
       draft.opens[l] = _quantize_fn(exact.model, fmt, exact.block, draft.device_shardings[l])(exact.opens[l])

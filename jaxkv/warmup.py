@@ -19,6 +19,7 @@ the prompt logprobs' head.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -38,7 +39,7 @@ def buckets(cache) -> list[tuple[int, int, int]]:
   first. A = 0: no window yet."""
   out: dict[int, list[int]] = {}
   for w in range(0, (cache.capacity - 1) // cache.block * cache.block + 1, cache.block):
-    out.setdefault(cache.window_rows(w), []).append(w)
+    out.setdefault(cache.window_rows(w, 0), []).append(w)  # A server's cache: every layer's the same.
   return [(a, ws[0], ws[-1]) for a, ws in sorted(out.items())]
 
 
@@ -72,7 +73,7 @@ def warm_up(engine, batch: int, report: Callable[[str], None] | None = None) -> 
       out["decode"].append(dict(rows=a, seconds=time.perf_counter() - t0))
       if report is not None:
         report(f"warm-up: window {a} rows ({i + 1}/{len(sizes)}), {out['decode'][-1]['seconds']:.1f} s")
-    windows, slot_rows = [a for a, _, _ in sizes], gen.cache.window_rows  # A slot's buckets.
+    windows, slot_rows = [a for a, _, _ in sizes], functools.partial(gen.cache.window_rows, layer=0)  # A slot's.
   finally:
     gen.close()
   cfg = engine.config
@@ -131,7 +132,7 @@ def _bucket(engine, gen, first: int, last: int) -> None:
   cache.clear()
   cache.store_empty_slots(first)
   for l in range(cache.model.num_layers):
-    window = None if not first else _zeros(cache, l, cache.window_rows(first))
+    window = None if not first else _zeros(cache, l, cache.window_rows(first, l))
     for b in range(cache.batch):
       cache.insert_slot(l, b, window, _zeros(cache, l, block))
   x = engine.put(np.zeros((cache.batch, engine.config.model.d_model)), jnp.dtype(engine.config.model.dtype))

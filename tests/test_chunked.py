@@ -113,6 +113,32 @@ def test_decode_with_chunked_windows_is_the_device_placements_bit_for_bit(placem
     assert t["residency"]["resident_layers"] == 2
 
 
+def test_a_settled_decode_moves_promoted_windows_in_chunks_and_keeps_the_bits(monkeypatch):
+  """auto from free device memory, windows delivered in chunks: after the prefill, the decode plan
+  (residency.decode_plan) makes a streamed layer resident, its window moved to the devices a chunk at a time into a
+  buffer of the largest window (KVCache.settle); decode then gives the device placement's bits."""
+  # The prefill's workspace a layer over decode's: no scores, and the XLA leaves' copy counted as one window.
+  monkeypatch.setattr(residency, "WORKSPACE_SCORE_BLOCKS", 0)
+  monkeypatch.setattr(residency, "XLA_LEAVES_WINDOWS", 1)
+  eng = helpers.engine(2, placement="auto", depth=1, capacity=832, chunk=256, group_layers=1)
+  layer = helpers.layer_bytes(eng, len(LENGTHS))
+  eng = helpers.with_kv(eng, delivery_chunk_mib=S * (layer // (832 + 8)) / 2**20)
+  cfg = eng.config
+  groups = residency.decode_groups((0,) * cfg.model.num_layers, 1)
+  plan = residency.auto_plan(cfg.model, cfg.kv, len(LENGTHS), 832, 256, groups, 2, 0)  # Its ring and workspace.
+  helpers.device_memory(monkeypatch, plan.ring_bytes + plan.workspace_bytes + cfg.kv.headroom_mib * 2**20 + 2 * layer)
+  moved = []
+  write = cache_lib._write_fn  # pylint: disable=protected-access
+  monkeypatch.setattr(cache_lib, "_write_fn", lambda sharding: lambda *a: moved.append(a[2]) or write(sharding)(*a))
+  res = eng.generate(helpers.prompts(LENGTHS), NEW, keep_logits=True, zero_rows=ZERO_ROWS)
+  t = res.transport["residency"]
+  assert t["resident_layers"] - len(t["promoted"]) == 2 and len(t["promoted"]) == 1
+  assert moved == [32, 32 + S, 32 + 2 * S, 32 + 3 * S]  # 800 rows in chunks of S, at the end of 832 (840 - 8).
+  reference = _reference("model")
+  np.testing.assert_array_equal(res.logits, reference.logits)
+  assert res.tokens == reference.tokens
+
+
 def test_host_attention_with_chunked_tails_gives_the_bits_of_whole_tails():
   """Host attention on a quarter of each window: the delivered tail (about 600 rows) in chunks of S rows gives the
   bits of the tail delivered whole, with a ring of chunks."""

@@ -143,8 +143,10 @@ def test_auto_serves_slots_with_the_same_transcript():
 
 @pytest.mark.parametrize("depth, resident", [(1, 2), (2, 3)])
 def test_auto_budget_from_free_device_memory_leaves_room_for_the_ring(monkeypatch, depth, resident):
-  """With the devices' memory stats (no --kv_device_budget_gib), the budget is the free memory minus the ring of
-  depth + 2 windows, the workspace and the headroom: half a layer more than `resident` layers fit after them."""
+  """With the devices' memory stats (no --kv_device_budget_gib), the prefill's budget is the free memory minus the
+  ring of depth + 2 windows, the workspace and the headroom: half a layer more than `resident` layers fit after
+  them. Its decode (residency.decode_plan) leaves out the prefill's workspace and makes every layer resident: the
+  same bits."""
   prompts = helpers.prompts(LENGTHS)
   ref = helpers.engine(2, placement="device").generate(prompts, NEW, keep_logits=True)
   eng = helpers.engine(2, placement="auto", depth=depth, group_layers=1)  # A ring slot holds one layer's window.
@@ -159,10 +161,45 @@ def test_auto_budget_from_free_device_memory_leaves_room_for_the_ring(monkeypatc
   helpers.device_memory(monkeypatch, free)
   res = eng.generate(prompts, NEW, keep_logits=True)
   plan = res.transport["residency"]
-  assert plan["budget_source"] == "free device memory"
-  assert plan["device_budget_bytes"] == resident * layer + layer // 2
-  assert plan["resident_layers"] == resident and plan["streamed_layers"] == 6 - resident
-  assert res.transport["depth"] == depth and res.transport["fallback_reason"] is None  # The ring fits the rest.
+  assert plan["budget_source"] == "free device memory" and plan["prefill_workspace_bytes_per_device"] == workspace
+  assert plan["resident_layers"] - len(plan["promoted"]) == resident  # The prefill's.
+  decode_workspace = residency.decode_workspace_bytes(eng.config.model, "model", len(LENGTHS), rows, 1, 2, False, True)
+  assert plan["workspace_bytes_per_device"] == decode_workspace == 5 * layer  # Two grown windows, the XLA leaves.
+  assert plan["device_budget_bytes"] == free - (depth + 2) * layer - decode_workspace - headroom
+  assert plan["resident_layers"] == 6 and plan["streamed_layers"] == 0
+  assert res.transport["depth"] == depth and res.transport["fallback_reason"] is None
+  np.testing.assert_array_equal(res.logits, ref.logits)
+  assert res.tokens == ref.tokens
+
+
+@pytest.mark.parametrize("lengths", [LENGTHS, (30,)])
+def test_decode_after_a_prefill_keeps_more_layers_resident_in_full_windows(monkeypatch, lengths):
+  """Where the prefill's workspace is what keeps layers streamed, generate's decode (residency.decode_plan) plans
+  the same free memory without it: two layers more resident, moved to the devices after the prefill, and every
+  resident window allocated at the largest window, a size it keeps as it grows; the same bits as the device
+  placement (prompts prefilled straight into the cache, or one by one into its slots)."""
+  # The prefill's workspace 1.5 layers over decode's: no scores, and the XLA leaves' copy counted as one window.
+  monkeypatch.setattr(residency, "WORKSPACE_SCORE_BLOCKS", 0)
+  monkeypatch.setattr(residency, "XLA_LEAVES_WINDOWS", 1)
+  prompts = helpers.prompts(lengths)
+  ref = helpers.engine(2, placement="device").generate(prompts, NEW, keep_logits=True)
+  eng = helpers.engine(2, placement="auto", depth=1, group_layers=1)
+  cfg, layer = eng.config, helpers.layer_bytes(eng, len(lengths))
+  rows = cache_lib.rows_bound(cfg.engine.capacity, cfg.kv.block)
+  prefill = residency.workspace_bytes(cfg.model, "model", len(lengths), rows, cfg.engine.prefill_chunk, 1, 2, False)
+  decode = residency.decode_workspace_bytes(cfg.model, "model", len(lengths), rows, 1, 2, False, True)
+  assert prefill - decode == 1.5 * layer
+  helpers.device_memory(monkeypatch, 3 * layer + prefill + cfg.kv.headroom_mib * 2**20 + layer + layer // 2)
+  windows = []
+  on_step = lambda step, cache: windows.append([None if w is None else w.shape[3] for w in cache.windows])
+  res = eng.generate(prompts, NEW, keep_logits=True, on_step=on_step)
+  plan = res.transport["residency"]
+  assert plan["resident_layers"] == 3 and plan["promoted"] == [1, 4]  # Of 0, 1, 2, 4, 5, the prefill's streamed.
+  assert plan["streamed"] == [0, 2, 5] and plan["workspace_bytes_per_device"] == decode
+  resident = [False, True, False, True, True, False]
+  for step in windows:
+    assert all(a == rows - cfg.kv.block for a, r in zip(step, resident) if r)  # Allocated whole.
+  assert {a for step in windows for a, r in zip(step, resident) if not r} == {32, 40}  # Exact: grown by pages.
   np.testing.assert_array_equal(res.logits, ref.logits)
   assert res.tokens == ref.tokens
 
@@ -205,7 +242,8 @@ def test_the_workspace_holds_what_xla_measures_for_the_prefill_and_decode_progra
   """XLA's memory analysis of the compiled programs (CPU, the XLA attentions) against residency.workspace_bytes at a
   4096-row window: a prefill call's temporaries are its prefill term (the window's copy) and WORKSPACE_SCORE_BLOCKS
   blocks of that call's scores, within 5%; a decode step that grows the window needs, beside its arguments, its
-  temporaries and the grown window, no more than the workspace without the scores. A window grown from its chunks
+  temporaries and the grown window, no more than the workspace without the scores, or than decode's own workspace
+  (residency.decode_workspace_bytes). A window grown from its chunks
   (jaxkv.chunked) is written in place: each chunk and then the open page into the one grown buffer, donated, with
   no temporary beyond a page."""
   ws = residency.workspace_bytes
@@ -225,6 +263,11 @@ def test_the_workspace_holds_what_xla_measures_for_the_prefill_and_decode_progra
   decode = fns.decode_group_full.lower([p], f32(b, cfg.d_model), [window], opens, meta).compile().memory_analysis()
   no_scores = ws(cfg, "model", b, w, c, 1, 1, False) - residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
   assert decode.temp_size_in_bytes + decode.output_size_in_bytes <= no_scores
+  # Decode alone (residency.decode_plan): the grown window and the XLA leaves' temporaries.
+  alone = residency.decode_workspace_bytes(cfg, "model", b, w, 1, 1, False, gathers=True)
+  assert alone == (2 + residency.XLA_LEAVES_WINDOWS) * window.size * 4
+  assert 2 * window.size * 4 < decode.temp_size_in_bytes <= residency.XLA_LEAVES_WINDOWS * window.size * 4
+  assert decode.temp_size_in_bytes + decode.output_size_in_bytes <= alone
   calls = chunked.calls(cfg, helpers.mesh(1), "model", "xla")
   grown, page_bytes = f32(2, b, cfg.num_kv_heads, w + page, cfg.head_dim), opens[0].size * 4
   write = calls.write.lower(grown, f32(2, b, cfg.num_kv_heads, 512, cfg.head_dim), 0).compile().memory_analysis()

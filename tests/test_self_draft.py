@@ -76,7 +76,7 @@ def test_the_draft_cache_holds_the_int4_of_the_exact_rows(host_attention):
   assert draft.rows == exact.rows == 40 and drafter.gen.end == gen.end == 46
   assert (exact.head_rows(0) == 8) == host_attention
   np.testing.assert_array_equal(drafter.gen.start, gen.start)
-  a_rows = draft.window_rows(40)
+  a_rows = draft.window_rows(40, 0)
   assert a_rows > 40 and draft.kv.dtype == "int4" and not any(draft.streamed)
   for l in range(CFG.model.num_layers):
     rows = [a for a in (exact.heads[l], exact.windows[l]) if a is not None]

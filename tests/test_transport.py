@@ -267,7 +267,7 @@ def test_long_decode_keeps_device_memory_flat():
   def on_step(step, cache):
     live = [a for a in device_arrays() if id(a) not in before]
     counts.append(len(live))
-    ring = (2 + 2) * cache.row_bytes() * cache.window_rows(cache.rows)  # depth + 2 windows, as allocated.
+    ring = (2 + 2) * cache.row_bytes() * cache.window_rows(cache.rows, 0)  # depth + 2 windows, as allocated.
     excess.append(sum(a.nbytes for a in live) - sum(o.nbytes for o in cache.opens) - ring)
 
   res = eng.generate(helpers.prompts([100]), 1000, on_step=on_step)

@@ -10,7 +10,8 @@ pool itself (jaxkv.host.startup.startup_env):
   prefill  (only when named in --parts) a real 1M-token prompt through `python3 -m jaxkv.generate` once (placement
            auto, one prefill with its compilation, then one decode step): prefill_s, device peak, host peak RSS.
 
-For each auto arm it prints the plan (resident / streamed layers, free memory, ring, workspace, delivery chunk rows)
+For each auto arm it prints the plan that decode ran on (resident / streamed layers, free memory, ring, workspace,
+delivery chunk rows; after a prefill, jaxkv.residency.decode_plan's, the layers it promoted in the JSON)
 and the predicted ms a step (jaxkv.residency.predict_step_ms of the streamed bytes over the link's rate for the
 deliveries the arm makes: jaxkv.bench's chunked-delivery rate where it chunks) beside the measured one, then a
 pass/fail table of the issue's targets last: bf16 auto within 10% of its prediction and at least 2x the earlier
@@ -114,6 +115,9 @@ def _row(part: str, arm: str, rec: dict) -> dict:
       free_gib=gib("free_bytes_per_device"),
       ring_gib=gib("ring_bytes_per_device"),
       workspace_gib=gib("workspace_bytes_per_device"),
+      # Decode's own plan after the prefill (jaxkv.residency.decode_plan): the layers it promoted, the prefill's.
+      promoted_layers=plan.get("promoted"),
+      prefill_workspace_gib=gib("prefill_workspace_bytes_per_device"),
       delivery_chunk_rows=t.get("delivery_chunk_rows"),
       device_peak_gib=(rec.get("device_peak_bytes_in_use_process") or 0) / _GIB or None,
       # A skipped arm's allocator at the failure (bytes_in_use, bytes_limit, largest_free_block_bytes, ...).

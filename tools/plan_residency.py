@@ -3,8 +3,9 @@
 The plan that jaxkv.residency.place gives a cache of --context rows and --batch sequences on one device of
 --device_gib GiB with JAX's pool at --mem_fraction, less the weights (bf16: 2 bytes per parameter of the config's
 model): the free memory, the ring, the workspace, the budget, the resident and streamed layers, and the step the
-link sets (streamed bytes / --link_gbps; compute is not counted). The config's overrides apply
-(--config.kv.dtype=int8, --config.kv.delivery_chunk_mib=0, ...).
+link sets (streamed bytes / --link_gbps; compute is not counted); for the prefill's plan and for the decode that
+follows it in a generate (residency.decode_plan, the decode attention's kernel reading the windows in place). The
+config's overrides apply (--config.kv.dtype=int8, --config.kv.delivery_chunk_mib=0, ...).
 
   python3 tools/plan_residency.py  # The 8B at 1M, bf16 KV, on a 139 GiB H200 with the pool at 0.95.
 """
@@ -49,24 +50,28 @@ def main(argv):
   layer = cache_lib.row_bytes(m, kv.dtype, BATCH.value) * rows
   groups = residency.decode_groups((0,) * m.num_layers, residency.group_layers(kv.group_layers, False, layer))
   plan = residency.auto_plan(m, kv, BATCH.value, CONTEXT.value, config.engine.prefill_chunk, groups, 1, free)
-  streamed = len(plan.streamed) - plan.resident_layers
-  summary = dict(
-      plan.summary(),
-      context=CONTEXT.value,
-      batch=BATCH.value,
-      kv_dtype=kv.dtype,
-      predicted_ms_per_step=residency.predict_step_ms(streamed * layer, LINK_GBPS.value, 0.0),
+  c_rows = residency.delivery_chunk_rows(kv, max(map(len, groups)), cache_lib.row_bytes(m, kv.dtype, BATCH.value))
+  placement = residency.Placement(plan.streamed, groups, plan, c_rows)
+  # Decode after the prefill (Engine.generate), attended by the kernel (no gathered copy).
+  decode = residency.decode_plan(m, kv, BATCH.value, CONTEXT.value, 1, placement, gathers=False)
+  summary = dict(context=CONTEXT.value, batch=BATCH.value, kv_dtype=kv.dtype)
+  print(
+      "| context | kv | plan | free GiB | ring GiB | workspace GiB | budget GiB | layer GiB | resident / streamed "
+      "| ms |"
   )
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for name, p in (("prefill", plan), ("decode", decode)):
+    streamed = len(p.streamed) - p.resident_layers
+    ms = residency.predict_step_ms(streamed * layer, LINK_GBPS.value, 0.0)
+    summary[name] = dict(p.summary(), predicted_ms_per_step=ms)
+    print(
+        f"| {CONTEXT.value} x {BATCH.value} | {kv.dtype} | {name} | {free / _GIB:.2f} | {p.ring_bytes / _GIB:.2f} | "
+        f"{p.workspace_bytes / _GIB:.2f} | {p.budget_bytes / _GIB:.2f} | {layer / _GIB:.3f} | "
+        f"{p.resident_layers} / {streamed} | {ms:.0f} |"
+    )
   if JSON_OUT.value:
     with open(JSON_OUT.value, "w") as f:
       json.dump(summary, f, indent=1)
-  print("| context | kv | free GiB | ring GiB | workspace GiB | budget GiB | layer GiB | resident / streamed | ms |")
-  print("|---|---|---|---|---|---|---|---|---|")
-  print(
-      f"| {CONTEXT.value} x {BATCH.value} | {kv.dtype} | {free / _GIB:.2f} | {plan.ring_bytes / _GIB:.2f} | "
-      f"{plan.workspace_bytes / _GIB:.2f} | {plan.budget_bytes / _GIB:.2f} | {layer / _GIB:.3f} | "
-      f"{plan.resident_layers} / {streamed} | {summary['predicted_ms_per_step']:.0f} |"
-  )
 
 
 if __name__ == "__main__":
