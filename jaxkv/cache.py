@@ -200,9 +200,9 @@ class KVCache:
     (jaxkv.host.split.Split.share); None without. buckets: window sizes per doubling (window_rows; 0 = exact
     windows); not with head_share. full_windows: a resident layer's window, once placed by a prefill or settled, is
     allocated at the largest window (rows_bound less the open page) and keeps that size as it grows (a grown window
-    replaces one of its own size, leaving no hole); not with head_share."""
-    if (buckets or full_windows) and head_share is not None:
-      raise ValueError("window buckets and full windows need a cache without host attention")
+    replaces one of its own size, leaving no hole); streamed windows stay exact."""
+    if buckets and head_share is not None:
+      raise ValueError("window buckets need a cache without host attention")
     self.model, self.kv, self.layout = model, kv, layout
     self.buckets, self.full_windows = buckets, full_windows
     self.batch, self.capacity, self.block = batch, capacity, kv.block
@@ -297,21 +297,24 @@ class KVCache:
 
   def settle(self, plan) -> None:
     """Places the cache as `plan` says (jaxkv.residency.decode_plan, after a prefill of this cache with full_windows):
-    each promoted layer's window (pinned host, rows [W - A, W)) moves to the devices into a zero buffer of the largest
-    window, one delivery chunk at a time (a chunk's rows beside the buffer, not a second window), after every stored
-    window's D2H copy has landed. Nothing may read or write the windows meanwhile."""
+    each promoted layer's window (pinned host: its head, with host attention, then its window, together rows [0, W))
+    moves to the devices into a zero buffer of the largest window, one delivery chunk at a time (a chunk's rows
+    beside the buffer, not a second window), after every stored window's D2H copy has landed. Nothing may read or
+    write the windows meanwhile."""
     self.land_copies()
+    full = self.rows_bound() - self.block
     for l in plan.promoted:
-      window, sharding = self.windows[l], self.device_shardings[l]
-      if window is not None:
-        a, full = window.shape[3], self.rows_bound() - self.block
-        moved = self.device_zeros(l, full)
-        step = self.chunk_rows or a
-        for first in range(0, a, step):
-          rows = min(step, a - first)
-          moved = _write_fn(sharding)(moved, rows_to_device(window, first, rows, sharding), full - a + first)
-        self.windows[l] = jax.block_until_ready(moved)  # One layer's chunks on the devices at a time.
-        del window
+      parts, sharding = [a for a in (self.heads[l], self.windows[l]) if a is not None], self.device_shardings[l]
+      if parts:
+        at, moved = full - sum(a.shape[3] for a in parts), self.device_zeros(l, full)
+        for part in parts:
+          step = self.chunk_rows or part.shape[3]
+          for first in range(0, part.shape[3], step):
+            rows = min(step, part.shape[3] - first)
+            moved = _write_fn(sharding)(moved, rows_to_device(part, first, rows, sharding), at + first)
+          at += part.shape[3]
+        self.windows[l], self.heads[l] = jax.block_until_ready(moved), None  # One layer's chunks at a time.
+        del parts
     self.streamed, self.plan = plan.streamed, plan
 
   def store(self, layer: int, window_device: jax.Array | None) -> Issued:

@@ -346,7 +346,7 @@ class Engine:
     exact = any(placement.streamed) or legacy
     buckets = 0 if exact else kv.window_buckets
     decode_plan = None
-    if settles and share is None and not legacy:
+    if settles and not legacy:
       gathers = any(f.decode_attention == "xla" for f in self.stage_fns)
       tensor = mesh_lib.tensor_size(self.layout.mesh(0))
       decode_plan = residency.decode_plan(m, kv, batch, capacity, tensor, placement, gathers)
@@ -374,6 +374,8 @@ class Engine:
     if gen.decode_plan is None:
       return
     gen.transport.close()
+    if gen.host is not None:
+      gen.host.forget_views()  # The kernel's views of the promoted layers' heads, which the cache drops.
     gen.cache.settle(gen.decode_plan)
     kv = gen.cache.kv
     gen.transport = Transport(gen.cache, kv.pipeline_depth, kv.transport_debug)

@@ -233,11 +233,11 @@ def decode_plan(
   """auto's plan for the decode that follows a prefill into a cache placed as `prefill` (its placement, heads over
   `devices`), where nothing prefills into the cache again (jaxkv.engine.Engine.generate): the budget of the same
   free memory less the same ring and decode_workspace_bytes (the resident windows allocated at the largest window),
-  and as many more of the streamed groups resident (`promoted`, spread evenly among them) as it holds. None where
-  there is no such plan: nothing streamed (every window stays as the cache allocates it), host attention, or a
-  budget given (kv.device_budget_gib)."""
+  and as many more of the streamed groups resident (`promoted`, spread evenly among them) as it holds (with host
+  attention, the remaining streamed layers keep their split). None where there is no such plan: nothing streamed
+  (every window stays as the cache allocates it), or a budget given (kv.device_budget_gib)."""
   before = prefill.plan
-  if before is None or before.budget_source != "free device memory" or kv.host_attention or not any(before.streamed):
+  if before is None or before.budget_source != "free device memory" or not any(before.streamed):
     return None
   rows = cache_lib.rows_bound(capacity, kv.block)
   group = max(map(len, prefill.groups))

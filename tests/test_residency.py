@@ -172,26 +172,31 @@ def test_auto_budget_from_free_device_memory_leaves_room_for_the_ring(monkeypatc
   assert res.tokens == ref.tokens
 
 
-@pytest.mark.parametrize("lengths", [LENGTHS, (30,)])
-def test_decode_after_a_prefill_keeps_more_layers_resident_in_full_windows(monkeypatch, lengths):
+@pytest.mark.parametrize("lengths,host_attention", [(LENGTHS, False), ((30,), False), ((30,), True)])
+def test_decode_after_a_prefill_keeps_more_layers_resident_in_full_windows(monkeypatch, lengths, host_attention):
   """Where the prefill's workspace is what keeps layers streamed, generate's decode (residency.decode_plan) plans
   the same free memory without it: two layers more resident, moved to the devices after the prefill, and every
   resident window allocated at the largest window, a size it keeps as it grows; the same bits as the device
-  placement (prompts prefilled straight into the cache, or one by one into its slots)."""
+  placement (prompts prefilled straight into the cache, or one by one into its slots; with host attention, the
+  promoted layers' heads moved too, the others' split kept)."""
   # The prefill's workspace 1.5 layers over decode's: no scores, and the XLA leaves' copy counted as one window.
   monkeypatch.setattr(residency, "WORKSPACE_SCORE_BLOCKS", 0)
   monkeypatch.setattr(residency, "XLA_LEAVES_WINDOWS", 1)
   prompts = helpers.prompts(lengths)
   ref = helpers.engine(2, placement="device").generate(prompts, NEW, keep_logits=True)
-  eng = helpers.engine(2, placement="auto", depth=1, group_layers=1)
+  ha = dict(host_attention=True, host_attention_fraction=0.5) if host_attention else {}
+  eng = helpers.engine(2, placement="auto", depth=1, group_layers=1, **ha)
   cfg, layer = eng.config, helpers.layer_bytes(eng, len(lengths))
   rows = cache_lib.rows_bound(cfg.engine.capacity, cfg.kv.block)
   prefill = residency.workspace_bytes(cfg.model, "model", len(lengths), rows, cfg.engine.prefill_chunk, 1, 2, False)
   decode = residency.decode_workspace_bytes(cfg.model, "model", len(lengths), rows, 1, 2, False, True)
   assert prefill - decode == 1.5 * layer
   helpers.device_memory(monkeypatch, 3 * layer + prefill + cfg.kv.headroom_mib * 2**20 + layer + layer // 2)
-  windows = []
-  on_step = lambda step, cache: windows.append([None if w is None else w.shape[3] for w in cache.windows])
+  windows, heads = [], []
+  on_step = lambda step, cache: (
+      windows.append([None if w is None else w.shape[3] for w in cache.windows]),
+      heads.append([cache.head_rows(l) for l in range(6)]),
+  )
   res = eng.generate(prompts, NEW, keep_logits=True, on_step=on_step)
   plan = res.transport["residency"]
   assert plan["resident_layers"] == 3 and plan["promoted"] == [1, 4]  # Of 0, 1, 2, 4, 5, the prefill's streamed.
@@ -199,9 +204,12 @@ def test_decode_after_a_prefill_keeps_more_layers_resident_in_full_windows(monke
   resident = [False, True, False, True, True, False]
   for step in windows:
     assert all(a == rows - cfg.kv.block for a, r in zip(step, resident) if r)  # Allocated whole.
+  assert res.tokens == ref.tokens
+  if host_attention:  # The streamed layers' heads host-attended (half of a window, whole blocks), not the promoted.
+    assert {tuple(h) for h in heads} == {(16, 0, 16, 0, 0, 16)}
+    return  # Split attention: the device placement's tokens, not its bits (tests/test_host_attention_engine.py).
   assert {a for step in windows for a, r in zip(step, resident) if not r} == {32, 40}  # Exact: grown by pages.
   np.testing.assert_array_equal(res.logits, ref.logits)
-  assert res.tokens == ref.tokens
 
 
 def test_depth_is_lowered_to_what_free_device_memory_holds(monkeypatch):

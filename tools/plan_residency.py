@@ -60,7 +60,7 @@ def main(argv):
       "| ms |"
   )
   print("|---|---|---|---|---|---|---|---|---|---|")
-  for name, p in (("prefill", plan), ("decode", decode)):
+  for name, p in (("prefill", plan), ("decode", decode)) if decode else (("prefill and decode", plan),):
     streamed = len(p.streamed) - p.resident_layers
     ms = residency.predict_step_ms(streamed * layer, LINK_GBPS.value, 0.0)
     summary[name] = dict(p.summary(), predicted_ms_per_step=ms)
