@@ -53,6 +53,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 
 from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
@@ -299,23 +300,45 @@ class KVCache:
     """Places the cache as `plan` says (jaxkv.residency.decode_plan, after a prefill of this cache with full_windows):
     each promoted layer's window (pinned host: its head, with host attention, then its window, together rows [0, W))
     moves to the devices into a zero buffer of the largest window, one delivery chunk at a time (a chunk's rows
-    beside the buffer, not a second window), after every stored window's D2H copy has landed. Nothing may read or
-    write the windows meanwhile."""
+    beside the buffer, not a second window), after every stored window's D2H copy has landed. A layer the devices
+    have no memory for stays streamed, and the layers after it (a warning says so; the cache's plan lists the layers
+    promoted). Nothing may read or write the windows meanwhile."""
     self.land_copies()
-    full = self.rows_bound() - self.block
+    done = []
     for l in plan.promoted:
-      parts, sharding = [a for a in (self.heads[l], self.windows[l]) if a is not None], self.device_shardings[l]
-      if parts:
-        at, moved = full - sum(a.shape[3] for a in parts), self.device_zeros(l, full)
-        for part in parts:
-          step = self.chunk_rows or part.shape[3]
-          for first in range(0, part.shape[3], step):
-            rows = min(step, part.shape[3] - first)
-            moved = _write_fn(sharding)(moved, rows_to_device(part, first, rows, sharding), at + first)
-          at += part.shape[3]
-        self.windows[l], self.heads[l] = jax.block_until_ready(moved), None  # One layer's chunks at a time.
-        del parts
-    self.streamed, self.plan = plan.streamed, plan
+      try:
+        self._promote(l)
+      except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+          raise
+        logging.warning(
+            "kv placement auto: decode's plan made %d streamed layers resident; layer %d found no device memory (%s), "
+            "it and %d more stay streamed",
+            len(done),
+            l,
+            str(e).splitlines()[0][:200],
+            len(plan.promoted) - len(done) - 1,
+        )
+        break
+      done.append(l)
+    left = set(plan.promoted) - set(done)
+    streamed = tuple(s or l in left for l, s in enumerate(plan.streamed))
+    self.streamed, self.plan = streamed, dataclasses.replace(plan, streamed=streamed, promoted=tuple(done))
+
+  def _promote(self, layer: int) -> None:
+    """settle's move of one layer's window (and head) into a device buffer of the largest window."""
+    full, sharding = self.rows_bound() - self.block, self.device_shardings[layer]
+    parts = [a for a in (self.heads[layer], self.windows[layer]) if a is not None]
+    if not parts:
+      return
+    at, moved = full - sum(a.shape[3] for a in parts), self.device_zeros(layer, full)
+    for part in parts:
+      step = self.chunk_rows or part.shape[3]
+      for first in range(0, part.shape[3], step):
+        rows = min(step, part.shape[3] - first)
+        moved = _write_fn(sharding)(moved, rows_to_device(part, first, rows, sharding), at + first)
+      at += part.shape[3]
+    self.windows[layer], self.heads[layer] = jax.block_until_ready(moved), None  # One layer's chunks at a time.
 
   def store(self, layer: int, window_device: jax.Array | None) -> Issued:
     """Places layer `layer`'s window (a device array) in the cache's memory."""

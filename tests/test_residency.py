@@ -1,6 +1,7 @@
 """The residency planner (kv.placement "auto"): resident and streamed layers, bit-identical output."""
 
 import dataclasses
+from unittest import mock
 
 import helpers
 import jax
@@ -210,6 +211,36 @@ def test_decode_after_a_prefill_keeps_more_layers_resident_in_full_windows(monke
     return  # Split attention: the device placement's tokens, not its bits (tests/test_host_attention_engine.py).
   assert {a for step in windows for a, r in zip(step, resident) if not r} == {32, 40}  # Exact: grown by pages.
   np.testing.assert_array_equal(res.logits, ref.logits)
+
+
+def test_a_promoted_layer_without_device_memory_stays_streamed(monkeypatch):
+  """Where the devices have no memory for a layer that decode's plan promotes (XLA's RESOURCE_EXHAUSTED), it and the
+  layers after it stay streamed, a warning says so, and the run gives the device placement's bits."""
+  monkeypatch.setattr(residency, "WORKSPACE_SCORE_BLOCKS", 0)
+  monkeypatch.setattr(residency, "XLA_LEAVES_WINDOWS", 1)
+  prompts = helpers.prompts(LENGTHS)
+  ref = helpers.engine(2, placement="device").generate(prompts, NEW, keep_logits=True)
+  eng = helpers.engine(2, placement="auto", depth=1, group_layers=1)
+  cfg, layer = eng.config, helpers.layer_bytes(eng, len(LENGTHS))
+  rows = cache_lib.rows_bound(cfg.engine.capacity, cfg.kv.block)
+  prefill = residency.workspace_bytes(cfg.model, "model", len(LENGTHS), rows, cfg.engine.prefill_chunk, 1, 2, False)
+  helpers.device_memory(monkeypatch, 3 * layer + prefill + cfg.kv.headroom_mib * 2**20 + layer + layer // 2)
+  promote, tried = cache_lib.KVCache._promote, []  # pylint: disable=protected-access
+
+  def out_of_memory_second(cache, l):
+    tried.append(l)
+    if len(tried) == 2:
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0KiB.")
+    promote(cache, l)
+
+  monkeypatch.setattr(cache_lib.KVCache, "_promote", out_of_memory_second)
+  with mock.patch.object(cache_lib.logging, "warning") as warning:
+    res = eng.generate(prompts, NEW, keep_logits=True)
+  plan = res.transport["residency"]
+  assert tried == [1, 4] and plan["promoted"] == [1] and plan["streamed"] == [0, 2, 4, 5]
+  assert "layer %d found no device memory" in warning.call_args[0][0] and warning.call_args[0][2] == 4
+  np.testing.assert_array_equal(res.logits, ref.logits)
+  assert res.tokens == ref.tokens
 
 
 def test_depth_is_lowered_to_what_free_device_memory_holds(monkeypatch):
