@@ -300,20 +300,26 @@ class KVCache:
     """Places the cache as `plan` says (jaxkv.residency.decode_plan, after a prefill of this cache with full_windows):
     each promoted layer's window (pinned host: its head, with host attention, then its window, together rows [0, W))
     moves to the devices into a zero buffer of the largest window, one delivery chunk at a time (a chunk's rows
-    beside the buffer, not a second window), after every stored window's D2H copy has landed. A layer the devices
-    have no memory for stays streamed, and the layers after it (a warning says so; the cache's plan lists the layers
-    promoted). Nothing may read or write the windows meanwhile."""
+    beside the buffer, not a second window), after every stored window's D2H copy has landed. A layer stays
+    streamed, and the layers after it (a warning says why; the cache's plan lists the layers promoted), where a
+    device has no free block of two such windows (one for it, one left for a window's growth in decode; where the
+    backend reports its blocks) or the move runs out of device memory. Nothing may read or write the windows
+    meanwhile."""
     self.land_copies()
     done = []
     for l in plan.promoted:
+      block = self._largest_free_block(l)
+      need = 2 * self.row_bytes(mesh_lib.tensor_size(self.device_shardings[l].mesh)) * (self.rows_bound() - self.block)
       try:
+        if block is not None and block < need:
+          raise MemoryError(f"the largest free block {block / 2**20:.0f} MiB holds no two windows of it")
         self._promote(l)
-      except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
+      except (MemoryError, jax.errors.JaxRuntimeError) as e:
+        if "RESOURCE_EXHAUSTED" not in str(e) and not isinstance(e, MemoryError):
           raise
         logging.warning(
-            "kv placement auto: decode's plan made %d streamed layers resident; layer %d found no device memory (%s), "
-            "it and %d more stay streamed",
+            "kv placement auto: decode's plan made %d streamed layers resident; layer %d did not fit (%s), it and %d "
+            "more stay streamed",
             len(done),
             l,
             str(e).splitlines()[0][:200],
@@ -324,6 +330,17 @@ class KVCache:
     left = set(plan.promoted) - set(done)
     streamed = tuple(s or l in left for l, s in enumerate(plan.streamed))
     self.streamed, self.plan = streamed, dataclasses.replace(plan, streamed=streamed, promoted=tuple(done))
+
+  def _largest_free_block(self, layer: int) -> int | None:
+    """The smallest, over the layer's devices of this process, of the largest free block of device memory (None
+    where the backend does not report it)."""
+    blocks = []
+    for d in self.device_shardings[layer].mesh.devices.flat:
+      stats = d.memory_stats() if d.process_index == jax.process_index() and hasattr(d, "memory_stats") else None
+      if not stats or "largest_free_block_bytes" not in stats:
+        return None
+      blocks.append(stats["largest_free_block_bytes"])
+    return min(blocks, default=None)
 
   def _promote(self, layer: int) -> None:
     """settle's move of one layer's window (and head) into a device buffer of the largest window."""

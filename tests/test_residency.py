@@ -213,9 +213,21 @@ def test_decode_after_a_prefill_keeps_more_layers_resident_in_full_windows(monke
   np.testing.assert_array_equal(res.logits, ref.logits)
 
 
-def test_a_promoted_layer_without_device_memory_stays_streamed(monkeypatch):
-  """Where the devices have no memory for a layer that decode's plan promotes (XLA's RESOURCE_EXHAUSTED), it and the
-  layers after it stay streamed, a warning says so, and the run gives the device placement's bits."""
+def test_the_largest_free_block_is_the_fullest_devices(monkeypatch):
+  eng = helpers.engine(2, placement="auto", group_layers=1)
+  cfg = eng.config
+  cache = helpers.kv_cache(cfg.model, cfg.kv, eng.mesh, 1, cfg.engine.capacity)
+  assert cache._largest_free_block(0) is None  # pylint: disable=protected-access  (CPU: no stats)
+  free = {d: 100 * (i + 1) for i, d in enumerate(eng.mesh.devices.flat)}
+  monkeypatch.setattr(type(jax.devices()[0]), "memory_stats", lambda d: dict(largest_free_block_bytes=free[d]))
+  assert cache._largest_free_block(0) == 100  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("cause", ["out of memory", "no free block"])
+def test_a_promoted_layer_without_device_memory_stays_streamed(monkeypatch, cause):
+  """Where the devices have no memory for a layer that decode's plan promotes (XLA's RESOURCE_EXHAUSTED, or no free
+  block of two of its windows), it and the layers after it stay streamed, a warning says so, and the run gives the
+  device placement's bits."""
   monkeypatch.setattr(residency, "WORKSPACE_SCORE_BLOCKS", 0)
   monkeypatch.setattr(residency, "XLA_LEAVES_WINDOWS", 1)
   prompts = helpers.prompts(LENGTHS)
@@ -229,16 +241,20 @@ def test_a_promoted_layer_without_device_memory_stays_streamed(monkeypatch):
 
   def out_of_memory_second(cache, l):
     tried.append(l)
-    if len(tried) == 2:
+    if len(tried) == 2 and cause == "out of memory":
       raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0KiB.")
     promote(cache, l)
 
   monkeypatch.setattr(cache_lib.KVCache, "_promote", out_of_memory_second)
+  two = 2 * layer * (rows - cfg.kv.block) // rows  # Two windows of the largest size, per device.
+  blocks = iter([two, two - 1] if cause == "no free block" else [])
+  monkeypatch.setattr(cache_lib.KVCache, "_largest_free_block", lambda cache, l: next(blocks, None))
   with mock.patch.object(cache_lib.logging, "warning") as warning:
     res = eng.generate(prompts, NEW, keep_logits=True)
   plan = res.transport["residency"]
-  assert tried == [1, 4] and plan["promoted"] == [1] and plan["streamed"] == [0, 2, 4, 5]
-  assert "layer %d found no device memory" in warning.call_args[0][0] and warning.call_args[0][2] == 4
+  assert tried == ([1, 4] if cause == "out of memory" else [1]) and plan["promoted"] == [1]
+  assert plan["streamed"] == [0, 2, 4, 5]
+  assert "layer %d did not fit" in warning.call_args[0][0] and warning.call_args[0][2] == 4
   np.testing.assert_array_equal(res.logits, ref.logits)
   assert res.tokens == ref.tokens
 
