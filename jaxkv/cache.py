@@ -10,7 +10,8 @@ Layout, per layer l (B = batch, K = kv heads, P = kv block rows, E = stored valu
 
   window[l]: [2, B, K, A, E]  rows [W - A, W) of K (index 0) and V (index 1), W = n * P, A = window_rows(W) >= W
              (None while W = 0): with kv.window_buckets = k, m * 2^s blocks (m in [k, 2k)), rows below 0 zeros (a
-             start padding that decode masks: every row of a sequence is >= its start >= 0); with 0, A = W.
+             start padding that decode masks: every row of a sequence is >= its start >= 0); with 0, A = W; a
+             resident window of a cache with full_rows (a generate's decode on its own plan): A = full_rows.
              Lives in the placement's memory: "device" or "pinned_host" (with "auto", per layer:
              jaxkv.residency). Sharded on K over the `tensor`
              mesh axis, so each device's shard (host or device) holds only that device's heads.
@@ -53,7 +54,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from absl import logging
 
 from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
@@ -193,19 +193,19 @@ class KVCache:
       placement,
       head_share: Callable[[int], float] | None = None,
       buckets: int = 0,
-      full_windows: bool = False,
+      full_rows: int = 0,
   ):
     """layout (jaxkv.layout.Layout): the mesh of each layer. placement (jaxkv.residency.Placement, from
     residency.place with the same arguments): where each window lives, the decode groups and the auto plan.
     head_share: with host attention, the host's share f of a streamed window of that many bytes per device
     (jaxkv.host.split.Split.share); None without. buckets: window sizes per doubling (window_rows; 0 = exact
-    windows); not with head_share. full_windows: a resident layer's window, once placed by a prefill or settled, is
-    allocated at the largest window (rows_bound less the open page) and keeps that size as it grows (a grown window
-    replaces one of its own size, leaving no hole); streamed windows stay exact."""
+    windows); not with head_share. full_rows (whole blocks; 0: none): a resident layer's window, once placed by a
+    prefill or promoted, is allocated at full_rows rows, the largest window its decode reaches, and keeps that size as
+    it grows (a grown window replaces one of its own size, leaving no hole); streamed windows stay exact."""
     if buckets and head_share is not None:
       raise ValueError("window buckets need a cache without host attention")
     self.model, self.kv, self.layout = model, kv, layout
-    self.buckets, self.full_windows = buckets, full_windows
+    self.buckets, self.full_rows = buckets, full_rows
     self.batch, self.capacity, self.block = batch, capacity, kv.block
     self.format = KVFormat.of(model, kv.dtype)
     meshes = [layout.mesh(l) for l in range(model.num_layers)]
@@ -249,9 +249,9 @@ class KVCache:
     return rows_bound(self.capacity, self.block)
 
   def window_rows(self, rows: int, layer: int) -> int:
-    """A, the rows allocated for layer's window of `rows` rows (module docstring; full_windows)."""
-    if rows and self.full_windows and not self.streamed[layer]:
-      return self.rows_bound() - self.block
+    """A, the rows allocated for layer's window of `rows` rows (module docstring; full_rows)."""
+    if rows and self.full_rows and not self.streamed[layer]:
+      return self.full_rows
     return window_rows(rows, self.block, self.capacity, self.buckets)
 
   def row_bytes(self, devices: int = 1) -> int:
@@ -296,66 +296,32 @@ class KVCache:
       self.opens[l] = _zeros_fn(shape, self.dtype, self.device_shardings[l])()
     self.rows = rows
 
-  def settle(self, plan) -> None:
-    """Places the cache as `plan` says (jaxkv.residency.decode_plan, after a prefill of this cache with full_windows):
-    each promoted layer's window (pinned host: its head, with host attention, then its window, together rows [0, W))
-    moves to the devices into a zero buffer of the largest window, one delivery chunk at a time (a chunk's rows
-    beside the buffer, not a second window), after every stored window's D2H copy has landed. A layer stays
-    streamed, and the layers after it (a warning says why; the cache's plan lists the layers promoted), where a
-    device has no free block of two such windows (one for it, one left for a window's growth in decode; where the
-    backend reports its blocks) or the move runs out of device memory. Nothing may read or write the windows
-    meanwhile."""
-    self.land_copies()
-    done = []
-    for l in plan.promoted:
-      block = self._largest_free_block(l)
-      need = 2 * self.row_bytes(mesh_lib.tensor_size(self.device_shardings[l].mesh)) * (self.rows_bound() - self.block)
-      try:
-        if block is not None and block < need:
-          raise MemoryError(f"the largest free block {block / 2**20:.0f} MiB holds no two windows of it")
-        self._promote(l)
-      except (MemoryError, jax.errors.JaxRuntimeError) as e:
-        if "RESOURCE_EXHAUSTED" not in str(e) and not isinstance(e, MemoryError):
-          raise
-        logging.warning(
-            "kv placement auto: decode's plan made %d streamed layers resident; layer %d did not fit (%s), it and %d "
-            "more stay streamed",
-            len(done),
-            l,
-            str(e).splitlines()[0][:200],
-            len(plan.promoted) - len(done) - 1,
-        )
-        break
-      done.append(l)
-    left = set(plan.promoted) - set(done)
-    streamed = tuple(s or l in left for l, s in enumerate(plan.streamed))
-    self.streamed, self.plan = streamed, dataclasses.replace(plan, streamed=streamed, promoted=tuple(done))
-
-  def _largest_free_block(self, layer: int) -> int | None:
-    """The smallest, over the layer's devices of this process, of the largest free block of device memory (None
-    where the backend does not report it)."""
-    blocks = []
-    for d in self.device_shardings[layer].mesh.devices.flat:
-      stats = d.memory_stats() if d.process_index == jax.process_index() and hasattr(d, "memory_stats") else None
-      if not stats or "largest_free_block_bytes" not in stats:
-        return None
-      blocks.append(stats["largest_free_block_bytes"])
-    return min(blocks, default=None)
-
-  def _promote(self, layer: int) -> None:
-    """settle's move of one layer's window (and head) into a device buffer of the largest window."""
-    full, sharding = self.rows_bound() - self.block, self.device_shardings[layer]
-    parts = [a for a in (self.heads[layer], self.windows[layer]) if a is not None]
-    if not parts:
-      return
-    at, moved = full - sum(a.shape[3] for a in parts), self.device_zeros(layer, full)
-    for part in parts:
-      step = self.chunk_rows or part.shape[3]
-      for first in range(0, part.shape[3], step):
-        rows = min(step, part.shape[3] - first)
-        moved = _write_fn(sharding)(moved, rows_to_device(part, first, rows, sharding), at + first)
-      at += part.shape[3]
-    self.windows[layer], self.heads[layer] = jax.block_until_ready(moved), None  # One layer's chunks at a time.
+  def promote(self, layers: tuple[int, ...]) -> int:
+    """Makes streamed layers resident (jaxkv.engine.Engine.place_for_decode, after a prefill; full_rows set): each
+    one's window (pinned host: its head, with host attention, then its window, together rows [0, W)) moves into a
+    zero buffer of full_rows rows on its devices, one delivery chunk at a time (a chunk's rows beside the buffer,
+    not a second window); the cache changes only once every layer's has moved (a failed move, e.g. out of device
+    memory, leaves every layer streamed). Their D2H copies must have landed (land_copies), and nothing may read or
+    write the windows meanwhile. Returns the bytes moved, summed over the devices."""
+    moved, nbytes = {}, 0
+    for l in layers:
+      parts, sharding = [a for a in (self.heads[l], self.windows[l]) if a is not None], self.device_shardings[l]
+      if not parts:
+        moved[l] = None
+        continue
+      at, buffer = self.full_rows - sum(a.shape[3] for a in parts), self.device_zeros(l, self.full_rows)
+      for part in parts:
+        step = self.chunk_rows or part.shape[3]
+        for first in range(0, part.shape[3], step):
+          rows = min(step, part.shape[3] - first)
+          buffer = _write_fn(sharding)(buffer, rows_to_device(part, first, rows, sharding), at + first)
+        at += part.shape[3]
+        nbytes += part.nbytes
+      moved[l] = jax.block_until_ready(buffer)  # One layer's chunks on the devices at a time.
+    for l, window in moved.items():
+      self.windows[l], self.heads[l] = window, None
+    self.streamed = tuple(s and l not in moved for l, s in enumerate(self.streamed))
+    return nbytes
 
   def store(self, layer: int, window_device: jax.Array | None) -> Issued:
     """Places layer `layer`'s window (a device array) in the cache's memory."""

@@ -115,8 +115,8 @@ class Generation:
   transport's counters go, the shapes compiled so far, the split (with kv.host_attention, also where it turned the
   path off), and on the host: start i32[B], each sequence's first row (meta's starts: the host kernel's mask; read
   from meta, it would wait for the last pass), end, the row the next pass writes (set by a prefill), the last
-  prefill's attention and plan (prefill_plan), and the placement its decode takes after its prefill (Engine.settle;
-  None: the cache's). Close it when done."""
+  prefill's attention and plan (prefill_plan), and the placement its decode takes after its prefill
+  (Engine.place_for_decode; None: the cache's). Close it when done."""
 
   cache: cache_lib.KVCache
   transport: Transport
@@ -315,7 +315,8 @@ class Engine:
     self.validate(prompts, max_new_tokens, zero_rows)
     cfg, speculator = self.config, self._speculator(drafter)
     counters = telemetry.Counters(cfg.kv.transport_debug, on_chunk)
-    gen = self.start(len(prompts), counters=counters, settles=speculator is None and max_new_tokens > 1)
+    rows = max(map(len, prompts)) + max_new_tokens - 1 if speculator is None and max_new_tokens > 1 else 0
+    gen = self.start(len(prompts), counters=counters, decode_rows=rows)
     # The record's clock starts here: prefill_s does not count the cache's start (the host's share measured).
     rec = telemetry.Recorder(cfg.sampling.stop_ids, step_hash=True, keep_logits=keep_logits)
     try:
@@ -324,12 +325,13 @@ class Engine:
       gen.close()
       rec.close()
 
-  def start(self, batch: int, *, kv=None, counters=None, shapes=None, settles=False) -> Generation:
+  def start(self, batch: int, *, kv=None, counters=None, shapes=None, decode_rows=0) -> Generation:
     """A generation of `batch` sequences: a fresh cache placed as `kv` says (default config.kv; residency.place
     plans it), its host-attention path (host_decode.plan measures its split, or turns it off) and its transport.
     counters: where the transport's counters go (default fresh telemetry.Counters); shapes: the set of compiled shapes
-    to add to (default a new one). settles: nothing prefills into the cache after its first prefill (generate), so
-    that decode may run with residency.decode_plan's placement (Engine.settle)."""
+    to add to (default a new one). decode_rows: the rows the cache's decode reaches where nothing prefills into it
+    after its first prefill (generate; 0: not so), so that decode may run on residency.decode_plan's placement
+    (Engine.place_for_decode; one process only: its moves may fail on one device and not another)."""
     m, capacity, kv = self.config.model, self.config.engine.capacity, kv or self.config.kv
     chunk = self.config.engine.prefill_chunk
     place = lambda kv: residency.place(m, kv, self.layout, batch, capacity, prefill_chunk=chunk)
@@ -346,10 +348,10 @@ class Engine:
     exact = any(placement.streamed) or legacy
     buckets = 0 if exact else kv.window_buckets
     decode_plan = None
-    if settles and not legacy:
-      gathers = any(f.decode_attention == "xla" for f in self.stage_fns)
+    if decode_rows and not legacy and jax.process_count() == 1:
+      impl = self.stage_fns[0].decode_attention
       tensor = mesh_lib.tensor_size(self.layout.mesh(0))
-      decode_plan = residency.decode_plan(m, kv, batch, capacity, tensor, placement, gathers)
+      decode_plan = residency.decode_plan(m, kv, batch, capacity, tensor, placement, impl)
     cache = cache_lib.KVCache(
         m,
         kv,
@@ -359,7 +361,7 @@ class Engine:
         placement=placement,
         head_share=share,
         buckets=buckets,
-        full_windows=decode_plan is not None,
+        full_rows=0 if decode_plan is None else cache_lib.rows_bound(decode_rows, kv.block) - kv.block,
     )
     host = None if share is None else host_decode.HostDecode(self, cache, split)
     transport = Transport(cache, kv.pipeline_depth, kv.transport_debug)
@@ -368,17 +370,47 @@ class Engine:
     shapes = set() if shapes is None else shapes
     return Generation(cache, transport, groups, host, counters, shapes, split, decode_plan=decode_plan)
 
-  def settle(self, gen: Generation) -> None:
-    """After the generation's prefill: its cache placed by its decode plan (KVCache.settle: the promoted layers'
-    windows moved to the devices), and a transport for that placement (the prefill's, closed, holds no ring)."""
-    if gen.decode_plan is None:
+  def place_for_decode(self, gen: Generation) -> None:
+    """After the generation's prefill: its cache placed by its decode plan (residency.decode_plan), each promoted
+    group moved to the devices whole (KVCache.promote), and a transport for that placement (the prefill's, closed,
+    holds no ring). The plan counts bytes, the allocator holds blocks: a group moves only where its devices have a
+    free block of its windows and one more (for decode's growth), where the allocator reports blocks; a group that
+    does not fit, or runs out of memory moving, stays streamed with those after it (a warning says so)."""
+    plan, cache = gen.decode_plan, gen.cache
+    if plan is None:
       return
     gen.transport.close()
     if gen.host is not None:
       gen.host.forget_views()  # The kernel's views of the promoted layers' heads, which the cache drops.
-    gen.cache.settle(gen.decode_plan)
-    kv = gen.cache.kv
-    gen.transport = Transport(gen.cache, kv.pipeline_depth, kv.transport_debug)
+    cache.land_copies()
+    done = []
+    for group in (g for g in cache.groups if g[0] in plan.promoted):
+      mesh = cache.device_shardings[group[0]].mesh
+      block = residency.largest_free_block([d for d in mesh.devices.flat if d.process_index == jax.process_index()])
+      need = (len(group) + 1) * cache.row_bytes(mesh_lib.tensor_size(mesh)) * cache.full_rows
+      why = None
+      if block is not None and block < need:
+        why = f"the largest free block {block / 2**20:.0f} MiB holds less than {need / 2**20:.0f} MiB"
+      else:
+        try:
+          cache.promote(group)
+        except jax.errors.JaxRuntimeError as e:
+          if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+          why = str(e).splitlines()[0][:200]
+      if why is not None:
+        logging.warning(
+            "kv placement auto: decode's plan moved %d of %d layers to the devices; layers %s did not fit (%s): they "
+            "and those after them stay streamed",
+            len(done),
+            len(plan.promoted),
+            list(group),
+            why,
+        )
+        break
+      done += group
+    cache.plan = dataclasses.replace(plan, streamed=cache.streamed, promoted=tuple(done))
+    gen.transport = Transport(cache, cache.kv.pipeline_depth, cache.kv.transport_debug)
     gen.decode_plan = None
 
   def prefill(
@@ -610,9 +642,9 @@ class Engine:
     """Prefill, then decode (speculatively with a speculator: jaxkv.spec_decode); the caller closes the
     generation."""
     cfg, batch = self.config, len(prompts)
-    next_pass = max_new_tokens > 1 and gen.decode_plan is None  # A settled cache gets a new transport.
+    next_pass = max_new_tokens > 1 and gen.decode_plan is None  # Else decode gets a new transport.
     x_last, start, longest = self.prefill_prompts(gen, prompts, next_pass=next_pass, zero_rows=zero_rows)
-    self.settle(gen)
+    self.place_for_decode(gen)
     owners = list(range(batch))
     for b in owners:
       rec.add(b, max_new_tokens, hashed=False)

@@ -21,8 +21,8 @@ that is known. Where the backend reports no memory (CPU) and no budget is given,
 
 Decode after a prefill (`decode_plan`): where nothing prefills into the cache again (jaxkv.engine.Engine.generate),
 decode runs on a second plan of the same free memory and ring less decode's own workspace (no prefill temporaries,
-no holes: the cache's resident windows are allocated at the largest window, jaxkv.cache.KVCache's full_windows),
-which makes more of the prefill's streamed layers resident (KVCache.settle moves them).
+no holes: the cache's resident windows are allocated at the largest window of the generation, jaxkv.cache.KVCache's
+full_rows), which makes more of the prefill's streamed layers resident (jaxkv.engine.Engine.place_for_decode).
 
 Order: the resident layers are spread evenly among the streamed ones (`spread`), so that the link keeps
 delivering streamed layers while resident layers compute: with a contiguous resident block, the ring
@@ -41,6 +41,7 @@ from absl import logging
 
 from jaxkv import cache as cache_lib
 from jaxkv import chunked
+from jaxkv import decode_attention
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv.config import KVConfig, ModelConfig
@@ -228,21 +229,22 @@ def decode_plan(
     capacity: int,
     devices: int,
     prefill: Placement,
-    gathers: bool,
+    impl: str,
 ) -> Plan | None:
   """auto's plan for the decode that follows a prefill into a cache placed as `prefill` (its placement, heads over
   `devices`), where nothing prefills into the cache again (jaxkv.engine.Engine.generate): the budget of the same
-  free memory less the same ring and decode_workspace_bytes (the resident windows allocated at the largest window),
-  and as many more of the streamed groups resident (`promoted`, spread evenly among them) as it holds (with host
-  attention, the remaining streamed layers keep their split). None where there is no such plan: nothing streamed
-  (every window stays as the cache allocates it), or a budget given (kv.device_budget_gib)."""
+  free memory less the same ring and decode_workspace_bytes (the resident windows allocated at the largest window;
+  impl: the decode attention that runs), and as many more of the streamed groups resident (`promoted`, spread evenly
+  among them) as it holds (with host attention, the remaining streamed layers keep their split). None where it
+  promotes nothing, and where there is no such plan: nothing streamed (every window stays as the cache allocates
+  it), or a budget given (kv.device_budget_gib)."""
   before = prefill.plan
   if before is None or before.budget_source != "free device memory" or not any(before.streamed):
     return None
   rows = cache_lib.rows_bound(capacity, kv.block)
   group = max(map(len, prefill.groups))
   growth = chunked_growth(kv, prefill.chunk_rows, rows)
-  workspace = decode_workspace_bytes(model_config, kv.dtype, batch, rows, group, devices, growth, gathers)
+  workspace = decode_workspace_bytes(model_config, kv.dtype, batch, rows, group, devices, growth, impl)
   budget, source = device_budget(before.free_bytes, None, before.ring_bytes, workspace, kv.headroom_mib)
   room = budget // max(before.layer_bytes, 1) - before.resident_layers
   streamed = [g for g in prefill.groups if before.streamed[g[0]]]
@@ -251,6 +253,8 @@ def decode_plan(
     if sum(map(len, promoted)) <= room:
       break
   up = {l for g in promoted for l in g}
+  if not up:
+    return None
   return Plan(
       tuple(s and l not in up for l, s in enumerate(before.streamed)),
       before.layer_bytes,
@@ -282,6 +286,15 @@ def free_device_bytes(devices) -> int | None:
       return None
     free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
   return min(free) if free else None
+
+
+def largest_free_block(devices) -> int | None:
+  """The smallest, over `devices` (this process's), of the largest free block of device memory, or None where a
+  device does not report it (CPU; CUDA's async allocator reports 0)."""
+  blocks = [
+      (d.memory_stats() or {}).get("largest_free_block_bytes") if hasattr(d, "memory_stats") else None for d in devices
+  ]
+  return min(blocks) if blocks and all(blocks) else None
 
 
 def spread(num_layers: int, resident: int) -> tuple[bool, ...]:
@@ -331,17 +344,21 @@ def decode_workspace_bytes(
     group: int,
     devices: int,
     chunked_growth: bool,
-    gathers: bool,
+    impl: str,
 ) -> int:
   """Device memory per device that decode alone needs beside the ring where every resident window is allocated at
-  the largest window (jaxkv.cache.KVCache's full_windows, after a prefill: decode_plan): the windows that grow at a
-  page boundary (as workspace_bytes counts them), and where the decode attention gathers its leaves (`gathers`:
-  the XLA leaves, jaxkv.decode_attention) XLA_LEAVES_WINDOWS windows in the model dtype; the kernel reads the
-  windows in place. No window for holes: every resident window is replaced by one of its own size, and a streamed
-  one grows into a buffer no larger. No prefill term, no scores."""
+  the largest window (jaxkv.cache.KVCache's full_rows, after a prefill: decode_plan): the windows that grow at a
+  page boundary (as workspace_bytes counts them), and the decode attention's copies of a window in the model dtype
+  (impl, jaxkv.decode_attention): XLA_LEAVES_WINDOWS where the XLA leaves gather it, one where a quantized window
+  is unpacked before the kernel (which reads the others in place: KERNEL_UNPACKS and float rows). No window for
+  holes: every resident window is replaced by one of its own size, and a streamed one grows into a buffer no
+  larger. No prefill term, no scores."""
   layer = cache_lib.row_bytes(model_config, kv_dtype, batch, devices) * rows
   window_values = cache_lib.row_bytes(model_config, "model", batch, devices) * rows
-  return (1 if chunked_growth else 2) * group * layer + (XLA_LEAVES_WINDOWS * window_values if gathers else 0)
+  fmt = KVFormat.of(model_config, kv_dtype)
+  unpacked = fmt.quantized and not (impl == "pallas" and fmt.name in decode_attention.KERNEL_UNPACKS)
+  copies = (XLA_LEAVES_WINDOWS if impl == "xla" else 0) + unpacked
+  return (1 if chunked_growth else 2) * group * layer + copies * window_values
 
 
 def device_budget(

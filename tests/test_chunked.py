@@ -113,10 +113,10 @@ def test_decode_with_chunked_windows_is_the_device_placements_bit_for_bit(placem
     assert t["residency"]["resident_layers"] == 2
 
 
-def test_a_settled_decode_moves_promoted_windows_in_chunks_and_keeps_the_bits(monkeypatch):
+def test_decode_after_a_prefill_moves_promoted_windows_in_chunks_and_keeps_the_bits(monkeypatch):
   """auto from free device memory, windows delivered in chunks: after the prefill, the decode plan
   (residency.decode_plan) makes a streamed layer resident, its window moved to the devices a chunk at a time into a
-  buffer of the largest window (KVCache.settle); decode then gives the device placement's bits."""
+  buffer of the generation's largest window (KVCache.promote); decode then gives the device placement's bits."""
   # The prefill's workspace a layer over decode's: no scores, and the XLA leaves' copy counted as one window.
   monkeypatch.setattr(residency, "WORKSPACE_SCORE_BLOCKS", 0)
   monkeypatch.setattr(residency, "XLA_LEAVES_WINDOWS", 1)
@@ -133,7 +133,7 @@ def test_a_settled_decode_moves_promoted_windows_in_chunks_and_keeps_the_bits(mo
   res = eng.generate(helpers.prompts(LENGTHS), NEW, keep_logits=True, zero_rows=ZERO_ROWS)
   t = res.transport["residency"]
   assert t["resident_layers"] - len(t["promoted"]) == 2 and len(t["promoted"]) == 1
-  assert moved == [32, 32 + S, 32 + 2 * S, 32 + 3 * S]  # 800 rows in chunks of S, at the end of 832 (840 - 8).
+  assert moved == [16, 16 + S, 16 + 2 * S, 16 + 3 * S]  # 800 rows in chunks of S, at the end of 816 (800 + 9).
   reference = _reference("model")
   np.testing.assert_array_equal(res.logits, reference.logits)
   assert res.tokens == reference.tokens

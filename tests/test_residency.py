@@ -12,6 +12,7 @@ from experiments import llama3_8b
 from jaxkv import cache as cache_lib
 from jaxkv import chunked
 from jaxkv import config as config_lib
+from jaxkv import engine as engine_lib
 from jaxkv import jitted
 from jaxkv import model
 from jaxkv import residency
@@ -164,7 +165,7 @@ def test_auto_budget_from_free_device_memory_leaves_room_for_the_ring(monkeypatc
   plan = res.transport["residency"]
   assert plan["budget_source"] == "free device memory" and plan["prefill_workspace_bytes_per_device"] == workspace
   assert plan["resident_layers"] - len(plan["promoted"]) == resident  # The prefill's.
-  decode_workspace = residency.decode_workspace_bytes(eng.config.model, "model", len(LENGTHS), rows, 1, 2, False, True)
+  decode_workspace = residency.decode_workspace_bytes(eng.config.model, "model", len(LENGTHS), rows, 1, 2, False, "xla")
   assert plan["workspace_bytes_per_device"] == decode_workspace == 5 * layer  # Two grown windows, the XLA leaves.
   assert plan["device_budget_bytes"] == free - (depth + 2) * layer - decode_workspace - headroom
   assert plan["resident_layers"] == 6 and plan["streamed_layers"] == 0
@@ -190,7 +191,7 @@ def test_decode_after_a_prefill_keeps_more_layers_resident_in_full_windows(monke
   cfg, layer = eng.config, helpers.layer_bytes(eng, len(lengths))
   rows = cache_lib.rows_bound(cfg.engine.capacity, cfg.kv.block)
   prefill = residency.workspace_bytes(cfg.model, "model", len(lengths), rows, cfg.engine.prefill_chunk, 1, 2, False)
-  decode = residency.decode_workspace_bytes(cfg.model, "model", len(lengths), rows, 1, 2, False, True)
+  decode = residency.decode_workspace_bytes(cfg.model, "model", len(lengths), rows, 1, 2, False, "xla")
   assert prefill - decode == 1.5 * layer
   helpers.device_memory(monkeypatch, 3 * layer + prefill + cfg.kv.headroom_mib * 2**20 + layer + layer // 2)
   windows, heads = [], []
@@ -204,7 +205,7 @@ def test_decode_after_a_prefill_keeps_more_layers_resident_in_full_windows(monke
   assert plan["streamed"] == [0, 2, 5] and plan["workspace_bytes_per_device"] == decode
   resident = [False, True, False, True, True, False]
   for step in windows:
-    assert all(a == rows - cfg.kv.block for a, r in zip(step, resident) if r)  # Allocated whole.
+    assert all(a == 48 for a, r in zip(step, resident) if r)  # The generation's largest: 30 + 14 - 1 rows.
   assert res.tokens == ref.tokens
   if host_attention:  # The streamed layers' heads host-attended (half of a window, whole blocks), not the promoted.
     assert {tuple(h) for h in heads} == {(16, 0, 16, 0, 0, 16)}
@@ -214,47 +215,58 @@ def test_decode_after_a_prefill_keeps_more_layers_resident_in_full_windows(monke
 
 
 def test_the_largest_free_block_is_the_fullest_devices(monkeypatch):
-  eng = helpers.engine(2, placement="auto", group_layers=1)
-  cfg = eng.config
-  cache = helpers.kv_cache(cfg.model, cfg.kv, eng.mesh, 1, cfg.engine.capacity)
-  assert cache._largest_free_block(0) is None  # pylint: disable=protected-access  (CPU: no stats)
-  free = {d: 100 * (i + 1) for i, d in enumerate(eng.mesh.devices.flat)}
+  devices = list(helpers.mesh(2).devices.flat)
+  assert residency.largest_free_block(devices) is None  # CPU: no stats.
+  free = {d: 100 * (i + 1) for i, d in enumerate(devices)}
   monkeypatch.setattr(type(jax.devices()[0]), "memory_stats", lambda d: dict(largest_free_block_bytes=free[d]))
-  assert cache._largest_free_block(0) == 100  # pylint: disable=protected-access
+  assert residency.largest_free_block(devices) == 100
+  free[next(iter(free))] = 0  # CUDA's async allocator: reported, always 0.
+  assert residency.largest_free_block(devices) is None
 
 
-@pytest.mark.parametrize("cause", ["out of memory", "no free block"])
-def test_a_promoted_layer_without_device_memory_stays_streamed(monkeypatch, cause):
-  """Where the devices have no memory for a layer that decode's plan promotes (XLA's RESOURCE_EXHAUSTED, or no free
-  block of two of its windows), it and the layers after it stay streamed, a warning says so, and the run gives the
-  device placement's bits."""
+@pytest.mark.parametrize("cause,group_layers", [("out of memory", 1), ("no free block", 1), ("out of memory", 2)])
+def test_a_promoted_group_without_device_memory_stays_streamed(monkeypatch, cause, group_layers):
+  """Where the devices have no memory for a group that decode's plan promotes (XLA's RESOURCE_EXHAUSTED while its
+  windows move, or no free block of its windows and one more), it and the groups after it stay streamed, whole (a
+  group of two fails at its second layer: neither moves), a warning says so, and the run gives the device
+  placement's bits."""
   monkeypatch.setattr(residency, "WORKSPACE_SCORE_BLOCKS", 0)
   monkeypatch.setattr(residency, "XLA_LEAVES_WINDOWS", 1)
   prompts = helpers.prompts(LENGTHS)
   ref = helpers.engine(2, placement="device").generate(prompts, NEW, keep_logits=True)
-  eng = helpers.engine(2, placement="auto", depth=1, group_layers=1)
+  eng = helpers.engine(2, placement="auto", depth=1, group_layers=group_layers)
   cfg, layer = eng.config, helpers.layer_bytes(eng, len(LENGTHS))
-  rows = cache_lib.rows_bound(cfg.engine.capacity, cfg.kv.block)
-  prefill = residency.workspace_bytes(cfg.model, "model", len(LENGTHS), rows, cfg.engine.prefill_chunk, 1, 2, False)
-  helpers.device_memory(monkeypatch, 3 * layer + prefill + cfg.kv.headroom_mib * 2**20 + layer + layer // 2)
-  promote, tried = cache_lib.KVCache._promote, []  # pylint: disable=protected-access
+  rows, chunk = cache_lib.rows_bound(cfg.engine.capacity, cfg.kv.block), cfg.engine.prefill_chunk
+  prefill = residency.workspace_bytes(cfg.model, "model", len(LENGTHS), rows, chunk, group_layers, 2, False)
+  resident = group_layers * layer  # One group: the prefill's; decode's takes 1.5 layers more, a group of one more.
+  free = 3 * resident + prefill + cfg.kv.headroom_mib * 2**20 + resident + layer // 2  # Ring: depth + 2 groups.
+  helpers.device_memory(monkeypatch, free)
+  zeros, promote, moving = cache_lib.KVCache.device_zeros, cache_lib.KVCache.promote, []
 
-  def out_of_memory_second(cache, l):
-    tried.append(l)
-    if len(tried) == 2 and cause == "out of memory":
+  def promote_tracked(cache, layers):
+    moving.append(list(layers))
+    return promote(cache, layers)
+
+  def zeros_failing(cache, l, rows):  # In promote: the second layer's buffer (1 layer a group: the second group's).
+    if moving and sum(map(len, moving)) >= 2 and l == moving[-1][-1] and cause == "out of memory":
       raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0KiB.")
-    promote(cache, l)
+    return zeros(cache, l, rows)
 
-  monkeypatch.setattr(cache_lib.KVCache, "_promote", out_of_memory_second)
-  two = 2 * layer * (rows - cfg.kv.block) // rows  # Two windows of the largest size, per device.
+  monkeypatch.setattr(cache_lib.KVCache, "promote", promote_tracked)
+  monkeypatch.setattr(cache_lib.KVCache, "device_zeros", zeros_failing)
+  two = 2 * layer * 48 // rows  # Two windows of the generation's largest, per device (30 + 14 - 1 rows: 48).
   blocks = iter([two, two - 1] if cause == "no free block" else [])
-  monkeypatch.setattr(cache_lib.KVCache, "_largest_free_block", lambda cache, l: next(blocks, None))
-  with mock.patch.object(cache_lib.logging, "warning") as warning:
+  monkeypatch.setattr(residency, "largest_free_block", lambda devices: next(blocks, None))
+  with mock.patch.object(engine_lib.logging, "warning") as warning:
     res = eng.generate(prompts, NEW, keep_logits=True)
   plan = res.transport["residency"]
-  assert tried == ([1, 4] if cause == "out of memory" else [1]) and plan["promoted"] == [1]
-  assert plan["streamed"] == [0, 2, 4, 5]
-  assert "layer %d did not fit" in warning.call_args[0][0] and warning.call_args[0][2] == 4
+  if group_layers == 1:
+    assert moving == ([[1], [4]] if cause == "out of memory" else [[1]]) and plan["promoted"] == [1]
+    assert plan["streamed"] == [0, 2, 4, 5] and warning.call_args[0][3] == [4]
+  else:
+    assert moving == [[4, 5]] and plan["promoted"] == [] and plan["streamed"] == [0, 1, 4, 5]
+    assert warning.call_args[0][3] == [4, 5]
+  assert "did not fit" in warning.call_args[0][0]
   np.testing.assert_array_equal(res.logits, ref.logits)
   assert res.tokens == ref.tokens
 
@@ -319,7 +331,7 @@ def test_the_workspace_holds_what_xla_measures_for_the_prefill_and_decode_progra
   no_scores = ws(cfg, "model", b, w, c, 1, 1, False) - residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
   assert decode.temp_size_in_bytes + decode.output_size_in_bytes <= no_scores
   # Decode alone (residency.decode_plan): the grown window and the XLA leaves' temporaries.
-  alone = residency.decode_workspace_bytes(cfg, "model", b, w, 1, 1, False, gathers=True)
+  alone = residency.decode_workspace_bytes(cfg, "model", b, w, 1, 1, False, "xla")
   assert alone == (2 + residency.XLA_LEAVES_WINDOWS) * window.size * 4
   assert 2 * window.size * 4 < decode.temp_size_in_bytes <= residency.XLA_LEAVES_WINDOWS * window.size * 4
   assert decode.temp_size_in_bytes + decode.output_size_in_bytes <= alone

@@ -53,7 +53,7 @@ def main(argv):
   c_rows = residency.delivery_chunk_rows(kv, max(map(len, groups)), cache_lib.row_bytes(m, kv.dtype, BATCH.value))
   placement = residency.Placement(plan.streamed, groups, plan, c_rows)
   # Decode after the prefill (Engine.generate), attended by the kernel (no gathered copy).
-  decode = residency.decode_plan(m, kv, BATCH.value, CONTEXT.value, 1, placement, gathers=False)
+  decode = residency.decode_plan(m, kv, BATCH.value, CONTEXT.value, 1, placement, "pallas")
   summary = dict(context=CONTEXT.value, batch=BATCH.value, kv_dtype=kv.dtype)
   print(
       "| context | kv | plan | free GiB | ring GiB | workspace GiB | budget GiB | layer GiB | resident / streamed "
