@@ -175,7 +175,7 @@ class KVConfig:
   device_budget_gib: float | None = field(
       None,
       "With placement auto: device memory per device for the KV, GiB (none = the free device memory after weights, "
-      "ring, workspace and headroom).",
+      "ring, workspace and headroom). With it, a generate's decode keeps the prefill's plan.",
   )
   host_attention: bool = field(
       False,

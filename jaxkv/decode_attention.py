@@ -46,7 +46,6 @@ from absl import logging
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxkv import kv_quant
 from jaxkv import mesh as mesh_lib
 from jaxkv.config import DECODE_ATTENTIONS, ModelConfig
 from jaxkv.kv_quant import KVFormat
@@ -56,7 +55,6 @@ TILE_ROWS = 128  # The kernel's rows per tile (divides LEAF_ROWS); its bits depe
 NUM_WARPS, NUM_STAGES = 4, 2  # The kernel's launch: fixed, never autotuned.
 MIN_QUERY_ROWS = 16  # The kernel's query block: G rows padded up to a power of two of at least this (pl.dot).
 KERNEL_DTYPES = ("bfloat16", "float16", "float32")
-KERNEL_UNPACKS = ("int8",)  # Stored formats the kernel reads packed and unpacks per tile; others come unpacked.
 PALLAS_CHECK_TOLERANCE = 1e-2  # Relative error (Frobenius) of the kernel's attention against the XLA leaves.
 
 
@@ -147,14 +145,13 @@ def leaf_partials(
   q [B, K, G, Dh] in the values' dtype; parts: buffers [2, B, K, R_i, E] of consecutive rows stored in kv_format
   (None: values, E = Dh), the first starting at absolute row first_row (i32[]); start i32[B]; end i32[] (the newest
   row). Rows outside the buffers or before start[b] are masked. impl "xla" or "pallas" (at most two parts: a window
-  and the open page of P rows, `end` in the page, which is read for the first ceil(P / S) leaves only); the kernel
-  reads KERNEL_UNPACKS formats packed and unpacks each tile as kv_format.unpack does (the same values; the window is
-  read once, not unpacked whole into a copy first), every other part is unpacked first. mesh: the devices the arrays
+  and the open page of P rows, `end` in the page, which is read for the first ceil(P / S) leaves only); quantized
+  parts are unpacked first, whole (a kernel that read int8 rows packed and unpacked each tile, scales gathered per
+  value, took 10x the time at 1M on the H200: docs/design.md). mesh: the devices the arrays
   are sharded over by kv head (the kernel runs per shard under shard_map; None: unsharded); interpret: run the
   kernel in Pallas's interpreter (CPU tests).
   """
-  packed = impl == "pallas" and kv_format is not None and kv_format.name in KERNEL_UNPACKS
-  if kv_format is not None and not packed:
+  if kv_format is not None:
     parts = [kv_format.unpack(p) for p in parts]
   if impl == "xla":
     return _xla_leaf_partials(q, parts, first_row, start, end, num_leaves, first_leaf, leaf_rows)
@@ -166,7 +163,6 @@ def leaf_partials(
       first_leaf=first_leaf,
       leaf_rows=leaf_rows,
       interpret=interpret,
-      unpack=kv_format.name if packed else None,
   )
   bounds = jnp.stack([jnp.asarray(end, jnp.int32), jnp.asarray(first_row, jnp.int32)])
   if mesh is None:
@@ -231,18 +227,17 @@ def pairwise_sum(x):
   return x[..., 0]
 
 
-def _pallas_leaf_partials(q, parts, start, bounds, *, num_leaves, first_leaf, leaf_rows, interpret, unpack) -> Partials:
+def _pallas_leaf_partials(q, parts, start, bounds, *, num_leaves, first_leaf, leaf_rows, interpret) -> Partials:
   """leaf_partials with the Pallas kernel (`_leaf_kernel`). bounds i32[2] = end, first_row (the kernel's bounds add
   first_leaf). The last buffer (the open page, P rows) holds rows of the first ceil(P / S) leaves only: those run
   with every buffer, each tile read from the buffers that hold its rows; the older leaves read the other buffers
   only (one load per tile: half the shared memory of a program, more programs per multiprocessor). Which leaf runs
   which way depends on j alone, so the bits stay those of the leaf. Without a window the page stands in for it (a
   second copy, whose rows lie past `end`). A traced first_leaf (a chunk's leaves, jaxkv.chunked: one buffer, which
-  holds every row of its leaves) runs every leaf with every buffer. unpack: the parts' packed format
-  (KERNEL_UNPACKS), or None for values."""
+  holds every row of its leaves) runs every leaf with every buffer."""
   if len(parts) == 1:
     parts = (parts[0], parts[0])
-  run = functools.partial(_pallas_call, q, start, bounds, leaf_rows=leaf_rows, interpret=interpret, unpack=unpack)
+  run = functools.partial(_pallas_call, q, start, bounds, leaf_rows=leaf_rows, interpret=interpret)
   if not isinstance(first_leaf, int):
     return run(parts, first_leaf, num_leaves)
   near = min(first_leaf + num_leaves, -(-parts[-1].shape[3] // leaf_rows))  # Leaves [first_leaf, near) reach P.
@@ -255,7 +250,7 @@ def _pallas_leaf_partials(q, parts, start, bounds, *, num_leaves, first_leaf, le
   return calls[0] if len(calls) == 1 else Partials(*(jnp.concatenate(a) for a in zip(*calls)))
 
 
-def _pallas_call(q, start, bounds, parts, first_leaf, num_leaves, *, leaf_rows, interpret, unpack) -> Partials:
+def _pallas_call(q, start, bounds, parts, first_leaf, num_leaves, *, leaf_rows, interpret) -> Partials:
   """The kernel over leaves first_leaf .. first_leaf + num_leaves - 1 (int or i32[]) of consecutive buffers `parts`
   (the first at row first_row): grid (B, K, n), one leaf of one (sequence, kv head) per program. Pallas's
   interpreter reads a dynamic slice that starts below 0 from row 0 (clamped), so there each buffer gets TILE_ROWS
@@ -273,7 +268,6 @@ def _pallas_call(q, start, bounds, parts, first_leaf, num_leaves, *, leaf_rows, 
       leaf_rows=leaf_rows,
       scale=1.0 / math.sqrt(dh),
       precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
-      unpack=unpack,
   )
   rows_spec = lambda a, kv: pl.BlockSpec((None, None, None, *a.shape[3:]), lambda i, h, j, kv=kv: (kv, i, h, 0, 0))
   stat_spec = pl.BlockSpec((None, None, None, gp), lambda i, h, j: (j, i, h, 0))
@@ -304,13 +298,12 @@ def _pallas_call(q, start, bounds, parts, first_leaf, num_leaves, *, leaf_rows, 
   return Partials(m[..., :g], l[..., :g], o[..., :g, :])
 
 
-def _leaf_kernel(start_ref, bounds_ref, q_ref, *refs, sizes, lead, leaf_rows, scale, precision, unpack):
+def _leaf_kernel(start_ref, bounds_ref, q_ref, *refs, sizes, lead, leaf_rows, scale, precision):
   """One leaf of one (sequence, kv head): its S rows as S / T tiles of T rows, oldest first, each tile read by a
   masked load from each buffer (rows outside a buffer read as nothing; a tile may straddle two), with an online
   softmax over the tiles. Tiles with no valid row are skipped: processing one would change nothing (its weights are
-  exp(-inf) = 0), so the bits are those of the full loop. refs: a K ref and a V ref [R_i, E] per buffer of
-  sizes[i] rows (values, E = Dh; or packed in the `unpack` format, `_load_int8`), then m_ref, l_ref [Gp] and o_ref
-  [Gp, Dh]."""
+  exp(-inf) = 0), so the bits are those of the full loop. refs: a K ref and a V ref [R_i, Dh] per buffer of
+  sizes[i] rows, then m_ref, l_ref [Gp] and o_ref [Gp, Dh]."""
   *ins, m_ref, l_ref, o_ref = refs
   t_rows = TILE_ROWS
   end, first_row, first_leaf = bounds_ref[0], bounds_ref[1], bounds_ref[2]
@@ -330,10 +323,7 @@ def _leaf_kernel(start_ref, bounds_ref, q_ref, *refs, sizes, lead, leaf_rows, sc
       pos = at - sum(sizes[:i])
       here = valid & (pos + lanes >= 0) & (pos + lanes < n_rows)
       offset = jnp.minimum(jnp.maximum(pos, -t_rows), n_rows) + lead  # A tile outside the buffer reads nothing.
-      if unpack == "int8":
-        load = lambda ref: _load_int8(ref, offset, here, q.dtype)
-      else:
-        load = lambda ref: plgpu.load(ref.at[pl.ds(offset, t_rows), :], mask=here[:, None], other=0.0)
+      load = lambda ref: plgpu.load(ref.at[pl.ds(offset, t_rows), :], mask=here[:, None], other=0.0)
       ki, vi = load(ins[2 * i]), load(ins[2 * i + 1])
       if inside is None:
         inside, k, v = here, ki, vi
@@ -359,21 +349,6 @@ def _leaf_kernel(start_ref, bounds_ref, q_ref, *refs, sizes, lead, leaf_rows, sc
   o_ref[...] = o
 
 
-def _load_int8(ref, offset, here, dtype):
-  """A tile of T rows from offset of a ref of int8 rows u8[R, Dh + Dh / 16] (jaxkv.kv_quant), masked by here
-  bool[T] (a masked row reads as zeros) -> values [T, Dh] of dtype, as kv_quant.unpack_int8 computes them: each
-  value's int8 times its block's float16 scale in f32, then cast. The scale's two bytes are gathered per value."""
-  block, scale_bytes = kv_quant.INT8_BLOCK, kv_quant.SCALE_BYTES
-  t_rows, dh = here.shape[0], ref.shape[1] * block // (block + scale_bytes)
-  mask = jnp.broadcast_to(here[:, None], (t_rows, dh))
-  q8 = plgpu.load(ref.at[pl.ds(offset, t_rows), pl.ds(0, dh)], mask=mask, other=0)
-  rows = jnp.broadcast_to(offset + jnp.arange(t_rows, dtype=jnp.int32)[:, None], (t_rows, dh))
-  first = jnp.broadcast_to(dh + scale_bytes * (jnp.arange(dh, dtype=jnp.int32) // block), (t_rows, dh))
-  lo, hi = (plgpu.load(ref.at[rows, first + i], mask=mask, other=0).astype(jnp.uint16) for i in (0, 1))
-  s = jax.lax.bitcast_convert_type(lo | hi << 8, jnp.float16).astype(jnp.float32)
-  return (jax.lax.bitcast_convert_type(q8, jnp.int8).astype(jnp.float32) * s).astype(dtype)
-
-
 def resolve(choice: str, cfg: ModelConfig, fmt: KVFormat, device) -> str:
   """The decode attention that runs on `device` (a jax Device): "xla", "pallas" or "legacy".
 
@@ -389,7 +364,6 @@ def resolve(choice: str, cfg: ModelConfig, fmt: KVFormat, device) -> str:
   if device.platform != "gpu" or getattr(device, "compute_capability", None) is None:
     missing.append(f"a CUDA GPU (the devices are {device.platform})")
   values = fmt.values_dtype.name
-  packed = fmt.name if fmt.name in KERNEL_UNPACKS else None
   if values not in KERNEL_DTYPES:
     missing.append(f"KV values in {', '.join(KERNEL_DTYPES)} (kv.dtype {fmt.name} holds {values})")
   if cfg.head_dim < MIN_QUERY_ROWS or cfg.head_dim & (cfg.head_dim - 1):
@@ -399,7 +373,7 @@ def resolve(choice: str, cfg: ModelConfig, fmt: KVFormat, device) -> str:
       choice,
       "pallas",
       missing,
-      lambda: pallas_check(device, values, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, packed=packed),
+      lambda: pallas_check(device, values, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
       f"the Pallas decode kernel to run and match the XLA leaves on {device}",
       "decode attention: the XLA leaves, not the Pallas kernel",
   )
@@ -423,12 +397,9 @@ def choose_kernel(field: str, choice: str, kernel: str, missing: list[str], chec
 
 
 @functools.lru_cache(maxsize=None)
-def pallas_check(
-    device, dtype: str, heads: int, kv_heads: int, head_dim: int, interpret: bool = False, packed: str | None = None
-) -> str | None:
+def pallas_check(device, dtype: str, heads: int, kv_heads: int, head_dim: int, interpret: bool = False) -> str | None:
   """Runs the kernel once on `device` in a small case of the model's heads: two sequences (one starting mid-window)
-  in a window of 2 leaves and a half and an open page of 64 rows, values in `dtype` (packed: rows stored in that
-  format of KERNEL_UNPACKS, values in `dtype`). None when it runs, is within PALLAS_CHECK_TOLERANCE of the XLA
+  in a window of 2 leaves and a half and an open page of 64 rows, values in `dtype`. None when it runs, is within PALLAS_CHECK_TOLERANCE of the XLA
   leaves, and gives the second sequence alone (its rows moved down by a leaf and 13 rows, in a window a leaf
   shorter) the bits it gets in the batch; else what went wrong. interpret: the kernel in Pallas's interpreter (CPU
   tests)."""
@@ -440,13 +411,10 @@ def pallas_check(
   alone = np.zeros((2, 1, kv_heads, w_rows - LEAF_ROWS + page, head_dim))
   alone[:, :, :, start[1] - d : end + 1 - d] = rows[:, 1:, :, start[1] : end + 1]
 
-  fmt = None if packed is None else KVFormat(packed, head_dim, dtype)
-
   def run(impl, q, rows, w, start, end):
     put = lambda a, dt=dtype: jax.device_put(jnp.asarray(a, dt), device)
-    parts = [rows[:, :, :, :w], rows[:, :, :, w:]]
-    parts = [put(p) if fmt is None else jax.device_put(fmt.pack(jnp.asarray(p, jnp.float32)), device) for p in parts]
-    o, _ = jax.jit(functools.partial(attend, impl=impl, interpret=interpret, kv_format=fmt))(
+    parts = [put(rows[:, :, :, :w]), put(rows[:, :, :, w:])]
+    o, _ = jax.jit(functools.partial(attend, impl=impl, interpret=interpret))(
         put(q), parts, 0, put(start, jnp.int32), end
     )
     return np.asarray(o, np.float32)

@@ -10,8 +10,7 @@ F = mlp_dim, V = vocab, R = cache rows in the attended window):
                 w_down [F, D]
   kv arrays: stored [2, B, K, R, E] (index 0 = K, 1 = V), rows in cache order; see jaxkv.cache. E and the
     dtype come from the KV format (jaxkv.kv_quant): E = Dh for a float cache; quantized rows are packed with
-    their scales. Rows are packed when written and unpacked to [2, B, K, R, Dh] inside the layer that attends
-    (int8 by the decode attention's kernel, a tile at a time: jaxkv.decode_attention.KERNEL_UNPACKS).
+    their scales. Rows are packed when written and unpacked to [2, B, K, R, Dh] inside the layer that attends.
 """
 
 from __future__ import annotations

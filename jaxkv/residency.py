@@ -41,7 +41,6 @@ from absl import logging
 
 from jaxkv import cache as cache_lib
 from jaxkv import chunked
-from jaxkv import decode_attention
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv.config import KVConfig, ModelConfig
@@ -349,15 +348,14 @@ def decode_workspace_bytes(
   """Device memory per device that decode alone needs beside the ring where every resident window is allocated at
   the largest window (jaxkv.cache.KVCache's full_rows, after a prefill: decode_plan): the windows that grow at a
   page boundary (as workspace_bytes counts them), and the decode attention's copies of a window in the model dtype
-  (impl, jaxkv.decode_attention): XLA_LEAVES_WINDOWS where the XLA leaves gather it, one where a quantized window
-  is unpacked before the kernel (which reads the others in place: KERNEL_UNPACKS and float rows). No window for
+  (impl, jaxkv.decode_attention): XLA_LEAVES_WINDOWS where the XLA leaves gather it, one more where a quantized
+  window is unpacked first (the kernel reads float rows in place). No window for
   holes: every resident window is replaced by one of its own size, and a streamed one grows into a buffer no
   larger. No prefill term, no scores."""
   layer = cache_lib.row_bytes(model_config, kv_dtype, batch, devices) * rows
   window_values = cache_lib.row_bytes(model_config, "model", batch, devices) * rows
   fmt = KVFormat.of(model_config, kv_dtype)
-  unpacked = fmt.quantized and not (impl == "pallas" and fmt.name in decode_attention.KERNEL_UNPACKS)
-  copies = (XLA_LEAVES_WINDOWS if impl == "xla" else 0) + unpacked
+  copies = (XLA_LEAVES_WINDOWS if impl == "xla" else 0) + fmt.quantized
   return (1 if chunked_growth else 2) * group * layer + copies * window_values
 
 

@@ -128,38 +128,10 @@ def test_the_kernel_computes_the_leaves_of_the_xla_reference():
       np.testing.assert_allclose(np.asarray(got)[~empty], np.asarray(want)[~empty], rtol=2e-2, atol=2e-2)
 
 
-def test_the_kernel_reads_int8_rows_packed_with_the_bits_of_their_unpacked_values():
-  """int8 rows (KERNEL_UNPACKS) go to the kernel packed, each tile unpacked in it: the bits of the kernel over the
-  rows unpacked first (kv_format.unpack), over a window and open page and over a chunk's leaves (a traced
-  first_leaf, jaxkv.chunked), with a sequence starting mid-window and masked tiles."""
-  rng = np.random.default_rng(11)
-  b, k, g, dh, w_rows, p_rows = 2, 2, 4, 64, 2 * S + 40, 16
-  fmt = KVFormat("int8", dh, "bfloat16")
-  q = jnp.asarray(rng.standard_normal((b, k, g, dh)), jnp.bfloat16)
-  stored = fmt.pack(jnp.asarray(4 * rng.standard_normal((2, b, k, w_rows + p_rows, dh)), jnp.float32))
-  parts, start, end = (stored[:, :, :, :w_rows], stored[:, :, :, w_rows:]), jnp.array([0, 300], jnp.int32), w_rows + 9
-  values = tuple(fmt.unpack(p) for p in parts)
-  for impl in IMPLS:
-    run = lambda parts, f: jax.jit(functools.partial(da.attend, impl=impl, kv_format=f, **IMPLS[impl]))(
-        q, parts, 0, start, end
-    )
-    for got, want in zip(run(parts, fmt), run(values, None)):
-      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  chunk = jax.jit(
-      lambda parts, first_leaf, f: da.leaf_partials(
-          q, parts, 0, start, end, 2, first_leaf=first_leaf, impl="pallas", interpret=True, kv_format=f
-      ),
-      static_argnums=2,
-  )
-  got, want = chunk(parts[:1], jnp.int32(1), fmt), chunk(values[:1], jnp.int32(1), None)
-  assert np.isfinite(np.asarray(got.m)).any()
-  assert _equal(got, want)
-
-
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
 def test_the_kernel_lowers_to_triton_for_a_cuda_gpu(kv_dtype):
   """Pallas's Triton lowering of the kernel, run here for a CUDA target (jax.export; no GPU needed): the Llama-3-8B
-  heads over a window and the open page, and over a chunk's leaves (a traced first_leaf); int8 read packed. What
+  heads over a window and the open page, and over a chunk's leaves (a traced first_leaf); int8 unpacked first. What
   Pallas cannot lower (a load it does not support) fails here, not at a GPU's start-up check."""
   fmt = KVFormat(kv_dtype, 128, "bfloat16")
   rows = lambda n: jax.ShapeDtypeStruct((2, 1, 8, n, fmt.width), fmt.storage_dtype)
@@ -314,7 +286,7 @@ def test_resolve_picks_the_kernel_only_where_it_runs():
   bf16 = dataclasses.replace(helpers.tiny_config().model, dtype="bfloat16", head_dim=128)
   cpu = jax.devices("cpu")[0]
   assert da.resolve("auto", bf16, KVFormat.of(bf16), _gpu()) == "pallas"
-  assert da.resolve("auto", bf16, KVFormat.of(bf16, "int8"), _gpu()) == "pallas"  # Read packed.
+  assert da.resolve("auto", bf16, KVFormat.of(bf16, "int8"), _gpu()) == "pallas"  # Unpacked to bf16 first.
   assert da.resolve("auto", bf16, KVFormat.of(bf16, "int4"), _gpu()) == "pallas"  # Unpacked to bf16 first.
   assert da.resolve("auto", bf16, KVFormat.of(bf16), cpu) == "xla"
   odd = dataclasses.replace(bf16, head_dim=96)
@@ -340,7 +312,6 @@ def test_resolve_falls_back_when_the_check_fails():
 def test_the_check_passes_the_interpreted_kernel_and_reports_one_that_cannot_run():
   cpu = jax.devices("cpu")[0]
   assert da.pallas_check.__wrapped__(cpu, "float32", 4, 2, 16, interpret=True) is None
-  assert da.pallas_check.__wrapped__(cpu, "bfloat16", 4, 2, 32, interpret=True, packed="int8") is None
   error = da.pallas_check.__wrapped__(cpu, "float32", 4, 2, 16)  # Triton needs a GPU.
   assert error and "Error" in error
 

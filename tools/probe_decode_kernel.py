@@ -1,13 +1,10 @@
 """Probe (GPU): the decode attention kernel's launch constants against the legacy attention.
 
 For each variant of (TILE_ROWS, NUM_WARPS, NUM_STAGES) of jaxkv.decode_attention (set on the module before tracing;
-each variant has its own bits), the median ms of --layers layers' decode attention in one jitted call (the
-Llama-3-8B heads: 8 kv heads of 4 queries, head_dim 128; rows stored in --kv_dtype, values in bf16), per batch x
-window cell; and, for the module's own constants, the leaves alone (no fold) to apportion the fold's share. With
---kv_dtype=int8 also `unpacked` (the rows unpacked by XLA, then the kernel: what the kernel read before it unpacked
-int8 itself) and whether its bits equal the packed read's. Prints a table; writes --json_out. From the repository
-root: python3 tools/probe_decode_kernel.py --json_out=probe_decode_kernel.json
-  python3 tools/probe_decode_kernel.py --kv_dtype=int8 --variants=128x4x2 --cells=1x32768,1x262144
+each variant has its own bits), the median ms of --layers layers' decode attention in one jitted call (bf16, the
+Llama-3-8B heads: 8 kv heads of 4 queries, head_dim 128), per batch x window cell; and, for the module's own
+constants, the leaves alone (no fold) to apportion the fold's share. Prints a table; writes --json_out. From the
+repository root: python3 tools/probe_decode_kernel.py --json_out=probe_decode_kernel.json
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-posi
 
 from jaxkv import decode_attention as da  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jaxkv import model  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jaxkv.kv_quant import KVFormat  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def _median_ms(fn, args, reps: int) -> float:
@@ -39,22 +35,19 @@ def _median_ms(fn, args, reps: int) -> float:
   return statistics.median(times)
 
 
-def _layers(what: str, fmt: KVFormat):
-  """One jitted call over every layer of rows stored in fmt: what = legacy, attend (the leaves folded), unpacked
-  (attend over the rows unpacked first) or leaves (the kernel alone)."""
+def _layers(what: str):
+  """One jitted call over every layer: what = legacy, attend (the leaves folded) or leaves (the kernel alone)."""
 
   def f(qs, windows, pages, start, end):
     outs = []
     for q, window, p in zip(qs, windows, pages):
       if what == "legacy":
-        outs.append(model.legacy_decode_attention(q, (fmt.unpack(window), fmt.unpack(p)), start, end))
+        outs.append(model.legacy_decode_attention(q, (window, p), start, end))
       elif what == "attend":
-        outs.append(da.attend(q, (window, p), 0, start, end, impl="pallas", kv_format=fmt)[0])
-      elif what == "unpacked":
-        outs.append(da.attend(q, (fmt.unpack(window), fmt.unpack(p)), 0, start, end, impl="pallas")[0])
+        outs.append(da.attend(q, (window, p), 0, start, end, impl="pallas")[0])
       else:
         n = da.leaf_count(window.shape[3] + p.shape[3])
-        outs.append(da.leaf_partials(q, (window, p), 0, start, end, n, impl="pallas", kv_format=fmt).o.sum(0))
+        outs.append(da.leaf_partials(q, (window, p), 0, start, end, n, impl="pallas").o.sum(0))
     return jnp.stack(outs)
 
   return jax.jit(f)
@@ -66,36 +59,29 @@ def main():
   p.add_argument("--variants", default="128x4x2,128x4x1,64x4x2,64x4x3,64x2x2,128x8x2,256x8x1")
   p.add_argument("--layers", type=int, default=32)
   p.add_argument("--reps", type=int, default=10)
-  p.add_argument("--kv_dtype", default="bfloat16", choices=["bfloat16", "int8"])
   p.add_argument("--json_out", default=os.path.join(os.environ.get("OUT", "."), "probe_decode_kernel.json"))
   a = p.parse_args()
   k, g, dh, page = 8, 4, 128, 256
   base = (da.TILE_ROWS, da.NUM_WARPS, da.NUM_STAGES)
-  fmt = KVFormat(a.kv_dtype, dh, "bfloat16")
-  out = dict(jax=jax.__version__, devices=[str(d) for d in jax.devices()], base=base, kv_dtype=a.kv_dtype, cells={})
+  out = dict(jax=jax.__version__, devices=[str(d) for d in jax.devices()], base=base, cells={})
   for cell in a.cells.split(","):
     b, w = (int(v) for v in cell.split("x"))
     key = jax.random.key(0)
     rand = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16)
-    rows = jax.jit(lambda i, shape: fmt.pack(rand(i, shape)), static_argnums=1)
     args = (
         [rand(l, (b, k, g, dh)) for l in range(a.layers)],
-        [rows(100 + l, (2, b, k, w, dh)) for l in range(a.layers)],
-        [rows(200 + l, (2, b, k, page, dh)) for l in range(a.layers)],
+        [rand(100 + l, (2, b, k, w, dh)) for l in range(a.layers)],
+        [rand(200 + l, (2, b, k, page, dh)) for l in range(a.layers)],
         jnp.zeros((b,), jnp.int32),
         jnp.int32(w + page // 2),
     )
-    ms = {"legacy": _median_ms(_layers("legacy", fmt), args, a.reps)}
-    if fmt.quantized:
-      ms["unpacked"] = _median_ms(_layers("unpacked", fmt), args, a.reps)
-      same = (_layers(n, fmt)(*args) for n in ("attend", "unpacked"))
-      out.setdefault("same_bits_packed_unpacked", {})[cell] = bool(jnp.array_equal(*same))
+    ms = {"legacy": _median_ms(_layers("legacy"), args, a.reps)}
     for v in a.variants.split(","):
       da.TILE_ROWS, da.NUM_WARPS, da.NUM_STAGES = (int(x) for x in v.split("x"))
       try:
-        ms[v] = _median_ms(_layers("attend", fmt), args, a.reps)
+        ms[v] = _median_ms(_layers("attend"), args, a.reps)
         if (da.TILE_ROWS, da.NUM_WARPS, da.NUM_STAGES) == base:
-          ms[v + " leaves"] = _median_ms(_layers("leaves", fmt), args, a.reps)
+          ms[v + " leaves"] = _median_ms(_layers("leaves"), args, a.reps)
       except Exception as e:  # pylint: disable=broad-except  (a variant that does not compile)
         ms[v] = f"{type(e).__name__}: {str(e)[:200]}"
       da.TILE_ROWS, da.NUM_WARPS, da.NUM_STAGES = base
@@ -109,8 +95,6 @@ def main():
   for n in names:
     row = [out["cells"][c].get(n) for c in out["cells"]]
     print(f"| {n} | " + " | ".join(f"{x:.3f}" if isinstance(x, float) else "err" for x in row) + " |")
-  if "same_bits_packed_unpacked" in out:
-    print("packed and unpacked reads, the same bits:", out["same_bits_packed_unpacked"])
 
 
 if __name__ == "__main__":
