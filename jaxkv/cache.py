@@ -296,14 +296,14 @@ class KVCache:
       self.opens[l] = _zeros_fn(shape, self.dtype, self.device_shardings[l])()
     self.rows = rows
 
-  def promote(self, layers: tuple[int, ...]) -> int:
+  def promote(self, layers: tuple[int, ...]) -> None:
     """Makes streamed layers resident (jaxkv.engine.Engine.place_for_decode, after a prefill; full_rows set): each
     one's window (pinned host: its head, with host attention, then its window, together rows [0, W)) moves into a
     zero buffer of full_rows rows on its devices, one delivery chunk at a time (a chunk's rows beside the buffer,
     not a second window); the cache changes only once every layer's has moved (a failed move, e.g. out of device
     memory, leaves every layer streamed). Their D2H copies must have landed (land_copies), and nothing may read or
-    write the windows meanwhile. Returns the bytes moved, summed over the devices."""
-    moved, nbytes = {}, 0
+    write the windows meanwhile."""
+    moved = {}
     for l in layers:
       parts, sharding = [a for a in (self.heads[l], self.windows[l]) if a is not None], self.device_shardings[l]
       if not parts:
@@ -316,12 +316,10 @@ class KVCache:
           rows = min(step, part.shape[3] - first)
           buffer = _write_fn(sharding)(buffer, rows_to_device(part, first, rows, sharding), at + first)
         at += part.shape[3]
-        nbytes += part.nbytes
       moved[l] = jax.block_until_ready(buffer)  # One layer's chunks on the devices at a time.
     for l, window in moved.items():
       self.windows[l], self.heads[l] = window, None
     self.streamed = tuple(s and l not in moved for l, s in enumerate(self.streamed))
-    return nbytes
 
   def store(self, layer: int, window_device: jax.Array | None) -> Issued:
     """Places layer `layer`'s window (a device array) in the cache's memory."""
