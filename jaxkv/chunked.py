@@ -80,38 +80,27 @@ def chunk_partials(
   of its buffer. q f32[B, K, G, Dh] (model.decode_query); chunk stored [2, B, K, R, E] rows [first_row, first_row +
   R) (first_row i32[]); start i32[B]; end i32[] past the chunk; impl, mesh, interpret: as
   jaxkv.decode_attention.leaf_partials'. Returns jaxkv.decode_attention.Partials [n, ...]."""
+  kv = kv_format.unpack(chunk)
   first_leaf = (end - first_row - chunk.shape[3]) // da.LEAF_ROWS + 1
-  qg = q.astype(kv_format.values_dtype)
-  kw = dict(first_leaf=first_leaf, impl=impl, mesh=mesh, interpret=interpret, kv_format=kv_format)
-  return da.leaf_partials(qg, (chunk,), first_row, start, end, num_leaves, **kw)
+  qg = q.astype(kv.dtype)
+  kw = dict(first_leaf=first_leaf, impl=impl, mesh=mesh, interpret=interpret)
+  return da.leaf_partials(qg, (kv,), first_row, start, end, num_leaves, **kw)
 
 
 def chunked_attention(
-    q,
-    last,
-    open_page,
-    older,
-    start,
-    end,
-    origin=0,
-    *,
-    c_rows: int,
-    kv_format: KVFormat,
-    impl: str,
-    mesh=None,
-    interpret=False,
+    q, last, open_page, older, start, end, origin=0, *, c_rows: int, impl: str, mesh=None, interpret=False
 ):
   """Attention over a chunked window (or a host-attention tail) and the open page: the leaves of the newest chunk and
   the open page, the older chunks' partials placed at their leaves, one fold. q [B, K, G, Dh] in the values' dtype;
   the chunked rows are [origin, W) (origin i32[]: 0, or a tail's first row r1), T = W - origin; last [2, B, K, R,
-  E] stored in kv_format, the newest chunk's buffer, rows [W - R, W); open_page stored [2, B, K, P, E] rows [W,
+  Dh] values (unpacked), the newest chunk's buffer, rows [W - R, W); open_page values [2, B, K, P, Dh] rows [W,
   W + P); older: chunk_partials of chunks 0 .. n - 2, C = c_rows rows each; start i32[B]; end i32[]. Returns o
   f32[B, K, G, Dh] and lse f32[B, K, G], those of jaxkv.decode_attention.attend over the rows [origin, W) and the
   open page (rows before origin masked)."""
   t_rows = len(older) * c_rows + last.shape[3] - da.LEAF_ROWS
   newest_leaves = da.leaf_count(last.shape[3] + open_page.shape[3])
   first_row = jnp.asarray(origin, jnp.int32) + t_rows - last.shape[3]
-  kw = dict(impl=impl, mesh=mesh, interpret=interpret, kv_format=kv_format)
+  kw = dict(impl=impl, mesh=mesh, interpret=interpret)
   newest = da.leaf_partials(q, (last, open_page), first_row, start, end, newest_leaves, **kw)
   # Chunk i's first leaf is the one whose newest row is its last, origin + (i + 1) C - 1; later pieces overwrite
   # earlier ones.
@@ -134,14 +123,15 @@ def chunked_out(p, x, q, last, open_page, older, start, end, *, c_rows: int, cfg
   Returns x [B, D]. A verify pass (model.decode_layer's T tokens): x [B, T, D], q f32[B, K, T * G, Dh], older[c] a
   tuple of each token's partials of chunk c; token i attends as a one-token step at its row (token_steps), and the
   rest of the layer runs over the B * T rows."""
+  page_kv, last_kv = kv_format.unpack(open_page), kv_format.unpack(last)
   b, t = x.shape[0], 1 if x.ndim == 2 else x.shape[1]
   k, dh = q.shape[1], q.shape[3]
-  kw = dict(c_rows=c_rows, kv_format=kv_format, impl=impl, mesh=mesh)
+  kw = dict(c_rows=c_rows, impl=impl, mesh=mesh)
   outs = []
   for i, (qi, row) in enumerate(token_steps(q, end, cfg.num_heads // cfg.num_kv_heads, open_page.shape[3])):
-    qg = jax.lax.optimization_barrier(qi.astype(kv_format.values_dtype))
+    qg = jax.lax.optimization_barrier(qi.astype(page_kv.dtype))
     token_older = older if t == 1 else tuple(c[i] for c in older)
-    o, _ = chunked_attention(qg, last, open_page, token_older, start, row, **kw)
+    o, _ = chunked_attention(qg, last_kv, page_kv, token_older, start, row, **kw)
     outs.append(jax.lax.optimization_barrier(o))
   o = outs[0] if t == 1 else jnp.stack(outs, axis=1)  # [B, K, G, Dh] or [B, T, K, G, Dh]
   o = o.reshape(b * t, 1, cfg.num_heads, dh).astype(x.dtype)
@@ -198,13 +188,14 @@ def calls(
   def tail(q, last, open_page, older, origin, meta, c_rows):
     """A host-attention layer's device partial over its chunked tail (rows [origin, W)) and the open page: that of
     jaxkv.host.calls' tail_partial (a verify pass: each token's, concatenated as q's query heads)."""
-    kw = dict(c_rows=c_rows, kv_format=fmt, impl=impl, mesh=mesh)
+    page_kv, last_kv = fmt.unpack(open_page), fmt.unpack(last)
+    kw = dict(c_rows=c_rows, impl=impl, mesh=mesh)
     steps = token_steps(q, Meta.end(meta), g, open_page.shape[3])
     parts = [
         chunked_attention(
-            qi.astype(fmt.values_dtype),
-            last,
-            open_page,
+            qi.astype(page_kv.dtype),
+            last_kv,
+            page_kv,
             older if tokens == 1 else tuple(c[i] for c in older),
             Meta.start(meta),
             row,

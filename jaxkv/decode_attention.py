@@ -138,21 +138,16 @@ def leaf_partials(
     mesh: jax.sharding.Mesh | None = None,
     leaf_rows: int = LEAF_ROWS,
     interpret: bool = False,
-    kv_format: KVFormat | None = None,
 ) -> Partials:
   """The partials of leaves first_leaf .. first_leaf + num_leaves - 1 (module docstring).
 
-  q [B, K, G, Dh] in the values' dtype; parts: buffers [2, B, K, R_i, E] of consecutive rows stored in kv_format
-  (None: values, E = Dh), the first starting at absolute row first_row (i32[]); start i32[B]; end i32[] (the newest
-  row). Rows outside the buffers or before start[b] are masked. impl "xla" or "pallas" (at most two parts: a window
-  and the open page of P rows, `end` in the page, which is read for the first ceil(P / S) leaves only); quantized
-  parts are unpacked first, whole (a kernel that read int8 rows packed and unpacked each tile, scales gathered per
-  value, took 10x the time at 1M on the H200: docs/design.md). mesh: the devices the arrays
-  are sharded over by kv head (the kernel runs per shard under shard_map; None: unsharded); interpret: run the
-  kernel in Pallas's interpreter (CPU tests).
+  q [B, K, G, Dh] in the values' dtype; parts: value buffers [2, B, K, R_i, Dh] (unpacked) of consecutive rows, the
+  first starting at absolute row first_row (i32[]); start i32[B]; end i32[] (the newest row). Rows outside the
+  buffers or before start[b] are masked. impl "xla" or "pallas" (at most two parts: a window and the open page of P
+  rows, `end` in the page, which is read for the first ceil(P / S) leaves only); mesh: the devices the arrays are
+  sharded over by kv head (the kernel runs per shard under shard_map; None: unsharded); interpret: run the kernel
+  in Pallas's interpreter (CPU tests).
   """
-  if kv_format is not None:
-    parts = [kv_format.unpack(p) for p in parts]
   if impl == "xla":
     return _xla_leaf_partials(q, parts, first_row, start, end, num_leaves, first_leaf, leaf_rows)
   if impl != "pallas":
@@ -191,12 +186,11 @@ def attend(
     mesh: jax.sharding.Mesh | None = None,
     leaf_rows: int = LEAF_ROWS,
     interpret: bool = False,
-    kv_format: KVFormat | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Attention over every row of the buffers (leaf_partials' arguments; `end` in the last buffer) -> o f32[B, K, G,
   Dh], normalized, and lse f32[B, K, G]: the leaves that cover the buffers, folded."""
   n = leaf_count(sum(p.shape[3] for p in parts), leaf_rows)
-  kw = dict(impl=impl, mesh=mesh, leaf_rows=leaf_rows, interpret=interpret, kv_format=kv_format)
+  kw = dict(impl=impl, mesh=mesh, leaf_rows=leaf_rows, interpret=interpret)
   return normalized(fold(leaf_partials(q, parts, first_row, start, end, n, **kw)))
 
 
@@ -237,10 +231,10 @@ def _pallas_leaf_partials(q, parts, start, bounds, *, num_leaves, first_leaf, le
   holds every row of its leaves) runs every leaf with every buffer."""
   if len(parts) == 1:
     parts = (parts[0], parts[0])
-  run = functools.partial(_pallas_call, q, start, bounds, leaf_rows=leaf_rows, interpret=interpret)
   if not isinstance(first_leaf, int):
-    return run(parts, first_leaf, num_leaves)
+    return _pallas_call(q, start, bounds, parts, first_leaf, num_leaves, leaf_rows=leaf_rows, interpret=interpret)
   near = min(first_leaf + num_leaves, -(-parts[-1].shape[3] // leaf_rows))  # Leaves [first_leaf, near) reach P.
+  run = functools.partial(_pallas_call, q, start, bounds, leaf_rows=leaf_rows, interpret=interpret)
   calls = []
   if near > first_leaf:
     calls.append(run(parts, first_leaf, near - first_leaf))
@@ -269,7 +263,7 @@ def _pallas_call(q, start, bounds, parts, first_leaf, num_leaves, *, leaf_rows, 
       scale=1.0 / math.sqrt(dh),
       precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
   )
-  rows_spec = lambda a, kv: pl.BlockSpec((None, None, None, *a.shape[3:]), lambda i, h, j, kv=kv: (kv, i, h, 0, 0))
+  rows_spec = lambda a, kv: pl.BlockSpec((None, None, None, a.shape[3], dh), lambda i, h, j, kv=kv: (kv, i, h, 0, 0))
   stat_spec = pl.BlockSpec((None, None, None, gp), lambda i, h, j: (j, i, h, 0))
   m, l, o = pl.pallas_call(
       kernel,
@@ -399,10 +393,10 @@ def choose_kernel(field: str, choice: str, kernel: str, missing: list[str], chec
 @functools.lru_cache(maxsize=None)
 def pallas_check(device, dtype: str, heads: int, kv_heads: int, head_dim: int, interpret: bool = False) -> str | None:
   """Runs the kernel once on `device` in a small case of the model's heads: two sequences (one starting mid-window)
-  in a window of 2 leaves and a half and an open page of 64 rows, values in `dtype`. None when it runs, is within PALLAS_CHECK_TOLERANCE of the XLA
-  leaves, and gives the second sequence alone (its rows moved down by a leaf and 13 rows, in a window a leaf
-  shorter) the bits it gets in the batch; else what went wrong. interpret: the kernel in Pallas's interpreter (CPU
-  tests)."""
+  in a window of 2 leaves and a half and an open page of 64 rows. None when it runs, is within
+  PALLAS_CHECK_TOLERANCE of the XLA leaves, and gives the second sequence alone (its rows moved down by a leaf and 13
+  rows, in a window a leaf shorter) the bits it gets in the batch; else what went wrong. interpret: the kernel in
+  Pallas's interpreter (CPU tests)."""
   rng = np.random.default_rng(0)
   w_rows, page, d = 5 * LEAF_ROWS // 2, 64, LEAF_ROWS + 13
   q = rng.standard_normal((2, kv_heads, heads // kv_heads, head_dim))
@@ -413,7 +407,7 @@ def pallas_check(device, dtype: str, heads: int, kv_heads: int, head_dim: int, i
 
   def run(impl, q, rows, w, start, end):
     put = lambda a, dt=dtype: jax.device_put(jnp.asarray(a, dt), device)
-    parts = [put(rows[:, :, :, :w]), put(rows[:, :, :, w:])]
+    parts = (put(rows[:, :, :, :w]), put(rows[:, :, :, w:]))
     o, _ = jax.jit(functools.partial(attend, impl=impl, interpret=interpret))(
         put(q), parts, 0, put(start, jnp.int32), end
     )

@@ -493,21 +493,21 @@ def decode_layer(
   first_row = end - end % page - a_rows  # The window's first row: W - A.
   b, _, h, dh = q.shape
   k = open_page.shape[2]
-  parts = (open_page,) if window is None else (window, open_page)  # Stored: the attention unpacks them.
+  page_kv = fmt.unpack(open_page)
+  parts = (page_kv,) if window is None else (fmt.unpack(window), page_kv)
   if attention_impl == "legacy":
     if t != 1:
       raise ValueError("engine.decode_attention legacy decodes one token per pass (no speculative verify pass)")
-    qg = q[:, 0].reshape(b, k, h // k, dh).astype(fmt.values_dtype)
-    o = legacy_decode_attention(qg, [fmt.unpack(part) for part in parts], start, end, first_row)
+    qg = q[:, 0].reshape(b, k, h // k, dh).astype(page_kv.dtype)
+    o = legacy_decode_attention(qg, parts, start, end, first_row)
   else:
     outs = []
-    kw = dict(impl=attention_impl, mesh=mesh, kv_format=fmt)
     for i in range(t):
       # Fenced: no fusion joins the attention (whose fold has more levels at a longer W) to the projections around
       # it, so that they compile to the same fusions, and the GPU autotuner's picks, at every W.
-      qg = jax.lax.optimization_barrier(q[:, i].reshape(b, k, h // k, dh).astype(fmt.values_dtype))
+      qg = jax.lax.optimization_barrier(q[:, i].reshape(b, k, h // k, dh).astype(page_kv.dtype))
       row = end if t == 1 else token_row(end, i, page)
-      o, _ = decode_attention.attend(qg, parts, first_row, start, row, **kw)
+      o, _ = decode_attention.attend(qg, parts, first_row, start, row, impl=attention_impl, mesh=mesh)
       outs.append(jax.lax.optimization_barrier(o))
     o = outs[0] if t == 1 else jnp.stack(outs, axis=1)  # [B, K, G, Dh] or [B, T, K, G, Dh]
   out = attn_out_and_mlp(p, x.reshape(b * t, 1, -1), o.reshape(b * t, 1, h, dh).astype(x.dtype), cfg, batch=b)
@@ -632,14 +632,15 @@ def decode_tail_partial(
   Returns o f32[B, K, G, Dh] and lse f32[B, K, G] (partial_attention).
   """
   t_rows, page = (0 if tail is None else tail.shape[3]), open_page.shape[3]
-  parts = (open_page,) if tail is None else (tail, open_page)  # Stored: the attention unpacks them.
-  q = q.astype(kv_format.values_dtype)
+  page_kv = kv_format.unpack(open_page)
+  parts = (page_kv,) if tail is None else (kv_format.unpack(tail), page_kv)
+  q = q.astype(page_kv.dtype)
   first_row = end - end % page - t_rows
   if attention_impl != "legacy":
-    return decode_attention.attend(q, parts, first_row, start, end, impl=attention_impl, mesh=mesh, kv_format=kv_format)
+    return decode_attention.attend(q, parts, first_row, start, end, impl=attention_impl, mesh=mesh)
   key_rows = first_row + jnp.arange(t_rows + page, dtype=jnp.int32)
   mask = (key_rows[None, :] >= start[:, None]) & (key_rows[None, :] <= end)  # [B, T + P]; row `end` is valid.
-  return partial_attention(q, kv_format.unpack(jnp.concatenate(parts, axis=3) if len(parts) > 1 else open_page), mask)
+  return partial_attention(q, jnp.concatenate(parts, axis=3) if len(parts) > 1 else page_kv, mask)
 
 
 def decode_merge(p, x, o, lse, host_o, host_lse, *, cfg: ModelConfig):

@@ -349,9 +349,8 @@ def decode_workspace_bytes(
   the largest window (jaxkv.cache.KVCache's full_rows, after a prefill: decode_plan): the windows that grow at a
   page boundary (as workspace_bytes counts them), and the decode attention's copies of a window in the model dtype
   (impl, jaxkv.decode_attention): XLA_LEAVES_WINDOWS where the XLA leaves gather it, one more where a quantized
-  window is unpacked first (the kernel reads float rows in place). No window for
-  holes: every resident window is replaced by one of its own size, and a streamed one grows into a buffer no
-  larger. No prefill term, no scores."""
+  window is unpacked first (the kernel reads float rows in place). No window for holes: every resident window is
+  replaced by one of its own size, and a streamed one grows into a buffer no larger. No prefill term, no scores."""
   layer = cache_lib.row_bytes(model_config, kv_dtype, batch, devices) * rows
   window_values = cache_lib.row_bytes(model_config, "model", batch, devices) * rows
   fmt = KVFormat.of(model_config, kv_dtype)

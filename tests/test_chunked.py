@@ -60,9 +60,7 @@ def test_chunked_attention_is_the_whole_windows_bit_for_bit(impl):
   partials = jax.jit(
       functools.partial(chunked.chunk_partials, num_leaves=c_rows // S, kv_format=fmt, impl=impl, interpret=interpret)
   )
-  attention = jax.jit(
-      functools.partial(chunked.chunked_attention, c_rows=c_rows, kv_format=fmt, impl=impl, interpret=interpret)
-  )
+  attention = jax.jit(functools.partial(chunked.chunked_attention, c_rows=c_rows, impl=impl, interpret=interpret))
   cases = [(5 * S + 24, 3), (4 * S, 15)] if impl == "xla" else [(5 * S + 24, 3)]
   for w_rows, offset in cases:
     rows = rng.standard_normal((2, b, k, w_rows + page, dh)).astype(np.float32)

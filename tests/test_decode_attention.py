@@ -137,8 +137,9 @@ def test_the_kernel_lowers_to_triton_for_a_cuda_gpu(kv_dtype):
   rows = lambda n: jax.ShapeDtypeStruct((2, 1, 8, n, fmt.width), fmt.storage_dtype)
   spec = (jax.ShapeDtypeStruct((1, 8, 4, 128), jnp.bfloat16), rows(4096), rows(256))
   start = jax.ShapeDtypeStruct((1,), jnp.int32)
-  attend = lambda q, w, p, s: da.attend(q, (w, p), 0, s, 4106, impl="pallas", kv_format=fmt)
-  chunk = lambda q, w, p, s: da.leaf_partials(q, (w,), 0, s, 4106, 2, first_leaf=s[0], impl="pallas", kv_format=fmt)
+  unpack = fmt.unpack
+  attend = lambda q, w, p, s: da.attend(q, (unpack(w), unpack(p)), 0, s, 4106, impl="pallas")
+  chunk = lambda q, w, p, s: da.leaf_partials(q, (unpack(w),), 0, s, 4106, 2, first_leaf=s[0], impl="pallas")
   triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
   for f, kernels in ((attend, 2), (chunk, 1)):
     lowered = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[triton])(*spec, start)
@@ -281,7 +282,7 @@ def _gpu():
   return types.SimpleNamespace(platform="gpu", compute_capability="9.0")
 
 
-@mock.patch.object(da, "pallas_check", lambda *args, **kwargs: None)  # The kernel runs (and matches) on the fake GPU.
+@mock.patch.object(da, "pallas_check", lambda *args: None)  # The kernel runs (and matches) on the fake GPU.
 def test_resolve_picks_the_kernel_only_where_it_runs():
   bf16 = dataclasses.replace(helpers.tiny_config().model, dtype="bfloat16", head_dim=128)
   cpu = jax.devices("cpu")[0]
@@ -303,7 +304,7 @@ def test_resolve_picks_the_kernel_only_where_it_runs():
 
 def test_resolve_falls_back_when_the_check_fails():
   bf16 = dataclasses.replace(helpers.tiny_config().model, dtype="bfloat16", head_dim=128)
-  with mock.patch.object(da, "pallas_check", lambda *args, **kwargs: "relative error 0.3 > 0.01"):
+  with mock.patch.object(da, "pallas_check", lambda *args: "relative error 0.3 > 0.01"):
     assert da.resolve("auto", bf16, KVFormat.of(bf16), _gpu()) == "xla"
     with pytest.raises(ValueError, match="relative error 0.3"):
       da.resolve("pallas", bf16, KVFormat.of(bf16), _gpu())
