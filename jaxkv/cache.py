@@ -54,6 +54,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
@@ -140,13 +141,24 @@ def _grow_fn(sharding: jax.sharding.Sharding):
 
 
 @functools.lru_cache(maxsize=None)
-def _write_fn(sharding: jax.sharding.Sharding):
-  """(buffer [2, B, K, A, E] donated, rows [2, B, K, N, E], at) -> buffer with rows at row `at`, in place."""
-  return jax.jit(
-      lambda buf, rows, at: jax.lax.dynamic_update_slice_in_dim(buf, rows, at, axis=3),
-      out_shardings=sharding,
-      donate_argnums=(0,),
-  )
+def _write_fn(sharding: jax.sharding.Sharding, skip: int = 0):
+  """(buffer [2, B, K, A, E] donated, rows [2, B, K, N, E] on the devices, at) -> buffer with rows [skip, N) at row
+  `at`, in place (in pinned host memory inside the call where `sharding` is there)."""
+  to_host = sharding.memory_kind == "pinned_host"
+
+  def write(buf, rows, at):
+    rows = rows[:, :, :, skip:]
+    if to_host:
+      rows = jax.device_put(rows, jax.memory.Space.Host)
+    return jax.lax.dynamic_update_slice_in_dim(buf, rows, at, axis=3)
+
+  return jax.jit(write, out_shardings=sharding, donate_argnums=(0,))
+
+
+def write_rows(buffer: jax.Array, rows: jax.Array, at: int, sharding: jax.sharding.Sharding, skip: int = 0):
+  """buffer [2, B, K, A, E] (donated, in `sharding`: device or pinned host memory) with rows [skip, N) of rows
+  [2, B, K, N, E] (on the devices) written at row `at`, in place."""
+  return _write_fn(sharding, skip)(buffer, rows, at)
 
 
 @functools.lru_cache(maxsize=None)
@@ -314,7 +326,7 @@ class KVCache:
         step = self.chunk_rows or part.shape[3]
         for first in range(0, part.shape[3], step):
           rows = min(step, part.shape[3] - first)
-          buffer = _write_fn(sharding)(buffer, rows_to_device(part, first, rows, sharding), at + first)
+          buffer = write_rows(buffer, rows_to_device(part, first, rows, sharding), at + first, sharding)
         at += part.shape[3]
       moved[l] = jax.block_until_ready(buffer)  # One layer's chunks on the devices at a time.
     for l, window in moved.items():
@@ -390,6 +402,33 @@ class KVCache:
       return tail
     head = distributed.move(self.heads[layer], self.device_shardings[layer])
     return _grow_fn(self.device_shardings[layer])(head, tail)
+
+  def host_zeros(self, layer: int, rows: int) -> jax.Array:
+    """Zeros [2, B, K, rows, E] in the layer's pinned host memory, each shard made on the host (no device buffer)."""
+    shape, sharding = (2, self.batch, self.model.num_kv_heads, rows, self.row_width), self.host_shardings[layer]
+    return jax.make_array_from_callback(shape, sharding, lambda _: np.zeros(sharding.shard_shape(shape), self.dtype))
+
+  def store_split_tail(self, layer: int, tail: jax.Array, joined: int) -> Issued:
+    """Stores a split layer's grown tail [2, B, K, W' - r1', E] (devices) whose split row moved from r1 to
+    r1' = r1 + joined (joined >= 0, r1' <= W): rows [0, joined) of the old tail (pinned host) join the head first,
+    which becomes a new pinned host array filled a delivery chunk at a time through the devices (chunks of the
+    head's and those rows: at most a chunk on the devices beside the tail, never the whole window)."""
+    issued = Issued()
+    if joined:
+      r1, host, device = self.head_rows(layer), self.host_shardings[layer], self.device_shardings[layer]
+      head = self.host_zeros(layer, r1 + joined)
+      at = 0
+      for part, rows in ((self.heads[layer], r1), (self.windows[layer], joined)):
+        step = min(self.chunk_rows or rows, rows)
+        for first in range(0, rows, max(step, 1)):  # The last chunk ends at `rows`: one program per chunk size.
+          first = min(first, rows - step)
+          head = write_rows(head, rows_to_device(part, first, step, device), at + first, host)
+          issued += Issued(step * self.row_bytes(), 2)
+        at += rows
+      self.heads[layer] = head
+    self.windows[layer] = distributed.move(tail, self.host_shardings[layer])
+    self._copying([self.windows[layer]])
+    return issued + Issued(tail.nbytes, 1)
 
   def store_tail(self, layer: int, tail: jax.Array) -> Issued:
     """Stores a grown tail [2, B, K, W - r1, E] (device) of a split layer: alone while the split row stays r1, else

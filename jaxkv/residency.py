@@ -214,11 +214,12 @@ def auto_plan(
   return dataclasses.replace(auto, free_bytes=free, ring_bytes=ring, workspace_bytes=workspace)
 
 
-def chunked_growth(kv: KVConfig, c_rows: int, rows: int) -> bool:
+def chunked_growth(kv: KVConfig, c_rows: int, rows: int, decode: bool = False) -> bool:
   """Whether windows of up to `rows` rows grow from their delivery chunks of c_rows rows (jaxkv.chunked): those past
-  two chunks do, smaller ones grow whole, two at a time but together at most a window; host attention's tails grow
-  whole (jaxkv.host)."""
-  return bool(c_rows) and 2 * (c_rows + kv.block) <= rows and not kv.host_attention
+  two chunks do, smaller ones grow whole, two at a time but together at most a window. Host attention's windows
+  are split on the devices where a prefill stores them (two windows), and in decode (`decode`) grow into one buffer
+  like the others (jaxkv.host.decode.Growth)."""
+  return bool(c_rows) and 2 * (c_rows + kv.block) <= rows and (decode or not kv.host_attention)
 
 
 def decode_plan(
@@ -242,8 +243,9 @@ def decode_plan(
     return None
   rows = cache_lib.rows_bound(capacity, kv.block)
   group = max(map(len, prefill.groups))
-  growth = chunked_growth(kv, prefill.chunk_rows, rows)
-  workspace = decode_workspace_bytes(model_config, kv.dtype, batch, rows, group, devices, growth, impl)
+  growth = chunked_growth(kv, prefill.chunk_rows, rows, decode=True)
+  joins = prefill.chunk_rows if growth and kv.host_attention else 0
+  workspace = decode_workspace_bytes(model_config, kv.dtype, batch, rows, group, devices, growth, impl, joins)
   budget, source = device_budget(before.free_bytes, None, before.ring_bytes, workspace, kv.headroom_mib)
   room = budget // max(before.layer_bytes, 1) - before.resident_layers
   streamed = [g for g in prefill.groups if before.streamed[g[0]]]
@@ -344,18 +346,21 @@ def decode_workspace_bytes(
     devices: int,
     chunked_growth: bool,
     impl: str,
+    join_rows: int = 0,
 ) -> int:
   """Device memory per device that decode alone needs beside the ring where every resident window is allocated at
   the largest window (jaxkv.cache.KVCache's full_rows, after a prefill: decode_plan): the windows that grow at a
-  page boundary (as workspace_bytes counts them), and the decode attention's copies of a window in the model dtype
-  (impl, jaxkv.decode_attention): XLA_LEAVES_WINDOWS where the XLA leaves gather it, one more where a quantized
-  window is unpacked first (the kernel reads float rows in place). No window for holes: every resident window is
-  replaced by one of its own size, and a streamed one grows into a buffer no larger. No prefill term, no scores."""
-  layer = cache_lib.row_bytes(model_config, kv_dtype, batch, devices) * rows
+  page boundary (as workspace_bytes counts them; join_rows more rows where host attention's heads take rows of
+  their grown tails a delivery chunk at a time, jaxkv.cache.KVCache.store_split_tail), and the decode attention's
+  copies of a window in the model dtype (impl, jaxkv.decode_attention): XLA_LEAVES_WINDOWS where the XLA leaves
+  gather it, one more where a quantized window is unpacked first (the kernel reads float rows in place). No window
+  for holes: every resident window is replaced by one of its own size, and a streamed one grows into a buffer no
+  larger. No prefill term, no scores."""
+  row = cache_lib.row_bytes(model_config, kv_dtype, batch, devices)
   window_values = cache_lib.row_bytes(model_config, "model", batch, devices) * rows
   fmt = KVFormat.of(model_config, kv_dtype)
   copies = (XLA_LEAVES_WINDOWS if impl == "xla" else 0) + fmt.quantized
-  return (1 if chunked_growth else 2) * group * layer + copies * window_values
+  return ((1 if chunked_growth else 2) * group * rows + join_rows) * row + copies * window_values
 
 
 def device_budget(

@@ -127,7 +127,7 @@ def test_decode_after_a_prefill_moves_promoted_windows_in_chunks_and_keeps_the_b
   helpers.device_memory(monkeypatch, plan.ring_bytes + plan.workspace_bytes + cfg.kv.headroom_mib * 2**20 + 2 * layer)
   moved = []
   write = cache_lib._write_fn  # pylint: disable=protected-access
-  monkeypatch.setattr(cache_lib, "_write_fn", lambda sharding: lambda *a: moved.append(a[2]) or write(sharding)(*a))
+  monkeypatch.setattr(cache_lib, "_write_fn", lambda *key: lambda *a: moved.append(a[2]) or write(*key)(*a))
   res = eng.generate(helpers.prompts(LENGTHS), NEW, keep_logits=True, zero_rows=ZERO_ROWS)
   t = res.transport["residency"]
   assert t["resident_layers"] - len(t["promoted"]) == 2 and len(t["promoted"]) == 1

@@ -18,6 +18,7 @@ import numba
 import numpy as np
 import pytest
 
+from jaxkv import cache as cache_lib
 from jaxkv import config as config_lib
 from jaxkv import mesh as mesh_lib
 from jaxkv import serving
@@ -41,6 +42,36 @@ def split_engine(tensor, **kw):
 def decode_h2d(result):
   """Bytes delivered during decode (the steps after prefill)."""
   return sum(s["h2d_bytes"] for s in result.transport["steps"] if s["kind"] == "decode")
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_tails_grow_into_one_buffer_with_the_bits_of_the_window_split_again(monkeypatch, chunked):
+  """Where the open pages fill, a split layer's tail grows into one buffer from its delivery (whole, or 256-row
+  chunks of a tail of about 600 rows), and the rows that pass the new split row join the head in pinned host memory
+  (KVCache.store_split_tail), the whole window never on the devices: the bits of the window grown whole, moved to
+  the devices with its head and split again (HostDecode._growth None)."""
+  if chunked:  # Windows of 784-840 rows (block 8), split at 200-208 with f = 0.25.
+    eng = split_engine(2, depth=2, capacity=864, chunk=256, host_attention_fraction=0.25)
+    row = helpers.layer_bytes(eng, 2) // 864
+    eng = helpers.with_kv(eng, delivery_chunk_mib=256 * row / 2**20)
+    run = lambda: eng.generate(helpers.prompts((800, 790)), 40, keep_logits=True, zero_rows=768)
+  else:
+    eng = split_engine(2)
+    run = lambda: eng.generate(PROMPTS, NEW, keep_logits=True)
+  joined, whole = [], []
+  store_split_tail, store_tail = cache_lib.KVCache.store_split_tail, cache_lib.KVCache.store_tail
+  monkeypatch.setattr(
+      cache_lib.KVCache, "store_split_tail", lambda c, l, t, j: joined.append(j) or store_split_tail(c, l, t, j)
+  )
+  monkeypatch.setattr(cache_lib.KVCache, "store_tail", lambda c, l, t: whole.append(l) or store_tail(c, l, t))
+  got = run()
+  assert max(joined) > 0 and not whole, (joined, whole)
+  assert not chunked or got.transport["delivery_chunk_rows"] == 256
+  monkeypatch.setattr(host_decode.HostDecode, "_growth", lambda self, l: None)
+  want = run()
+  assert whole
+  np.testing.assert_array_equal(got.logits, want.logits)
+  assert got.tokens == want.tokens
 
 
 @pytest.mark.parametrize("tensor, depth", [(1, 0), (2, 1), (2, 2), (4, 2)])

@@ -100,6 +100,29 @@ def test_the_1m_plan_keeps_a_layer_more_resident_with_windows_grown_from_their_c
   assert after.resident_layers == 24 and round(after.workspace_bytes / gib) == 16
 
 
+def test_decode_after_a_1m_prefill_keeps_as_many_layers_resident_with_host_attention():
+  """The same 1M plan (tools/plan_residency.py): decode's own plan after the prefill. Host attention's tails grow into
+  one buffer like plain streamed windows (jaxkv.host.decode.Growth), their heads taking rows a delivery chunk at a
+  time: decode's workspace is one window and one chunk, and decode keeps 27 layers resident either way (host
+  attention's prefill, whose windows are split on the devices, keeps one fewer)."""
+  c = config_lib.from_config_dict(llama3_8b.get_config())
+  gib, rows = 2**30, cache_lib.rows_bound(2**20, c.kv.block)
+  row = cache_lib.row_bytes(c.model, "model", 1)
+  free = int(0.95 * 139 * gib) - 2 * c.model.num_params()
+  groups = residency.decode_groups((0,) * c.model.num_layers, 1)
+  plans = {}
+  for ha in (False, True):
+    kv = dataclasses.replace(c.kv, placement="auto", host_attention=ha)
+    prefill = residency.auto_plan(c.model, kv, 1, 2**20, c.engine.prefill_chunk, groups, 1, free)
+    c_rows = residency.delivery_chunk_rows(kv, 1, row)
+    placed = residency.Placement(prefill.streamed, groups, prefill, c_rows)
+    plans[ha] = (prefill, residency.decode_plan(c.model, kv, 1, 2**20, 1, placed, "pallas"), c_rows)
+  (prefill, decode, c_rows), (ha_prefill, ha_decode, _) = plans[False], plans[True]
+  assert decode.workspace_bytes == rows * row and ha_decode.workspace_bytes == (rows + c_rows) * row
+  assert (prefill.resident_layers, ha_prefill.resident_layers) == (24, 23)
+  assert decode.resident_layers == ha_decode.resident_layers == 27
+
+
 def _auto(tensor, depth, layers):
   """An auto engine whose budget holds `layers` whole layers of the tiny model, in groups of one layer (its automatic
   groups hold every layer: one group, resident or streamed whole)."""

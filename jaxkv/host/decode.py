@@ -122,6 +122,15 @@ def _hand_back_args(hand_back: attention.HandBack) -> tuple[jax.Array | None, in
   return None, hand_back.array_slot.id
 
 
+class Growth(NamedTuple):
+  """A split layer's tail growing at a step whose open pages fill (HostDecode._growth): tail [2, B, K, W + P - r1',
+  E] on the devices, and joined = r1' - r1, the old tail's first rows that join the head."""
+
+  layer: int
+  tail: jax.Array
+  joined: int
+
+
 class HostDecode:
   """The host-attention path of one cache's decode, and the runner of its split layers (jaxkv.decode.Runner).
 
@@ -186,7 +195,11 @@ class HostDecode:
     ctx.issued += cache_lib.Issued(calls=2 + (moved is not x))  # The query's call (with the held merge), the tail's.
     p = self.engine.params["layers"][l]
     x, self.held = self.decode_layer(l, calls, p, moved, self.held, windows[0], ctx.meta(l), ctx.start)
-    if ctx.full:
+    growth = self._growth(l) if ctx.full else None
+    if growth is not None:
+      tokens = 1 if moved.ndim == 2 else moved.shape[1]
+      ctx.issued += self._store_growth(self._write(growth, windows[0], 0, windows[0].shape[3]), tokens)
+    elif ctx.full:  # A window of a few pages (_growth): re-split with the head.
       grown, self.cache.opens[l] = calls.flush(windows[0], self.cache.opens[l])
       self.forget_views(l)  # The head may be re-split below.
       ctx.issued += cache_lib.Issued(calls=1) + self.cache.store_tail(l, grown)
@@ -278,9 +291,13 @@ class HostDecode:
       ctx.issued += cache_lib.Issued(calls=1 + (moved is not x))
       p = self.engine.params["layers"][l]
       x, q, hand_back = self._query(l, calls, p, moved, self.held, ctx.meta(l), ctx.start)
-      self.held, self._chunked = None, (p, q, hand_back, [])
-    p, q, hand_back, older = self._chunked
+      self.held, self._chunked = None, (p, q, hand_back, [], self._growth(l) if ctx.full else None)
+    p, q, hand_back, older, growth = self._chunked
     ctx.issued += cache_lib.Issued(calls=1)
+    if growth is not None:
+      growth = self._write(growth, d.windows[0], chunk.first_row, chunk.rows)
+      self._chunked = (p, q, hand_back, older, growth)
+      ctx.issued += cache_lib.Issued(calls=1)
     if chunk.index < chunk.count - 1:
       leaves = cache.chunk_rows // decode_attention.LEAF_ROWS
       older.append(
@@ -292,12 +309,47 @@ class HostDecode:
     kw = dict(c_rows=cache.chunk_rows)
     o, lse = chunk_calls.tail(q, d.windows[0], cache.opens[l], tuple(older), r1, ctx.meta(l), **kw)
     self.held = self._hold(calls, p, o, lse, hand_back, t1)
-    if ctx.full:
+    if growth is not None:
+      ctx.issued += self._store_growth(growth, tokens)
+    elif ctx.full:  # A window of a few pages (_growth): the tail moved whole, re-split with the head.
       tail = distributed.move(cache.windows[l], cache.device_shardings[l])
       grown, cache.opens[l] = calls.flush(tail, cache.opens[l])
       self.forget_views(l)  # The head may be re-split below.
       ctx.issued += cache_lib.Issued(calls=2) + cache.store_tail(l, grown)
     return x
+
+  def _growth(self, l: int) -> Growth | None:
+    """At a step whose open pages fill, split layer l's Growth: a zero buffer on the devices for its grown tail,
+    rows [r1', W + P) with r1' the split row of W + P rows, that the delivered tail is written into as it arrives
+    (`_write`), then the open page (`_store_growth`). The devices hold this buffer beside the ring, not the tail,
+    the head and the whole window (jaxkv.residency.decode_workspace_bytes). None where r1' would take rows of the
+    open page, or move down (a window of a few pages): the tail then grows whole and is re-split with the head."""
+    cache = self.cache
+    r1, r1_next = cache.head_rows(l), cache.split_row(cache.rows + cache.block)
+    if not r1 <= r1_next <= cache.rows:
+      return None
+    cache.land_copies()  # One tail grows at a time: the earlier layers' have landed in pinned host memory.
+    return Growth(l, cache.device_zeros(l, cache.rows + cache.block - r1_next), r1_next - r1)
+
+  def _write(self, growth: Growth, rows: jax.Array, first: int, count: int) -> Growth:
+    """growth with the rows of a delivery (rows [2, B, K, count, E] on the devices: the old tail's rows [first,
+    first + count)) written that stay in the tail: those from growth.joined on."""
+    skip = max(growth.joined - first, 0)
+    if skip >= count:  # Every row joins the head.
+      return growth
+    sharding = self.cache.device_shardings[growth.layer]
+    return growth._replace(tail=cache_lib.write_rows(growth.tail, rows, first + skip - growth.joined, sharding, skip))
+
+  def _store_growth(self, growth: Growth, tokens: int) -> cache_lib.Issued:
+    """The open page written at the end of growth's tail (the page then zeroed), and the tail stored with the old
+    tail's first growth.joined rows joined to the head (jaxkv.cache.KVCache.store_split_tail)."""
+    cache, l = self.cache, growth.layer
+    flush = chunked.calls(
+        cache.model, cache.layout.mesh(l), cache.kv.dtype, self.engine.config.engine.decode_attention, tokens
+    ).flush
+    grown, cache.opens[l] = flush(growth.tail, cache.opens[l], growth.tail.shape[3] - cache.block)
+    self.forget_views(l)  # The head is replaced where rows join it.
+    return cache_lib.Issued(calls=1) + cache.store_split_tail(l, grown, growth.joined)
 
   def merge_held(self, held: HeldMerge | None, x: jax.Array) -> jax.Array:
     """x after the held merge (x itself without one)."""
