@@ -77,30 +77,43 @@ def chunk_partials(
     q, chunk, first_row, start, end, *, num_leaves: int, kv_format: KVFormat, impl: str, mesh=None, interpret=False
 ):
   """The partials of the num_leaves leaves whose newest row lies in the chunk's own rows, the last num_leaves * S
-  of its buffer. q f32[B, K, G, Dh] (model.decode_query); chunk stored [2, B, K, R, E] rows [first_row, first_row +
-  R) (first_row i32[]); start i32[B]; end i32[] past the chunk; impl, mesh, interpret: as
+  of its buffer. q f32[B, K, G, Dh] (model.decode_query); chunk [2, B, K, R, E] rows [first_row, first_row + R)
+  (first_row i32[]) as jaxkv.decode_attention.attention_rows(impl, kv_format, ...) gives them (int8 packed for the
+  kernel, else values); start i32[B]; end i32[] past the chunk; impl, mesh, interpret: as
   jaxkv.decode_attention.leaf_partials'. Returns jaxkv.decode_attention.Partials [n, ...]."""
-  kv = kv_format.unpack(chunk)
   first_leaf = (end - first_row - chunk.shape[3]) // da.LEAF_ROWS + 1
-  qg = q.astype(kv.dtype)
-  kw = dict(first_leaf=first_leaf, impl=impl, mesh=mesh, interpret=interpret)
-  return da.leaf_partials(qg, (kv,), first_row, start, end, num_leaves, **kw)
+  qg = q.astype(kv_format.values_dtype)
+  kw = dict(first_leaf=first_leaf, impl=impl, mesh=mesh, interpret=interpret, kv_format=kv_format)
+  return da.leaf_partials(qg, (chunk,), first_row, start, end, num_leaves, **kw)
 
 
 def chunked_attention(
-    q, last, open_page, older, start, end, origin=0, *, c_rows: int, impl: str, mesh=None, interpret=False
+    q,
+    last,
+    open_page,
+    older,
+    start,
+    end,
+    origin=0,
+    *,
+    c_rows: int,
+    impl: str,
+    mesh=None,
+    interpret=False,
+    kv_format: KVFormat | None = None,
 ):
   """Attention over a chunked window (or a host-attention tail) and the open page: the leaves of the newest chunk and
   the open page, the older chunks' partials placed at their leaves, one fold. q [B, K, G, Dh] in the values' dtype;
   the chunked rows are [origin, W) (origin i32[]: 0, or a tail's first row r1), T = W - origin; last [2, B, K, R,
-  Dh] values (unpacked), the newest chunk's buffer, rows [W - R, W); open_page values [2, B, K, P, Dh] rows [W,
-  W + P); older: chunk_partials of chunks 0 .. n - 2, C = c_rows rows each; start i32[B]; end i32[]. Returns o
-  f32[B, K, G, Dh] and lse f32[B, K, G], those of jaxkv.decode_attention.attend over the rows [origin, W) and the
-  open page (rows before origin masked)."""
+  E], the newest chunk's buffer, rows [W - R, W), and open_page [2, B, K, P, E] rows [W, W + P), both as
+  jaxkv.decode_attention.attention_rows(impl, kv_format, ...) gives them (kv_format None: values); older:
+  chunk_partials of chunks 0 .. n - 2, C = c_rows rows each; start i32[B]; end i32[]. Returns o f32[B, K, G, Dh]
+  and lse f32[B, K, G], those of jaxkv.decode_attention.attend over the rows [origin, W) and the open page (rows
+  before origin masked)."""
   t_rows = len(older) * c_rows + last.shape[3] - da.LEAF_ROWS
   newest_leaves = da.leaf_count(last.shape[3] + open_page.shape[3])
   first_row = jnp.asarray(origin, jnp.int32) + t_rows - last.shape[3]
-  kw = dict(impl=impl, mesh=mesh, interpret=interpret)
+  kw = dict(impl=impl, mesh=mesh, interpret=interpret, kv_format=kv_format)
   newest = da.leaf_partials(q, (last, open_page), first_row, start, end, newest_leaves, **kw)
   # Chunk i's first leaf is the one whose newest row is its last, origin + (i + 1) C - 1; later pieces overwrite
   # earlier ones.
@@ -119,17 +132,18 @@ def token_steps(q, end, g: int, page: int) -> list[tuple]:
 
 def chunked_out(p, x, q, last, open_page, older, start, end, *, c_rows: int, cfg: ModelConfig, kv_format, impl, mesh):
   """The end of a chunked layer: chunked_attention, then the rest of the layer (as model.decode_layer's). x [B, D],
-  the layer's input; q f32[B, K, G, Dh]; last, open_page stored (chunked_attention's, packed); the new row written.
-  Returns x [B, D]. A verify pass (model.decode_layer's T tokens): x [B, T, D], q f32[B, K, T * G, Dh], older[c] a
-  tuple of each token's partials of chunk c; token i attends as a one-token step at its row (token_steps), and the
-  rest of the layer runs over the B * T rows."""
-  page_kv, last_kv = kv_format.unpack(open_page), kv_format.unpack(last)
+  the layer's input; q f32[B, K, G, Dh]; last, open_page stored [2, B, K, R, E] (chunked_attention's, in
+  kv_format), the new row written: passed on as attention_rows gives them, unpacked once. Returns x [B, D]. A
+  verify pass (model.decode_layer's T tokens): x [B, T, D], q f32[B, K, T * G, Dh], older[c] a tuple of each
+  token's partials of chunk c; token i attends as a one-token step at its row (token_steps), and the rest of the
+  layer runs over the B * T rows."""
+  last_kv, page_kv = da.attention_rows(impl, kv_format, (last, open_page))
   b, t = x.shape[0], 1 if x.ndim == 2 else x.shape[1]
   k, dh = q.shape[1], q.shape[3]
-  kw = dict(c_rows=c_rows, impl=impl, mesh=mesh)
+  kw = dict(c_rows=c_rows, impl=impl, mesh=mesh, kv_format=kv_format)
   outs = []
   for i, (qi, row) in enumerate(token_steps(q, end, cfg.num_heads // cfg.num_kv_heads, open_page.shape[3])):
-    qg = jax.lax.optimization_barrier(qi.astype(page_kv.dtype))
+    qg = jax.lax.optimization_barrier(qi.astype(kv_format.values_dtype))
     token_older = older if t == 1 else tuple(c[i] for c in older)
     o, _ = chunked_attention(qg, last_kv, page_kv, token_older, start, row, **kw)
     outs.append(jax.lax.optimization_barrier(o))
@@ -175,8 +189,9 @@ def calls(
 
   def partials(q, chunk, first_row, meta, num_leaves, page):
     kw = dict(num_leaves=num_leaves, kv_format=fmt, impl=impl, mesh=mesh)
+    (rows,) = da.attention_rows(impl, fmt, (chunk,))  # Once for every token.
     steps = [
-        chunk_partials(qi, chunk, first_row, Meta.start(meta), row, **kw)
+        chunk_partials(qi, rows, first_row, Meta.start(meta), row, **kw)
         for qi, row in token_steps(q, Meta.end(meta), g, page)
     ]
     return steps[0] if tokens == 1 else tuple(steps)
@@ -188,12 +203,12 @@ def calls(
   def tail(q, last, open_page, older, origin, meta, c_rows):
     """A host-attention layer's device partial over its chunked tail (rows [origin, W)) and the open page: that of
     jaxkv.host.calls' tail_partial (a verify pass: each token's, concatenated as q's query heads)."""
-    page_kv, last_kv = fmt.unpack(open_page), fmt.unpack(last)
-    kw = dict(c_rows=c_rows, impl=impl, mesh=mesh)
+    last_kv, page_kv = da.attention_rows(impl, fmt, (last, open_page))
+    kw = dict(c_rows=c_rows, impl=impl, mesh=mesh, kv_format=fmt)
     steps = token_steps(q, Meta.end(meta), g, open_page.shape[3])
     parts = [
         chunked_attention(
-            qi.astype(page_kv.dtype),
+            qi.astype(fmt.values_dtype),
             last_kv,
             page_kv,
             older if tokens == 1 else tuple(c[i] for c in older),

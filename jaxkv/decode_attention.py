@@ -25,6 +25,11 @@ gathered, [.., n, S, Dh], then one reduction per leaf: the reference, the CPU pa
 kernel on a CUDA GPU, one program per (sequence, kv head, leaf) reading its tiles of TILE_ROWS rows from the buffers
 in place, in a fixed order, with fixed block sizes and no autotuning). `resolve` picks one per device.
 
+The attention takes values [2, B, K, R, Dh] (unpacked), except that the kernel reads int8 rows packed
+(KERNEL_UNPACKS: u8[2, B, K, R, Dh + Dh / 16], jaxkv.kv_quant) and unpacks each tile as kv_quant.unpack_int8 does,
+to the same values, so with the same bits: at 1M rows a layer's window is read once, not read, written unpacked
+(twice its bytes) and read again. `attention_rows` gives a caller the rows to pass, once per layer call.
+
 Chunked delivery (jaxkv.chunked) reuses the pieces: a chunk of rows computes the leaves whose newest row it holds
 (`leaf_partials` with first_leaf, traced, and num_leaves; the chunk's buffer starts a leaf before its rows, so each
 such leaf lies wholly in it), the newest chunk with the open page computes the newest leaves, and `placed` puts every
@@ -46,6 +51,7 @@ from absl import logging
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxkv import kv_quant
 from jaxkv import mesh as mesh_lib
 from jaxkv.config import DECODE_ATTENTIONS, ModelConfig
 from jaxkv.kv_quant import KVFormat
@@ -55,6 +61,7 @@ TILE_ROWS = 128  # The kernel's rows per tile (divides LEAF_ROWS); its bits depe
 NUM_WARPS, NUM_STAGES = 4, 2  # The kernel's launch: fixed, never autotuned.
 MIN_QUERY_ROWS = 16  # The kernel's query block: G rows padded up to a power of two of at least this (pl.dot).
 KERNEL_DTYPES = ("bfloat16", "float16", "float32")
+KERNEL_UNPACKS = ("int8",)  # Stored formats the kernel reads packed, unpacking each tile (reads_packed).
 PALLAS_CHECK_TOLERANCE = 1e-2  # Relative error (Frobenius) of the kernel's attention against the XLA leaves.
 
 
@@ -125,6 +132,19 @@ def normalized(p: Partials) -> tuple[jax.Array, jax.Array]:
   return p.o / p.l[..., None], p.m + jnp.log(p.l)
 
 
+def reads_packed(impl: str, fmt: KVFormat | None) -> bool:
+  """Whether the attention `impl` takes rows stored in `fmt` packed: the kernel ("pallas") reads KERNEL_UNPACKS
+  formats packed and unpacks each tile; every other impl and format takes values (fmt.unpack)."""
+  return impl == "pallas" and fmt is not None and fmt.name in KERNEL_UNPACKS
+
+
+def attention_rows(impl: str, fmt: KVFormat, stored: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+  """The rows that leaf_partials and attend (impl, kv_format=fmt) take for rows stored in fmt [2, B, K, R_i, E]:
+  those as stored where the kernel reads them packed (reads_packed), else their values [2, B, K, R_i, Dh]. A caller
+  that attends several times (a verify pass's tokens) calls it once, before its loop: rows unpacked once."""
+  return tuple(stored) if reads_packed(impl, fmt) else tuple(fmt.unpack(p) for p in stored)
+
+
 def leaf_partials(
     q,
     parts: Sequence[jax.Array],
@@ -138,16 +158,23 @@ def leaf_partials(
     mesh: jax.sharding.Mesh | None = None,
     leaf_rows: int = LEAF_ROWS,
     interpret: bool = False,
+    kv_format: KVFormat | None = None,
 ) -> Partials:
   """The partials of leaves first_leaf .. first_leaf + num_leaves - 1 (module docstring).
 
-  q [B, K, G, Dh] in the values' dtype; parts: value buffers [2, B, K, R_i, Dh] (unpacked) of consecutive rows, the
-  first starting at absolute row first_row (i32[]); start i32[B]; end i32[] (the newest row). Rows outside the
-  buffers or before start[b] are masked. impl "xla" or "pallas" (at most two parts: a window and the open page of P
-  rows, `end` in the page, which is read for the first ceil(P / S) leaves only); mesh: the devices the arrays are
-  sharded over by kv head (the kernel runs per shard under shard_map; None: unsharded); interpret: run the kernel
-  in Pallas's interpreter (CPU tests).
+  q [B, K, G, Dh] in the values' dtype; parts: buffers [2, B, K, R_i, E] of consecutive rows, the first starting at
+  absolute row first_row (i32[]): as attention_rows(impl, kv_format, ...) gives them, packed (E = kv_format.width,
+  uint8) where reads_packed(impl, kv_format), else values (E = Dh; kv_format None: values); start i32[B]; end i32[]
+  (the newest row). Rows outside the buffers or before start[b] are masked. impl "xla" or "pallas" (at most two
+  parts: a window and the open page of P rows, `end` in the page, which is read for the first ceil(P / S) leaves
+  only); mesh: the devices the arrays are sharded over by kv head (the kernel runs per shard under shard_map; None:
+  unsharded); interpret: run the kernel in Pallas's interpreter (CPU tests).
   """
+  packed = reads_packed(impl, kv_format)
+  width = kv_format.width if packed else q.shape[-1]
+  if any(p.shape[-1] != width for p in parts):
+    form = f"{kv_format.name} packed" if packed else "values"
+    raise ValueError(f"leaf partials ({impl}): rows must be {form}, [..., {width}], got {[p.shape for p in parts]}")
   if impl == "xla":
     return _xla_leaf_partials(q, parts, first_row, start, end, num_leaves, first_leaf, leaf_rows)
   if impl != "pallas":
@@ -158,6 +185,7 @@ def leaf_partials(
       first_leaf=first_leaf,
       leaf_rows=leaf_rows,
       interpret=interpret,
+      unpack=kv_format.name if packed else None,
   )
   bounds = jnp.stack([jnp.asarray(end, jnp.int32), jnp.asarray(first_row, jnp.int32)])
   if mesh is None:
@@ -186,11 +214,12 @@ def attend(
     mesh: jax.sharding.Mesh | None = None,
     leaf_rows: int = LEAF_ROWS,
     interpret: bool = False,
+    kv_format: KVFormat | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Attention over every row of the buffers (leaf_partials' arguments; `end` in the last buffer) -> o f32[B, K, G,
   Dh], normalized, and lse f32[B, K, G]: the leaves that cover the buffers, folded."""
   n = leaf_count(sum(p.shape[3] for p in parts), leaf_rows)
-  kw = dict(impl=impl, mesh=mesh, leaf_rows=leaf_rows, interpret=interpret)
+  kw = dict(impl=impl, mesh=mesh, leaf_rows=leaf_rows, interpret=interpret, kv_format=kv_format)
   return normalized(fold(leaf_partials(q, parts, first_row, start, end, n, **kw)))
 
 
@@ -221,20 +250,21 @@ def pairwise_sum(x):
   return x[..., 0]
 
 
-def _pallas_leaf_partials(q, parts, start, bounds, *, num_leaves, first_leaf, leaf_rows, interpret) -> Partials:
-  """leaf_partials with the Pallas kernel (`_leaf_kernel`). bounds i32[2] = end, first_row (the kernel's bounds add
-  first_leaf). The last buffer (the open page, P rows) holds rows of the first ceil(P / S) leaves only: those run
-  with every buffer, each tile read from the buffers that hold its rows; the older leaves read the other buffers
-  only (one load per tile: half the shared memory of a program, more programs per multiprocessor). Which leaf runs
-  which way depends on j alone, so the bits stay those of the leaf. Without a window the page stands in for it (a
-  second copy, whose rows lie past `end`). A traced first_leaf (a chunk's leaves, jaxkv.chunked: one buffer, which
-  holds every row of its leaves) runs every leaf with every buffer."""
+def _pallas_leaf_partials(q, parts, start, bounds, *, num_leaves, first_leaf, leaf_rows, interpret, unpack) -> Partials:
+  """leaf_partials with the Pallas kernel (`_leaf_kernel`; unpack: the parts' packed format, KERNEL_UNPACKS, or None
+  for values). bounds i32[2] = end, first_row (the kernel's bounds add first_leaf). The last buffer (the open page,
+  P rows) holds rows of the first ceil(P / S) leaves only: those run with every buffer, each tile read from the
+  buffers that hold its rows; the older leaves read the other buffers only (one load per tile: half the shared
+  memory of a program, more programs per multiprocessor). Which leaf runs which way depends on j alone, so the bits
+  stay those of the leaf. Without a window the page stands in for it (a second copy, whose rows lie past `end`). A
+  traced first_leaf (a chunk's leaves, jaxkv.chunked: one buffer, which holds every row of its leaves) runs every
+  leaf with every buffer."""
   if len(parts) == 1:
     parts = (parts[0], parts[0])
+  run = functools.partial(_pallas_call, q, start, bounds, leaf_rows=leaf_rows, interpret=interpret, unpack=unpack)
   if not isinstance(first_leaf, int):
-    return _pallas_call(q, start, bounds, parts, first_leaf, num_leaves, leaf_rows=leaf_rows, interpret=interpret)
+    return run(parts, first_leaf, num_leaves)
   near = min(first_leaf + num_leaves, -(-parts[-1].shape[3] // leaf_rows))  # Leaves [first_leaf, near) reach P.
-  run = functools.partial(_pallas_call, q, start, bounds, leaf_rows=leaf_rows, interpret=interpret)
   calls = []
   if near > first_leaf:
     calls.append(run(parts, first_leaf, near - first_leaf))
@@ -244,15 +274,18 @@ def _pallas_leaf_partials(q, parts, start, bounds, *, num_leaves, first_leaf, le
   return calls[0] if len(calls) == 1 else Partials(*(jnp.concatenate(a) for a in zip(*calls)))
 
 
-def _pallas_call(q, start, bounds, parts, first_leaf, num_leaves, *, leaf_rows, interpret) -> Partials:
+def _pallas_call(q, start, bounds, parts, first_leaf, num_leaves, *, leaf_rows, interpret, unpack) -> Partials:
   """The kernel over leaves first_leaf .. first_leaf + num_leaves - 1 (int or i32[]) of consecutive buffers `parts`
-  (the first at row first_row): grid (B, K, n), one leaf of one (sequence, kv head) per program. Pallas's
-  interpreter reads a dynamic slice that starts below 0 from row 0 (clamped), so there each buffer gets TILE_ROWS
-  zero rows in front (`lead`); on the GPU the loads are masked in place."""
+  (the first at row first_row): grid (B, K, n), one leaf of one (sequence, kv head) per program; unpack "int8":
+  packed int8 rows, passed as byte pairs (`_byte_pairs`). Pallas's interpreter reads a dynamic slice that starts
+  below 0 from row 0 (clamped), so there each buffer gets TILE_ROWS zero rows in front (`lead`); on the GPU the
+  loads are masked in place."""
   b, k, g, dh = q.shape
   gp = max(MIN_QUERY_ROWS, pl.next_power_of_2(g))
   lead = TILE_ROWS if interpret else 0
   sizes = tuple(p.shape[3] for p in parts)
+  if unpack == "int8":
+    parts = tuple(map(_byte_pairs, parts))
   if lead:
     parts = tuple(jnp.pad(p, ((0, 0),) * 3 + ((lead, 0), (0, 0))) for p in parts)
   kernel = functools.partial(
@@ -262,8 +295,9 @@ def _pallas_call(q, start, bounds, parts, first_leaf, num_leaves, *, leaf_rows, 
       leaf_rows=leaf_rows,
       scale=1.0 / math.sqrt(dh),
       precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+      unpack=unpack,
   )
-  rows_spec = lambda a, kv: pl.BlockSpec((None, None, None, a.shape[3], dh), lambda i, h, j, kv=kv: (kv, i, h, 0, 0))
+  rows_spec = lambda a, kv: pl.BlockSpec((None, None, None, *a.shape[3:]), lambda i, h, j, kv=kv: (kv, i, h, 0, 0))
   stat_spec = pl.BlockSpec((None, None, None, gp), lambda i, h, j: (j, i, h, 0))
   m, l, o = pl.pallas_call(
       kernel,
@@ -292,12 +326,13 @@ def _pallas_call(q, start, bounds, parts, first_leaf, num_leaves, *, leaf_rows, 
   return Partials(m[..., :g], l[..., :g], o[..., :g, :])
 
 
-def _leaf_kernel(start_ref, bounds_ref, q_ref, *refs, sizes, lead, leaf_rows, scale, precision):
+def _leaf_kernel(start_ref, bounds_ref, q_ref, *refs, sizes, lead, leaf_rows, scale, precision, unpack):
   """One leaf of one (sequence, kv head): its S rows as S / T tiles of T rows, oldest first, each tile read by a
-  masked load from each buffer (rows outside a buffer read as nothing; a tile may straddle two), with an online
+  masked load from each buffer (rows outside a buffer read as zeros; a tile may straddle two), with an online
   softmax over the tiles. Tiles with no valid row are skipped: processing one would change nothing (its weights are
-  exp(-inf) = 0), so the bits are those of the full loop. refs: a K ref and a V ref [R_i, Dh] per buffer of
-  sizes[i] rows, then m_ref, l_ref [Gp] and o_ref [Gp, Dh]."""
+  exp(-inf) = 0), so the bits are those of the full loop. refs: a K ref and a V ref per buffer of sizes[i] rows,
+  values [R_i, Dh] (unpack None) or int8 rows u16[R_i, (Dh + Dh / 16) / 2] (unpack "int8": `_load_int8`), then m_ref,
+  l_ref f32[Gp] and o_ref f32[Gp, Dh]; q_ref [Gp, Dh] in the values' dtype."""
   *ins, m_ref, l_ref, o_ref = refs
   t_rows = TILE_ROWS
   end, first_row, first_leaf = bounds_ref[0], bounds_ref[1], bounds_ref[2]
@@ -317,7 +352,10 @@ def _leaf_kernel(start_ref, bounds_ref, q_ref, *refs, sizes, lead, leaf_rows, sc
       pos = at - sum(sizes[:i])
       here = valid & (pos + lanes >= 0) & (pos + lanes < n_rows)
       offset = jnp.minimum(jnp.maximum(pos, -t_rows), n_rows) + lead  # A tile outside the buffer reads nothing.
-      load = lambda ref: plgpu.load(ref.at[pl.ds(offset, t_rows), :], mask=here[:, None], other=0.0)
+      if unpack == "int8":
+        load = lambda ref: _load_int8(ref, offset, here, dh, q.dtype)
+      else:
+        load = lambda ref: plgpu.load(ref.at[pl.ds(offset, t_rows), :], mask=here[:, None], other=0.0)
       ki, vi = load(ins[2 * i]), load(ins[2 * i + 1])
       if inside is None:
         inside, k, v = here, ki, vi
@@ -343,13 +381,44 @@ def _leaf_kernel(start_ref, bounds_ref, q_ref, *refs, sizes, lead, leaf_rows, sc
   o_ref[...] = o
 
 
+def _byte_pairs(rows):
+  """Packed rows u8[..., E] -> u16[..., E / 2], the same bytes as little-endian pairs (byte 2i the low one): a
+  reshape and a bitcast, no copy. The kernel reads int8 rows so because Pallas's Triton lowering offsets into an
+  operand of at most 4 GiB with i32 counted in elements: a u8 operand past 2 GiB (one layer's int8 window at 1M
+  rows, 8 kv heads) would overflow, u16 elements stay below 2**31."""
+  return jax.lax.bitcast_convert_type(rows.reshape(*rows.shape[:-1], rows.shape[-1] // 2, 2), jnp.uint16)
+
+
+def _load_int8(ref, offset, here, dh: int, dtype):
+  """A tile of int8 rows, unpacked: ref u16[R, (Dh + Dh / 16) / 2], packed rows as byte pairs (`_byte_pairs`; the
+  bytes of jaxkv.kv_quant: Dh int8 values, then each block of 32 values' float16 scale), T rows from row offset
+  (i32[]) masked by here bool[T] (a masked row reads as zeros) -> [T, Dh] of dtype, the values
+  kv_quant.unpack_int8 gives: int8 times the block's scale in f32, then cast. One [T, Dh / 2] load of the values,
+  their bytes interleaved back to [T, Dh] (a join and a reshape: Triton's interleave); one [T, 1] load per block
+  (its scale), each column's scale picked by selects."""
+  t_rows, blocks = here.shape[0], dh // kv_quant.INT8_BLOCK
+  rows, mask = pl.ds(offset, t_rows), here[:, None]
+  load = lambda cols: plgpu.load(ref.at[rows, cols], mask=mask, other=0)
+  scales = [  # f32[T, 1] per block.
+      jax.lax.bitcast_convert_type(load(pl.ds(dh // 2 + j, 1)), jnp.float16).astype(jnp.float32) for j in range(blocks)
+  ]
+  block = jax.lax.div(jnp.arange(dh, dtype=jnp.int32), kv_quant.INT8_BLOCK)[None, :]  # i32[1, Dh]
+  s = scales[-1]
+  for j in reversed(range(blocks - 1)):
+    s = jnp.where(block == j, scales[j], s)  # f32[T, Dh]
+  pairs = load(pl.ds(0, dh // 2))  # u16[T, Dh / 2]: values 2i (low byte) and 2i + 1.
+  values = jnp.stack([pairs.astype(jnp.uint8), (pairs >> 8).astype(jnp.uint8)], axis=-1).reshape(t_rows, dh)
+  return (jax.lax.bitcast_convert_type(values, jnp.int8).astype(jnp.float32) * s).astype(dtype)
+
+
 def resolve(choice: str, cfg: ModelConfig, fmt: KVFormat, device) -> str:
   """The decode attention that runs on `device` (a jax Device): "xla", "pallas" or "legacy".
 
   choice (engine.decode_attention): "xla" (the leaves in plain XLA); "pallas" (the kernel; ValueError where it
   cannot run); "auto", pallas where it can run and passes `pallas_check`, else xla; "legacy" (jaxkv.model's window
   and open page reduced whole and merged: the bits depend on the batch's window length). The kernel needs a CUDA GPU,
-  KV values (unpacked) in bfloat16, float16 or float32, and head_dim a power of two of at least 16."""
+  KV values (unpacked, or int8 read packed: KERNEL_UNPACKS) in bfloat16, float16 or float32, and head_dim a power of
+  two of at least 16; pallas_check runs it on rows as fmt's are read (int8 packed)."""
   if choice not in DECODE_ATTENTIONS:
     raise ValueError(f"engine.decode_attention must be one of {', '.join(DECODE_ATTENTIONS)}, got {choice!r}")
   if choice in ("xla", "legacy"):
@@ -358,6 +427,7 @@ def resolve(choice: str, cfg: ModelConfig, fmt: KVFormat, device) -> str:
   if device.platform != "gpu" or getattr(device, "compute_capability", None) is None:
     missing.append(f"a CUDA GPU (the devices are {device.platform})")
   values = fmt.values_dtype.name
+  packed = fmt.name if reads_packed("pallas", fmt) else None
   if values not in KERNEL_DTYPES:
     missing.append(f"KV values in {', '.join(KERNEL_DTYPES)} (kv.dtype {fmt.name} holds {values})")
   if cfg.head_dim < MIN_QUERY_ROWS or cfg.head_dim & (cfg.head_dim - 1):
@@ -367,7 +437,7 @@ def resolve(choice: str, cfg: ModelConfig, fmt: KVFormat, device) -> str:
       choice,
       "pallas",
       missing,
-      lambda: pallas_check(device, values, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+      lambda: pallas_check(device, values, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, packed=packed),
       f"the Pallas decode kernel to run and match the XLA leaves on {device}",
       "decode attention: the XLA leaves, not the Pallas kernel",
   )
@@ -391,9 +461,12 @@ def choose_kernel(field: str, choice: str, kernel: str, missing: list[str], chec
 
 
 @functools.lru_cache(maxsize=None)
-def pallas_check(device, dtype: str, heads: int, kv_heads: int, head_dim: int, interpret: bool = False) -> str | None:
+def pallas_check(
+    device, dtype: str, heads: int, kv_heads: int, head_dim: int, interpret: bool = False, packed: str | None = None
+) -> str | None:
   """Runs the kernel once on `device` in a small case of the model's heads: two sequences (one starting mid-window)
-  in a window of 2 leaves and a half and an open page of 64 rows. None when it runs, is within
+  in a window of 2 leaves and a half and an open page of 64 rows, values in `dtype` (packed: rows stored in that
+  format of KERNEL_UNPACKS and read packed; the XLA leaves get their values). None when it runs, is within
   PALLAS_CHECK_TOLERANCE of the XLA leaves, and gives the second sequence alone (its rows moved down by a leaf and 13
   rows, in a window a leaf shorter) the bits it gets in the batch; else what went wrong. interpret: the kernel in
   Pallas's interpreter (CPU tests)."""
@@ -405,11 +478,14 @@ def pallas_check(device, dtype: str, heads: int, kv_heads: int, head_dim: int, i
   alone = np.zeros((2, 1, kv_heads, w_rows - LEAF_ROWS + page, head_dim))
   alone[:, :, :, start[1] - d : end + 1 - d] = rows[:, 1:, :, start[1] : end + 1]
 
+  fmt = KVFormat(packed or dtype, head_dim, dtype)
+
   def run(impl, q, rows, w, start, end):
     put = lambda a, dt=dtype: jax.device_put(jnp.asarray(a, dt), device)
-    parts = (put(rows[:, :, :, :w]), put(rows[:, :, :, w:]))
-    o, _ = jax.jit(functools.partial(attend, impl=impl, interpret=interpret))(
-        put(q), parts, 0, put(start, jnp.int32), end
+    parts = (rows[:, :, :, :w], rows[:, :, :, w:])
+    stored = [jax.device_put(fmt.pack(jnp.asarray(p, dtype)), device) for p in parts]
+    o, _ = jax.jit(functools.partial(attend, impl=impl, interpret=interpret, kv_format=fmt))(
+        put(q), attention_rows(impl, fmt, stored), 0, put(start, jnp.int32), end
     )
     return np.asarray(o, np.float32)
 

@@ -10,7 +10,8 @@ F = mlp_dim, V = vocab, R = cache rows in the attended window):
                 w_down [F, D]
   kv arrays: stored [2, B, K, R, E] (index 0 = K, 1 = V), rows in cache order; see jaxkv.cache. E and the
     dtype come from the KV format (jaxkv.kv_quant): E = Dh for a float cache; quantized rows are packed with
-    their scales. Rows are packed when written and unpacked to [2, B, K, R, Dh] inside the layer that attends.
+    their scales. Rows are packed when written and unpacked to [2, B, K, R, Dh] inside the layer that attends, once
+    per layer call (int8 rows under the decode kernel a tile at a time in it: jaxkv.decode_attention.attention_rows).
 """
 
 from __future__ import annotations
@@ -493,21 +494,22 @@ def decode_layer(
   first_row = end - end % page - a_rows  # The window's first row: W - A.
   b, _, h, dh = q.shape
   k = open_page.shape[2]
-  page_kv = fmt.unpack(open_page)
-  parts = (page_kv,) if window is None else (fmt.unpack(window), page_kv)
+  stored = (open_page,) if window is None else (window, open_page)
+  parts = decode_attention.attention_rows(attention_impl, fmt, stored)  # Once for every token.
   if attention_impl == "legacy":
     if t != 1:
       raise ValueError("engine.decode_attention legacy decodes one token per pass (no speculative verify pass)")
-    qg = q[:, 0].reshape(b, k, h // k, dh).astype(page_kv.dtype)
+    qg = q[:, 0].reshape(b, k, h // k, dh).astype(fmt.values_dtype)
     o = legacy_decode_attention(qg, parts, start, end, first_row)
   else:
     outs = []
+    kw = dict(impl=attention_impl, mesh=mesh, kv_format=fmt)
     for i in range(t):
       # Fenced: no fusion joins the attention (whose fold has more levels at a longer W) to the projections around
       # it, so that they compile to the same fusions, and the GPU autotuner's picks, at every W.
-      qg = jax.lax.optimization_barrier(q[:, i].reshape(b, k, h // k, dh).astype(page_kv.dtype))
+      qg = jax.lax.optimization_barrier(q[:, i].reshape(b, k, h // k, dh).astype(fmt.values_dtype))
       row = end if t == 1 else token_row(end, i, page)
-      o, _ = decode_attention.attend(qg, parts, first_row, start, row, impl=attention_impl, mesh=mesh)
+      o, _ = decode_attention.attend(qg, parts, first_row, start, row, **kw)
       outs.append(jax.lax.optimization_barrier(o))
     o = outs[0] if t == 1 else jnp.stack(outs, axis=1)  # [B, K, G, Dh] or [B, T, K, G, Dh]
   out = attn_out_and_mlp(p, x.reshape(b * t, 1, -1), o.reshape(b * t, 1, h, dh).astype(x.dtype), cfg, batch=b)
@@ -628,19 +630,21 @@ def decode_tail_partial(
 
   q f32[B, K, G, Dh] from decode_query; tail stored [2, B, K, T, E] rows [W - T, W), or None while T = 0; open_page
   stored [2, B, K, P, E] rows [W, W + P), the new row written; start i32[B]; end i32[], W = end - end % P;
-  attention_impl, mesh: as decode_layer's (the leaves end-anchored at `end`, rows before the tail masked).
-  Returns o f32[B, K, G, Dh] and lse f32[B, K, G] (partial_attention).
+  attention_impl, mesh: as decode_layer's (the leaves end-anchored at `end`, rows before the tail masked; the rows
+  as jaxkv.decode_attention.attention_rows gives them). Returns o f32[B, K, G, Dh] and lse f32[B, K, G]
+  (partial_attention).
   """
   t_rows, page = (0 if tail is None else tail.shape[3]), open_page.shape[3]
-  page_kv = kv_format.unpack(open_page)
-  parts = (page_kv,) if tail is None else (kv_format.unpack(tail), page_kv)
-  q = q.astype(page_kv.dtype)
+  stored = (open_page,) if tail is None else (tail, open_page)
+  parts = decode_attention.attention_rows(attention_impl, kv_format, stored)
+  q = q.astype(kv_format.values_dtype)
   first_row = end - end % page - t_rows
   if attention_impl != "legacy":
-    return decode_attention.attend(q, parts, first_row, start, end, impl=attention_impl, mesh=mesh)
+    kw = dict(impl=attention_impl, mesh=mesh, kv_format=kv_format)
+    return decode_attention.attend(q, parts, first_row, start, end, **kw)
   key_rows = first_row + jnp.arange(t_rows + page, dtype=jnp.int32)
   mask = (key_rows[None, :] >= start[:, None]) & (key_rows[None, :] <= end)  # [B, T + P]; row `end` is valid.
-  return partial_attention(q, jnp.concatenate(parts, axis=3) if len(parts) > 1 else page_kv, mask)
+  return partial_attention(q, jnp.concatenate(parts, axis=3) if len(parts) > 1 else parts[0], mask)
 
 
 def decode_merge(p, x, o, lse, host_o, host_lse, *, cfg: ModelConfig):

@@ -41,6 +41,7 @@ from absl import logging
 
 from jaxkv import cache as cache_lib
 from jaxkv import chunked
+from jaxkv import decode_attention as da
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
 from jaxkv.config import KVConfig, ModelConfig
@@ -353,13 +354,13 @@ def decode_workspace_bytes(
   page boundary (as workspace_bytes counts them; join_rows more rows where host attention's heads take rows of
   their grown tails a delivery chunk at a time, jaxkv.cache.KVCache.store_split_tail), and the decode attention's
   copies of a window in the model dtype (impl, jaxkv.decode_attention): XLA_LEAVES_WINDOWS where the XLA leaves
-  gather it, one more where a quantized window is unpacked first (the kernel reads float rows in place). No window
-  for holes: every resident window is replaced by one of its own size, and a streamed one grows into a buffer no
-  larger. No prefill term, no scores."""
+  gather it, one more where a quantized window is unpacked first (the kernel reads float rows, and int8 rows packed,
+  in place). No window for holes: every resident window is replaced by one of its own size, and a streamed one
+  grows into a buffer no larger. No prefill term, no scores."""
   row = cache_lib.row_bytes(model_config, kv_dtype, batch, devices)
   window_values = cache_lib.row_bytes(model_config, "model", batch, devices) * rows
   fmt = KVFormat.of(model_config, kv_dtype)
-  copies = (XLA_LEAVES_WINDOWS if impl == "xla" else 0) + fmt.quantized
+  copies = (XLA_LEAVES_WINDOWS if impl == "xla" else 0) + (fmt.quantized and not da.reads_packed(impl, fmt))
   return ((1 if chunked_growth else 2) * group * rows + join_rows) * row + copies * window_values
 
 

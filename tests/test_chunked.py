@@ -48,24 +48,27 @@ def test_the_planner_counts_the_ring_in_chunks():
     config_lib.KVConfig(delivery_chunk_mib=-1.0)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_chunked_attention_is_the_whole_windows_bit_for_bit(impl):
+@pytest.mark.parametrize("impl,kv_dtype", [("xla", "float32"), ("pallas", "float32"), ("pallas", "int8")])
+def test_chunked_attention_is_the_whole_windows_bit_for_bit(impl, kv_dtype):
   """Windows cut into chunks of 2 leaves (the last one partial), ends at several offsets from a leaf boundary, a
-  sequence starting mid-window: the same o and lse as the whole window's attention, bit for bit."""
+  sequence starting mid-window: the same o and lse as the whole window's attention, bit for bit; int8 rows read
+  packed by the kernel (jaxkv.decode_attention.attention_rows), each chunk's leaves too."""
   rng = np.random.default_rng(0)
-  b, k, g, dh, page, c_rows = 2, 2, 2, 16, 16, 2 * S
-  fmt = KVFormat("float32", dh, "float32")
+  b, k, g, dh, page, c_rows = 2, 2, 2, 32, 16, 2 * S
+  fmt = KVFormat(kv_dtype, dh, "float32")
   interpret = impl == "pallas"
-  attend = jax.jit(functools.partial(da.attend, impl=impl, interpret=interpret))
+  attend = jax.jit(functools.partial(da.attend, impl=impl, interpret=interpret, kv_format=fmt))
   partials = jax.jit(
       functools.partial(chunked.chunk_partials, num_leaves=c_rows // S, kv_format=fmt, impl=impl, interpret=interpret)
   )
-  attention = jax.jit(functools.partial(chunked.chunked_attention, c_rows=c_rows, impl=impl, interpret=interpret))
+  attention = jax.jit(
+      functools.partial(chunked.chunked_attention, c_rows=c_rows, impl=impl, interpret=interpret, kv_format=fmt)
+  )
   cases = [(5 * S + 24, 3), (4 * S, 15)] if impl == "xla" else [(5 * S + 24, 3)]
   for w_rows, offset in cases:
-    rows = rng.standard_normal((2, b, k, w_rows + page, dh)).astype(np.float32)
+    rows = fmt.pack(jnp.asarray(rng.standard_normal((2, b, k, w_rows + page, dh)), jnp.float32))
     q = jnp.asarray(rng.standard_normal((b, k, g, dh)), jnp.float32)
-    window, open_page = jnp.asarray(rows[:, :, :, :w_rows]), jnp.asarray(rows[:, :, :, w_rows:])
+    window, open_page = da.attention_rows(impl, fmt, (rows[:, :, :, :w_rows], rows[:, :, :, w_rows:]))
     start, end = jnp.asarray([0, 300], jnp.int32), jnp.int32(w_rows + offset)
     want = attend(q, (window, open_page), jnp.int32(0), start, end)
     pieces = chunked.chunks(w_rows, c_rows)

@@ -128,22 +128,108 @@ def test_the_kernel_computes_the_leaves_of_the_xla_reference():
       np.testing.assert_allclose(np.asarray(got)[~empty], np.asarray(want)[~empty], rtol=2e-2, atol=2e-2)
 
 
+def test_the_kernel_reads_int8_rows_packed_with_the_bits_of_their_unpacked_values():
+  """int8 rows (KERNEL_UNPACKS) go to the kernel packed, each tile unpacked in it: the bits of the kernel over the
+  rows unpacked first (kv_format.unpack), over a window and open page (a tile straddling them) and over a chunk's
+  leaves (a traced first_leaf, jaxkv.chunked), with a sequence starting mid-window and masked tiles; values in
+  bfloat16 and float32."""
+  rng = np.random.default_rng(11)
+  b, k, g, dh, w_rows, p_rows = 2, 2, 4, 64, 2 * S + 40, 16
+  rows = jnp.asarray(4 * rng.standard_normal((2, b, k, w_rows + p_rows, dh)), jnp.float32)
+  start, end = jnp.array([0, 300], jnp.int32), w_rows + 9
+  for values_dtype in ("bfloat16", "float32"):
+    fmt = KVFormat("int8", dh, values_dtype)
+    q = jnp.asarray(rng.standard_normal((b, k, g, dh)), values_dtype)
+    stored = fmt.pack(rows)
+    parts = (stored[:, :, :, :w_rows], stored[:, :, :, w_rows:])
+    values = tuple(fmt.unpack(p) for p in parts)
+    assert da.attention_rows("pallas", fmt, parts) == parts
+    attend = jax.jit(functools.partial(da.attend, impl="pallas", interpret=True), static_argnames="kv_format")
+    for got, want in zip(attend(q, parts, 0, start, end, kv_format=fmt), attend(q, values, 0, start, end)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    chunk = jax.jit(
+        lambda parts, first_leaf, f: da.leaf_partials(
+            q, parts, 0, start, end, 2, first_leaf=first_leaf, impl="pallas", interpret=True, kv_format=f
+        ),
+        static_argnums=2,
+    )
+    got, want = chunk(parts[:1], jnp.int32(1), fmt), chunk(values[:1], jnp.int32(1), None)
+    assert np.isfinite(np.asarray(got.m)).any() and np.isinf(np.asarray(got.m)).any()
+    for x, y in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "float8_e4m3fn"])
+def test_only_the_kernel_reads_int8_packed_and_every_other_attention_gets_values_first(kv_dtype):
+  """attention_rows: int8 rows as stored for the kernel; for the XLA leaves, the legacy attention and the kernel over
+  int4 or fp8, their values (kv_format.unpack's bits); the leaves refuse rows in the other form."""
+  rng = np.random.default_rng(2)
+  fmt = KVFormat(kv_dtype, 64, "bfloat16")
+  stored = fmt.pack(jnp.asarray(rng.standard_normal((2, 1, 2, 40, 64)), jnp.float32))
+  q = jnp.zeros((1, 2, 2, 64), jnp.bfloat16)
+  for impl in ("pallas", "xla", "legacy"):
+    (rows,) = da.attention_rows(impl, fmt, (stored,))
+    if impl == "pallas" and kv_dtype == "int8":
+      assert da.reads_packed(impl, fmt) and rows is stored
+    else:
+      assert not da.reads_packed(impl, fmt)
+      np.testing.assert_array_equal(np.asarray(rows), np.asarray(fmt.unpack(stored)))
+    if impl != "legacy":
+      wrong = fmt.unpack(stored) if rows is stored else stored
+      with pytest.raises(ValueError, match="rows must be"):
+        da.leaf_partials(q, (wrong,), 0, jnp.zeros(1, jnp.int32), 39, 1, impl=impl, kv_format=fmt)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "float8_e4m3fn"])
+def test_a_layer_over_quantized_rows_has_the_bits_of_its_values_unpacked_first(kv_dtype, monkeypatch):
+  """decode_layer (a verify pass of 3 tokens over a window and the open page) and decode_tail_partial over quantized
+  rows, with the XLA leaves and the (interpreted) kernel: the bits of the same attention over the rows unpacked first
+  (reads_packed off), so int8's packed read changes no bit and int4, fp8 and the XLA leaves attend values as before."""
+  cfg = helpers.tiny_config(head_dim=64, dtype="bfloat16").model
+  fmt = KVFormat.of(cfg, kv_dtype)
+  params = helpers.params(1, cfg=cfg)["layers"][0]
+  rng = np.random.default_rng(4)
+  k, page, w_rows = cfg.num_kv_heads, 8, S + 40
+  rows = fmt.pack(jnp.asarray(rng.standard_normal((2, 2, k, w_rows + page, cfg.head_dim)), jnp.float32))
+  window, open_page = rows[:, :, :, :w_rows], rows[:, :, :, w_rows:]
+  x = jnp.asarray(rng.standard_normal((2, 3, cfg.d_model)), jnp.bfloat16)
+  q = jnp.asarray(rng.standard_normal((2, k, cfg.num_heads // k, cfg.head_dim)), jnp.float32)
+  start, end = jnp.array([0, 100], jnp.int32), jnp.int32(w_rows + 2)
+  leaves = da.leaf_partials
+  monkeypatch.setattr(da, "leaf_partials", lambda *a, **kw: leaves(*a, **{**kw, "interpret": kw["impl"] == "pallas"}))
+  for impl in ("xla", "pallas"):
+    layer = functools.partial(model.decode_layer, cfg=cfg, kv_format=fmt, attention_impl=impl)
+    tail = functools.partial(model.decode_tail_partial, kv_format=fmt, attention_impl=impl)
+    run = lambda: (layer(params, x, window, open_page, start, end), tail(q, window, open_page, start, end))
+    got = run()
+    with monkeypatch.context() as m:
+      m.setattr(da, "reads_packed", lambda impl, fmt: False)
+      want = run()
+    for a, c in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(c), err_msg=impl)
+
+
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
 def test_the_kernel_lowers_to_triton_for_a_cuda_gpu(kv_dtype):
   """Pallas's Triton lowering of the kernel, run here for a CUDA target (jax.export; no GPU needed): the Llama-3-8B
-  heads over a window and the open page, and over a chunk's leaves (a traced first_leaf); int8 unpacked first. What
+  heads over a window and the open page, and over a chunk's leaves (a traced first_leaf); int8 read packed as byte
+  pairs (u16: i32 offsets in elements stay below 2**31 at 1M rows) and no unpacked window in the program. What
   Pallas cannot lower (a load it does not support) fails here, not at a GPU's start-up check."""
   fmt = KVFormat(kv_dtype, 128, "bfloat16")
   rows = lambda n: jax.ShapeDtypeStruct((2, 1, 8, n, fmt.width), fmt.storage_dtype)
   spec = (jax.ShapeDtypeStruct((1, 8, 4, 128), jnp.bfloat16), rows(4096), rows(256))
   start = jax.ShapeDtypeStruct((1,), jnp.int32)
-  unpack = fmt.unpack
-  attend = lambda q, w, p, s: da.attend(q, (unpack(w), unpack(p)), 0, s, 4106, impl="pallas")
-  chunk = lambda q, w, p, s: da.leaf_partials(q, (unpack(w),), 0, s, 4106, 2, first_leaf=s[0], impl="pallas")
+  kw = dict(impl="pallas", kv_format=fmt)
+  rows_of = lambda *stored: da.attention_rows("pallas", fmt, stored)
+  attend = lambda q, w, p, s: da.attend(q, rows_of(w, p), 0, s, 4106, **kw)
+  chunk = lambda q, w, p, s: da.leaf_partials(q, rows_of(w), 0, s, 4106, 2, first_leaf=s[0], **kw)
   triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
   for f, kernels in ((attend, 2), (chunk, 1)):
     lowered = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[triton])(*spec, start)
-    assert lowered.mlir_module().count("xla.gpu.triton(") == kernels
+    module = lowered.mlir_module()
+    assert module.count("xla.gpu.triton(") == kernels
+    assert ("4096x128xbf16" in module) == (kv_dtype == "bfloat16")
+    assert ("4096x68xui16" in module) == (kv_dtype == "int8")
 
 
 def test_the_kernel_sharded_by_kv_head_gives_the_unsharded_bits():
@@ -282,12 +368,12 @@ def _gpu():
   return types.SimpleNamespace(platform="gpu", compute_capability="9.0")
 
 
-@mock.patch.object(da, "pallas_check", lambda *args: None)  # The kernel runs (and matches) on the fake GPU.
+@mock.patch.object(da, "pallas_check", lambda *args, **kwargs: None)  # The kernel runs (and matches) on the fake GPU.
 def test_resolve_picks_the_kernel_only_where_it_runs():
   bf16 = dataclasses.replace(helpers.tiny_config().model, dtype="bfloat16", head_dim=128)
   cpu = jax.devices("cpu")[0]
   assert da.resolve("auto", bf16, KVFormat.of(bf16), _gpu()) == "pallas"
-  assert da.resolve("auto", bf16, KVFormat.of(bf16, "int8"), _gpu()) == "pallas"  # Unpacked to bf16 first.
+  assert da.resolve("auto", bf16, KVFormat.of(bf16, "int8"), _gpu()) == "pallas"  # Read packed.
   assert da.resolve("auto", bf16, KVFormat.of(bf16, "int4"), _gpu()) == "pallas"  # Unpacked to bf16 first.
   assert da.resolve("auto", bf16, KVFormat.of(bf16), cpu) == "xla"
   odd = dataclasses.replace(bf16, head_dim=96)
@@ -302,9 +388,17 @@ def test_resolve_picks_the_kernel_only_where_it_runs():
     da.resolve("flash", bf16, KVFormat.of(bf16), cpu)
 
 
+def test_resolve_checks_the_kernel_on_rows_as_it_reads_them():
+  bf16 = dataclasses.replace(helpers.tiny_config().model, dtype="bfloat16", head_dim=128)
+  with mock.patch.object(da, "pallas_check", return_value=None) as check:
+    for kv_dtype, packed in (("int8", "int8"), ("int4", None), ("float8_e4m3fn", None), ("model", None)):
+      assert da.resolve("auto", bf16, KVFormat.of(bf16, kv_dtype), _gpu()) == "pallas"
+      assert check.call_args.kwargs["packed"] == packed, kv_dtype
+
+
 def test_resolve_falls_back_when_the_check_fails():
   bf16 = dataclasses.replace(helpers.tiny_config().model, dtype="bfloat16", head_dim=128)
-  with mock.patch.object(da, "pallas_check", lambda *args: "relative error 0.3 > 0.01"):
+  with mock.patch.object(da, "pallas_check", lambda *args, **kwargs: "relative error 0.3 > 0.01"):
     assert da.resolve("auto", bf16, KVFormat.of(bf16), _gpu()) == "xla"
     with pytest.raises(ValueError, match="relative error 0.3"):
       da.resolve("pallas", bf16, KVFormat.of(bf16), _gpu())
@@ -313,6 +407,7 @@ def test_resolve_falls_back_when_the_check_fails():
 def test_the_check_passes_the_interpreted_kernel_and_reports_one_that_cannot_run():
   cpu = jax.devices("cpu")[0]
   assert da.pallas_check.__wrapped__(cpu, "float32", 4, 2, 16, interpret=True) is None
+  assert da.pallas_check.__wrapped__(cpu, "bfloat16", 4, 2, 32, interpret=True, packed="int8") is None
   error = da.pallas_check.__wrapped__(cpu, "float32", 4, 2, 16)  # Triton needs a GPU.
   assert error and "Error" in error
 
