@@ -60,6 +60,7 @@ from jaxkv import distributed
 from jaxkv import mesh as mesh_lib
 from jaxkv.config import KVConfig, ModelConfig
 from jaxkv.decode_attention import LEAF_ROWS
+from jaxkv.host import attention as host_attention
 from jaxkv.kv_quant import KVFormat
 
 
@@ -122,17 +123,29 @@ def split_rows(window: jax.Array, r1: int, sharding: jax.sharding.Sharding) -> t
 
 
 @functools.lru_cache(maxsize=None)
-def _rows_fn(sharding: jax.sharding.Sharding, rows: int):
-  return jax.jit(
-      lambda w, first: jax.device_put(jax.lax.dynamic_slice_in_dim(w, first, rows, axis=3), jax.memory.Space.Device),
-      out_shardings=sharding,
-  )
+def _stack_fn(device: jax.Device, shape: tuple[int, ...]):
+  """(runs [R, E] on `device`, 2 * B * K of them in (K or V, sequence, head) order) -> [2, B, K, R, E] = shape."""
+  return jax.jit(lambda runs: jnp.stack(runs).reshape(shape), out_shardings=jax.sharding.SingleDeviceSharding(device))
 
 
 def rows_to_device(window: jax.Array, first: int, rows: int, sharding: jax.sharding.Sharding) -> jax.Array:
   """Rows [first, first + rows) of a window [2, B, K, W, E] (in pinned host memory) -> on the devices, in
-  `sharding`: the slice copied by one call (a delivery chunk, jaxkv.chunked)."""
-  return _rows_fn(sharding, rows)(window, first)
+  `sharding` (a delivery chunk, jaxkv.chunked). Each (K or V, sequence, head) run of the rows, contiguous in host
+  memory, is copied by a jax.device_put of a zero-copy numpy view of it (jaxkv.host.attention.shard_views): DMA on
+  the runtime's host-to-device stream, beside the devices' compute; then each device's runs are stacked in one
+  call. A jitted slice of the window instead runs as a program in the devices' compute order and delivered 34.6
+  GB/s against 54.1 (docs/design.md, "Delivery chunks")."""
+  shape, parts = (*window.shape[:3], rows, window.shape[4]), []
+  for shard, (_, view) in zip(window.addressable_shards, host_attention.shard_views(window)):
+    runs = [
+        view[i, b, h, first : first + rows]
+        for i in range(2)
+        for b in range(view.shape[1])
+        for h in range(view.shape[2])
+    ]
+    on = jax.device_put(runs, [jax.sharding.SingleDeviceSharding(shard.device)] * len(runs))
+    parts.append(_stack_fn(shard.device, (*view.shape[:3], rows, view.shape[4]))(on))
+  return jax.make_array_from_single_device_arrays(shape, sharding, parts)
 
 
 @functools.lru_cache(maxsize=None)

@@ -66,11 +66,12 @@ def chunks(w_rows: int, c_rows: int, leaf_rows: int = da.LEAF_ROWS) -> list[Chun
 
 
 def slot_bytes(window_bytes: int, c_rows: int, row_bytes: int, leaf_rows: int = da.LEAF_ROWS) -> int:
-  """A ring slot's bytes per device for a layer's window of window_bytes (row_bytes a row): the largest chunk's
-  buffer, C + S rows, where the window is chunked, else the window."""
+  """A ring slot's bytes per device for a layer's window of window_bytes (row_bytes a row): where the window is
+  chunked, the largest chunk's buffer, C + S rows, twice (its runs as delivered and their stacked copy, both on
+  the devices until the stacking call runs: jaxkv.cache.rows_to_device), else the window."""
   if not c_rows or window_bytes <= c_rows * row_bytes:
     return window_bytes
-  return (c_rows + leaf_rows) * row_bytes
+  return 2 * (c_rows + leaf_rows) * row_bytes
 
 
 def chunk_partials(

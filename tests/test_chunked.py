@@ -36,7 +36,7 @@ def test_chunks_cut_the_window_with_a_leaf_of_overlap():
   assert chunked.chunk_rows(1, 1024, 384) == 768  # lcm(256, 384).
   assert chunked.slot_bytes(100 * 1024, 0, 1024) == 100 * 1024
   assert chunked.slot_bytes(100 * 1024, 512, 1024) == 100 * 1024
-  assert chunked.slot_bytes(2000 * 1024, 512, 1024) == (512 + S) * 1024
+  assert chunked.slot_bytes(2000 * 1024, 512, 1024) == 2 * (512 + S) * 1024
 
 
 def test_the_planner_counts_the_ring_in_chunks():
@@ -109,7 +109,7 @@ def test_decode_with_chunked_windows_is_the_device_placements_bit_for_bit(placem
   assert t["delivery_chunk_rows"] == S
   # The ring holds chunks of S + S rows, not the 784-800-row windows: depth + 2 of them at most.
   assert 0 < t["ring_high_water_bytes_per_device"] <= (t["depth"] + 2) * 2 * S * row
-  assert t["ring_bytes_per_device_configured"] == (t["depth"] + 2) * 2 * S * row
+  assert t["ring_bytes_per_device_configured"] == (t["depth"] + 2) * 2 * 2 * S * row  # Runs and their stack.
   if placement == "auto":
     assert t["residency"]["resident_layers"] == 2
 

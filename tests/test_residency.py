@@ -93,7 +93,9 @@ def test_the_1m_plan_keeps_a_layer_more_resident_with_windows_grown_from_their_c
   groups = residency.decode_groups((0,) * c.model.num_layers, 1)
   after = residency.auto_plan(c.model, kv, 1, 2**20, c.engine.prefill_chunk, groups, 1, free)
   scores = residency.WORKSPACE_SCORE_BLOCKS * model.SCORE_BUDGET_BYTES
-  assert after.workspace_bytes == 3 * layer + 2**30 + scores and after.ring_bytes == 4 * (2**17 + 256) * layer // rows
+  assert (
+      after.workspace_bytes == 3 * layer + 2**30 + scores and after.ring_bytes == 4 * 2 * (2**17 + 256) * layer // rows
+  )
   before = after.workspace_bytes + layer  # Two windows for growth.
   budget, _ = residency.device_budget(free, None, after.ring_bytes, before, c.kv.headroom_mib)
   assert residency.plan(groups, layer, budget, "free device memory").resident_layers == 23
