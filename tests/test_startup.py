@@ -15,18 +15,18 @@ H100, H200 = [81559 * 2**20], [143771 * 2**20]  # Their memory as NVML reports i
 
 def test_the_pinned_pool_is_capped_at_what_the_plan_streams_on_the_devices_found(monkeypatch):
   """The memory fraction for auto, CUDA's stream-ordered allocator where it streams, and the pinned pool's cap to
-  the layers that the 8B's 1M bf16 cache streams on the device found (its plan, a layer more), not the whole cache: on an 80 GiB H100 23 of 32 layers and one in
-  flight (96 GiB), under a 128 GiB host's RAM; on an H200 under the 64 GiB default (no cap set). Unknown devices:
+  the layers that the 8B's 1M bf16 cache streams on the device found (its plan, a layer more), not the whole cache:
+  on an 80 GiB H100 24 of 32 layers and one in flight (100 GiB), under a 128 GiB host's RAM; on an H200 under the 64 GiB default (no cap set). Unknown devices:
   the whole cache (134 GiB). What the user set is kept."""
   c = config_lib.from_config_dict(llama3_8b.get_config())
   cfg = c.model
   auto = startup.CacheNeed(config_lib.KVConfig(placement="auto"), 1, 2**20, c.engine.prefill_chunk)
   layer = 4 * GIB + cache_lib.row_bytes(cfg, "model", 1) * 256
-  assert auto.layer_bytes(cfg) == layer and -(-24 * layer // GIB) + 1 == 98
+  assert auto.layer_bytes(cfg) == layer and -(-25 * layer // GIB) + 1 == 102
   monkeypatch.setattr(memory, "available_host_bytes", lambda: 120 * GIB)
   env = {}
   auto_env = {startup.MEM_FRACTION_ENV: "0.95", startup.ALLOCATOR_ENV: "cuda_async"}
-  assert startup.startup_env(cfg, [auto], H100, env) == dict(auto_env, **{memory.POOL_ENV: "98"}) == env
+  assert startup.startup_env(cfg, [auto], H100, env) == dict(auto_env, **{memory.POOL_ENV: "102"}) == env
   assert startup.startup_env(cfg, [auto], H200, {}) == auto_env
   assert startup.startup_env(cfg, [auto], H200, {startup.ALLOCATOR_ENV: "bfc"}) == {startup.MEM_FRACTION_ENV: "0.95"}
   env = {startup.MEM_FRACTION_ENV: "0.9"}
@@ -64,7 +64,7 @@ def test_a_cache_the_host_cannot_hold_is_refused_before_jax_starts(monkeypatch):
   host = startup.CacheNeed(config_lib.KVConfig(placement="host"), 1, 2**19)
   monkeypatch.setattr(memory, "available_host_bytes", lambda: 64 * GIB)
   with pytest.raises(
-      ValueError, match=r"^the host KV cache needs 96\.02 GiB .*\(23 streamed layers .* 64\.00 GiB of RAM"
+      ValueError, match=r"^the host KV cache needs 100\.02 GiB .*\(24 streamed layers .* 64\.00 GiB of RAM"
   ):
     startup.startup_env(c.model, [auto], H100, {})
   with pytest.raises(ValueError, match=r"needs 66\.03 GiB .*\(32 streamed layers .* 64\.00 GiB of RAM"):
