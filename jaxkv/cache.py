@@ -334,13 +334,8 @@ class KVCache:
       if not parts:
         moved[l] = None
         continue
-      at, buffer = self.full_rows - sum(a.shape[3] for a in parts), self.device_zeros(l, self.full_rows)
-      for part in parts:
-        step = self.chunk_rows or part.shape[3]
-        for first in range(0, part.shape[3], step):
-          rows = min(step, part.shape[3] - first)
-          buffer = write_rows(buffer, rows_to_device(part, first, rows, sharding), at + first, sharding)
-        at += part.shape[3]
+      at = self.full_rows - sum(a.shape[3] for a in parts)
+      buffer, _ = self._fill(l, self.device_zeros(l, self.full_rows), [(a, a.shape[3]) for a in parts], at, sharding)
       moved[l] = jax.block_until_ready(buffer)  # One layer's chunks on the devices at a time.
     for l, window in moved.items():
       self.windows[l], self.heads[l] = window, None
@@ -428,20 +423,29 @@ class KVCache:
     head's and those rows: at most a chunk on the devices beside the tail, never the whole window)."""
     issued = Issued()
     if joined:
-      r1, host, device = self.head_rows(layer), self.host_shardings[layer], self.device_shardings[layer]
-      head = self.host_zeros(layer, r1 + joined)
-      at = 0
-      for part, rows in ((self.heads[layer], r1), (self.windows[layer], joined)):
-        step = min(self.chunk_rows or rows, rows)
-        for first in range(0, rows, max(step, 1)):  # The last chunk ends at `rows`: one program per chunk size.
-          first = min(first, rows - step)
-          head = write_rows(head, rows_to_device(part, first, step, device), at + first, host)
-          issued += Issued(step * self.row_bytes(), 2)
-        at += rows
-      self.heads[layer] = head
+      r1, host = self.head_rows(layer), self.host_shardings[layer]
+      pieces = [(self.heads[layer], r1), (self.windows[layer], joined)] if r1 else [(self.windows[layer], joined)]
+      self.heads[layer], chunks = self._fill(layer, self.host_zeros(layer, r1 + joined), pieces, 0, host)
+      issued = Issued((r1 + joined) * self.row_bytes(), 2 * chunks)
     self.windows[layer] = distributed.move(tail, self.host_shardings[layer])
     self._copying([self.windows[layer]])
     return issued + Issued(tail.nbytes, 1)
+
+  def _fill(
+      self, layer: int, buffer: jax.Array, pieces: list[tuple[jax.Array, int]], at: int, sharding
+  ) -> tuple[jax.Array, int]:
+    """buffer [2, B, K, A, E] (donated, in `sharding`: the layer's device or pinned host memory) with the first
+    `rows` rows of each (part, rows) of pieces (pinned host arrays [2, B, K, R, E]) written one after another from
+    row `at`, a delivery chunk at a time through the devices (a chunk on them at a time, not the whole window).
+    Returns it and the chunks moved."""
+    device, chunks = self.device_shardings[layer], 0
+    for part, rows in pieces:
+      step = self.chunk_rows or rows
+      for first in range(0, rows, max(step, 1)):
+        chunk = rows_to_device(part, first, min(step, rows - first), device)
+        buffer, chunks = write_rows(buffer, chunk, at + first, sharding), chunks + 1
+      at += rows
+    return buffer, chunks
 
   def store_tail(self, layer: int, tail: jax.Array) -> Issued:
     """Stores a grown tail [2, B, K, W - r1, E] (device) of a split layer: alone while the split row stays r1, else

@@ -44,12 +44,13 @@ def decode_h2d(result):
   return sum(s["h2d_bytes"] for s in result.transport["steps"] if s["kind"] == "decode")
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_tails_grow_into_one_buffer_with_the_bits_of_the_window_split_again(monkeypatch, chunked):
+@pytest.mark.parametrize("chunked, attention", [(False, "auto"), (False, "legacy"), (True, "auto")])
+def test_tails_grow_into_one_buffer_with_the_bits_of_the_window_split_again(monkeypatch, chunked, attention):
   """Where the open pages fill, a split layer's tail grows into one buffer from its delivery (whole, or 256-row
   chunks of a tail of about 600 rows), and the rows that pass the new split row join the head in pinned host memory
   (KVCache.store_split_tail), the whole window never on the devices: the bits of the window grown whole, moved to
-  the devices with its head and split again (HostDecode._growth None)."""
+  the devices with its head and split again (HostDecode._growth None); with either decode attention that whole
+  tails allow (the legacy one too)."""
   if chunked:  # Windows of 784-840 rows (block 8), split at 200-208 with f = 0.25.
     eng = split_engine(2, depth=2, capacity=864, chunk=256, host_attention_fraction=0.25)
     row = helpers.layer_bytes(eng, 2) // 864
@@ -58,6 +59,8 @@ def test_tails_grow_into_one_buffer_with_the_bits_of_the_window_split_again(monk
   else:
     eng = split_engine(2)
     run = lambda: eng.generate(PROMPTS, NEW, keep_logits=True)
+  config = dataclasses.replace(eng.config, engine=dataclasses.replace(eng.config.engine, decode_attention=attention))
+  eng = type(eng)(config, eng.mesh, eng.params, eng.layout)
   joined, whole = [], []
   store_split_tail, store_tail = cache_lib.KVCache.store_split_tail, cache_lib.KVCache.store_tail
   monkeypatch.setattr(

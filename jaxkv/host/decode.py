@@ -197,8 +197,7 @@ class HostDecode:
     x, self.held = self.decode_layer(l, calls, p, moved, self.held, windows[0], ctx.meta(l), ctx.start)
     growth = self._growth(l) if ctx.full else None
     if growth is not None:
-      tokens = 1 if moved.ndim == 2 else moved.shape[1]
-      ctx.issued += self._store_growth(self._write(growth, windows[0], 0, windows[0].shape[3]), tokens)
+      ctx.issued += self._store_growth(self._write(growth, windows[0], 0, windows[0].shape[3]))
     elif ctx.full:  # A window of a few pages (_growth): re-split with the head.
       grown, self.cache.opens[l] = calls.flush(windows[0], self.cache.opens[l])
       self.forget_views(l)  # The head may be re-split below.
@@ -310,7 +309,7 @@ class HostDecode:
     o, lse = chunk_calls.tail(q, d.windows[0], cache.opens[l], tuple(older), r1, ctx.meta(l), **kw)
     self.held = self._hold(calls, p, o, lse, hand_back, t1)
     if growth is not None:
-      ctx.issued += self._store_growth(growth, tokens)
+      ctx.issued += self._store_growth(growth)
     elif ctx.full:  # A window of a few pages (_growth): the tail moved whole, re-split with the head.
       tail = distributed.move(cache.windows[l], cache.device_shardings[l])
       grown, cache.opens[l] = calls.flush(tail, cache.opens[l])
@@ -340,16 +339,15 @@ class HostDecode:
     sharding = self.cache.device_shardings[growth.layer]
     return growth._replace(tail=cache_lib.write_rows(growth.tail, rows, first + skip - growth.joined, sharding, skip))
 
-  def _store_growth(self, growth: Growth, tokens: int) -> cache_lib.Issued:
+  def _store_growth(self, growth: Growth) -> cache_lib.Issued:
     """The open page written at the end of growth's tail (the page then zeroed), and the tail stored with the old
     tail's first growth.joined rows joined to the head (jaxkv.cache.KVCache.store_split_tail)."""
     cache, l = self.cache, growth.layer
-    flush = chunked.calls(
-        cache.model, cache.layout.mesh(l), cache.kv.dtype, self.engine.config.engine.decode_attention, tokens
-    ).flush
-    grown, cache.opens[l] = flush(growth.tail, cache.opens[l], growth.tail.shape[3] - cache.block)
+    at = growth.tail.shape[3] - cache.block
+    grown = cache_lib.write_rows(growth.tail, cache.opens[l], at, cache.device_shardings[l])
+    cache.opens[l] = cache.device_zeros(l, cache.block)
     self.forget_views(l)  # The head is replaced where rows join it.
-    return cache_lib.Issued(calls=1) + cache.store_split_tail(l, grown, growth.joined)
+    return cache_lib.Issued(calls=2) + cache.store_split_tail(l, grown, growth.joined)
 
   def merge_held(self, held: HeldMerge | None, x: jax.Array) -> jax.Array:
     """x after the held merge (x itself without one)."""
