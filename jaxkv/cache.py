@@ -122,19 +122,40 @@ def split_rows(window: jax.Array, r1: int, sharding: jax.sharding.Sharding) -> t
   return _split_fn(sharding)(window, r1)
 
 
+# A delivery chunk's (K or V, sequence, head) runs are put one by one by DMA from this size up, else the chunk is cut
+# by a jitted slice: each put costs a call, and 1 MiB runs (32 sequences of 32k) delivered 19.2 GB/s on the H200
+# where 32 MiB runs (one sequence of 1M) delivered 47.6 and the slice 47.8 (docs/design.md, "Delivery chunks").
+MIN_RUN_BYTES = 8 * 2**20
+
+
+def delivers_runs(rows: int, head_row_bytes: int) -> bool:
+  """Whether rows_to_device puts a chunk of `rows` rows as its runs (head_row_bytes: one head's stored row)."""
+  return rows * head_row_bytes >= MIN_RUN_BYTES
+
+
 @functools.lru_cache(maxsize=None)
 def _stack_fn(device: jax.Device, shape: tuple[int, ...]):
   """(runs [R, E] on `device`, 2 * B * K of them in (K or V, sequence, head) order) -> [2, B, K, R, E] = shape."""
   return jax.jit(lambda runs: jnp.stack(runs).reshape(shape), out_shardings=jax.sharding.SingleDeviceSharding(device))
 
 
+@functools.lru_cache(maxsize=None)
+def _slice_fn(sharding: jax.sharding.Sharding, rows: int):
+  return jax.jit(
+      lambda w, first: jax.device_put(jax.lax.dynamic_slice_in_dim(w, first, rows, axis=3), jax.memory.Space.Device),
+      out_shardings=sharding,
+  )
+
+
 def rows_to_device(window: jax.Array, first: int, rows: int, sharding: jax.sharding.Sharding) -> jax.Array:
   """Rows [first, first + rows) of a window [2, B, K, W, E] (in pinned host memory) -> on the devices, in
-  `sharding` (a delivery chunk, jaxkv.chunked). Each (K or V, sequence, head) run of the rows, contiguous in host
-  memory, is copied by a jax.device_put of a zero-copy numpy view of it (jaxkv.host.attention.shard_views): DMA on
-  the runtime's host-to-device stream, beside the devices' compute; then each device's runs are stacked in one
-  call. A jitted slice of the window instead runs as a program in the devices' compute order and delivered 34.6
-  GB/s against 54.1 (docs/design.md, "Delivery chunks")."""
+  `sharding` (a delivery chunk, jaxkv.chunked). Where its runs are large enough (delivers_runs), each (K or V,
+  sequence, head) run of the rows, contiguous in host memory, is copied by a jax.device_put of a zero-copy numpy
+  view of it (jaxkv.host.attention.shard_views): DMA on the runtime's host-to-device stream, beside the devices'
+  compute; then each device's runs are stacked in one call. Else one jitted slice copies the rows: a program, run
+  in the devices' compute order (34.6 GB/s against 54.1 for the runs on the H100, docs/design.md)."""
+  if not delivers_runs(rows, window.shape[4] * window.dtype.itemsize):
+    return _slice_fn(sharding, rows)(window, first)
   shape, parts = (*window.shape[:3], rows, window.shape[4]), []
   for shard, (_, view) in zip(window.addressable_shards, host_attention.shard_views(window)):
     runs = [

@@ -30,6 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxkv import cache as cache_lib
 from jaxkv import decode_attention as da
 from jaxkv import mesh as mesh_lib
 from jaxkv import model
@@ -65,13 +66,17 @@ def chunks(w_rows: int, c_rows: int, leaf_rows: int = da.LEAF_ROWS) -> list[Chun
   return [Chunk(k, n, f, min((k + 1) * c_rows, w_rows) - f) for k, f in enumerate(firsts)]
 
 
-def slot_bytes(window_bytes: int, c_rows: int, row_bytes: int, leaf_rows: int = da.LEAF_ROWS) -> int:
-  """A ring slot's bytes per device for a layer's window of window_bytes (row_bytes a row): where the window is
-  chunked, the largest chunk's buffer, C + S rows, twice (its runs as delivered and their stacked copy, both on
-  the devices until the stacking call runs: jaxkv.cache.rows_to_device), else the window."""
+def slot_bytes(
+    window_bytes: int, c_rows: int, row_bytes: int, head_row_bytes: int, leaf_rows: int = da.LEAF_ROWS
+) -> int:
+  """A ring slot's bytes per device for a layer's window of window_bytes (row_bytes a row, head_row_bytes one head's
+  row): where the window is chunked, the largest chunk's buffer, C + S rows, twice where it is delivered as runs
+  (the runs and their stacked copy, both on the devices until the stacking call runs: jaxkv.cache.rows_to_device),
+  else the window."""
   if not c_rows or window_bytes <= c_rows * row_bytes:
     return window_bytes
-  return 2 * (c_rows + leaf_rows) * row_bytes
+  copies = 2 if cache_lib.delivers_runs(c_rows + leaf_rows, head_row_bytes) else 1
+  return copies * (c_rows + leaf_rows) * row_bytes
 
 
 def chunk_partials(

@@ -206,7 +206,10 @@ def auto_plan(
   group = group_layers(kv.group_layers, kv.host_attention, layer_bytes)
   c_rows = delivery_chunk_rows(kv, group, row)
   ring = ring_bytes(
-      kv.pipeline_depth, chunked.slot_bytes(min(group, model_config.num_layers) * layer_bytes, c_rows, row)
+      kv.pipeline_depth,
+      chunked.slot_bytes(
+          min(group, model_config.num_layers) * layer_bytes, c_rows, row, KVFormat.of(model_config, kv.dtype).row_bytes
+      ),
   )
   growth = chunked_growth(kv, c_rows, rows)
   workspace = workspace_bytes(model_config, kv.dtype, batch, rows, prefill_chunk, group, devices, growth)

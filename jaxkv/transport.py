@@ -131,7 +131,8 @@ class Transport:
     self.order = [g for g, layers in enumerate(self.groups) if cache.streamed[layers[0]]]  # Delivered, in order.
     self.streamed = bool(self.order)
     slot = max((len(self.groups[g]) for g in self.order), default=0) * cache.layer_bytes  # Resident: no ring.
-    slot = chunked.slot_bytes(slot, cache.chunk_rows, cache.row_bytes(mesh_lib.tensor_size(cache.mesh)))
+    row = cache.row_bytes(mesh_lib.tensor_size(cache.mesh))
+    slot = chunked.slot_bytes(slot, cache.chunk_rows, row, cache.format.row_bytes)
     local = [d for d in lay.devices() if d.process_index == jax.process_index()]
     free = residency.free_device_bytes(local) if self.streamed else None
     streamed_groups = len(self.order) if self.streamed else self.num_layers  # Nothing streamed: nothing to cap.

@@ -34,9 +34,11 @@ def test_chunks_cut_the_window_with_a_leaf_of_overlap():
   assert chunked.chunk_rows(1, 1024, 8) == 1024 and chunked.chunk_rows(0.01, 1024, 8) == S
   assert chunked.chunk_rows(512, 2**12, 256) == 2**17  # The 8B geometry's 1M window: 4 KiB a row, 32 chunks.
   assert chunked.chunk_rows(1, 1024, 384) == 768  # lcm(256, 384).
-  assert chunked.slot_bytes(100 * 1024, 0, 1024) == 100 * 1024
-  assert chunked.slot_bytes(100 * 1024, 512, 1024) == 100 * 1024
-  assert chunked.slot_bytes(2000 * 1024, 512, 1024) == 2 * (512 + S) * 1024
+  assert chunked.slot_bytes(100 * 1024, 0, 1024, 256) == 100 * 1024
+  assert chunked.slot_bytes(100 * 1024, 512, 1024, 256) == 100 * 1024
+  # A chunk's buffer, twice where it is put as runs (the runs and their stacked copy), once where it is sliced.
+  assert chunked.slot_bytes(2000 * 1024, 512, 1024, 256) == (512 + S) * 1024
+  assert chunked.slot_bytes(2000 * 1024, 512, 1024, -(-cache_lib.MIN_RUN_BYTES // (512 + S))) == 2 * (512 + S) * 1024
 
 
 def test_the_planner_counts_the_ring_in_chunks():
@@ -92,8 +94,17 @@ def _reference(kv_dtype: str):
   return eng.generate(helpers.prompts(LENGTHS), NEW, keep_logits=True, zero_rows=ZERO_ROWS)
 
 
-@pytest.mark.parametrize("placement,depth,kv_dtype", [("host", 2, "model"), ("auto", 1, "model"), ("host", 1, "int8")])
-def test_decode_with_chunked_windows_is_the_device_placements_bit_for_bit(placement, depth, kv_dtype):
+@pytest.mark.parametrize(
+    "placement,depth,kv_dtype,runs",
+    [("host", 2, "model", True), ("host", 2, "model", False), ("auto", 1, "model", False), ("host", 1, "int8", True)],
+)
+def test_decode_with_chunked_windows_is_the_device_placements_bit_for_bit(
+    placement, depth, kv_dtype, runs, monkeypatch
+):
+  # runs: chunks put as their (K or V, sequence, head) runs, else cut by a jitted slice (the tiny model's runs are
+  # under cache_lib.MIN_RUN_BYTES).
+  if runs:
+    monkeypatch.setattr(cache_lib, "MIN_RUN_BYTES", 0)
   cfg = helpers.tiny_config(head_dim=32) if kv_dtype == "int8" else None
   kw = dict(capacity=832, chunk=256, group_layers=1, kv_dtype=kv_dtype, cfg=cfg)
   eng = helpers.engine(2, placement=placement, depth=depth, **kw)
@@ -109,7 +120,8 @@ def test_decode_with_chunked_windows_is_the_device_placements_bit_for_bit(placem
   assert t["delivery_chunk_rows"] == S
   # The ring holds chunks of S + S rows, not the 784-800-row windows: depth + 2 of them at most.
   assert 0 < t["ring_high_water_bytes_per_device"] <= (t["depth"] + 2) * 2 * S * row
-  assert t["ring_bytes_per_device_configured"] == (t["depth"] + 2) * 2 * 2 * S * row  # Runs and their stack.
+  copies = 2 if runs else 1  # The runs and their stacked copy, or the slice.
+  assert t["ring_bytes_per_device_configured"] == (t["depth"] + 2) * copies * 2 * S * row
   if placement == "auto":
     assert t["residency"]["resident_layers"] == 2
 

@@ -1,14 +1,18 @@
-"""Probe (GPU): the link's rate for a streamed layer's window delivered whole and in delivery chunks.
+"""Probe (GPU): the link's rate for a streamed layer's window delivered whole and in delivery chunks, the chunks put
+as their contiguous runs or cut by a jitted slice, at several batches.
 
-A window of the 8B at --rows rows (bf16 [2, 1, 8, rows, 128], pinned host) reaches the device as one device_put, or
-as chunks of --chunk_rows rows (jaxkv.cache.rows_to_device, the transport's chunk delivery), issued back to back
-and waited for at the end. Prints GB/s for each, --reps times; the decode step's link-only prediction uses the
-whole-window rate (jaxkv.bench's link peak), so a lower chunked rate shows in measured / predicted.
+For each batch B a window of the 8B's geometry (bf16 [2, B, 8, rows / B, 128], pinned host; the same bytes at every
+B) reaches the device as one device_put, or as chunks of --chunk_mib (jaxkv.chunked.chunk_rows) by
+jaxkv.cache.rows_to_device with cache.MIN_RUN_BYTES set to put every chunk as runs, or none; issued back to back and
+waited for at the end. A run is one (K or V, sequence, head)'s rows of a chunk: chunk_mib / (2 * 8 * B) MiB. Prints
+GB/s (the median of --reps) for each, and the run's MiB; what decides cache.MIN_RUN_BYTES.
 
-  python3 tools/probe_chunks.py --rows=1048576 --chunk_rows=131072
+  python3 tools/probe_chunks.py --rows=1048576 --batches=1,4,8,32 --json_out=$OUT/probe_chunks.json
 """
 
+import json
 import os
+import statistics
 import sys
 import time
 
@@ -21,10 +25,25 @@ from absl import app
 from absl import flags
 
 from jaxkv import cache as cache_lib
+from jaxkv import chunked
 
-ROWS = flags.DEFINE_integer("rows", 2**20, "The window's rows.")
-CHUNK_ROWS = flags.DEFINE_integer("chunk_rows", 2**17, "A delivery chunk's rows.")
+ROWS = flags.DEFINE_integer("rows", 2**20, "The window's rows over all its sequences.")
+BATCHES = flags.DEFINE_list("batches", ["1", "4", "8", "32"], "Sequences in the window.")
+CHUNK_MIB = flags.DEFINE_float("chunk_mib", 512, "A delivery chunk's MiB (kv.delivery_chunk_mib's default).")
 REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions of each.")
+JSON_OUT = flags.DEFINE_string("json_out", "", "Where to write the figures (empty: not written).")
+
+_ALL, _NONE = 0, 2**62  # cache.MIN_RUN_BYTES: every chunk as runs, or every chunk sliced.
+
+
+def _gbps(window, deliver) -> float:
+  jax.block_until_ready(deliver())  # Compiles.
+  rates = []
+  for _ in range(REPS.value):
+    t0 = time.perf_counter()
+    jax.block_until_ready(deliver())
+    rates.append(window.nbytes / (time.perf_counter() - t0) / 1e9)
+  return statistics.median(rates)
 
 
 def main(argv):
@@ -33,26 +52,35 @@ def main(argv):
   mesh = jax.make_mesh((1,), ("tensor",))
   host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
   dev = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="device")
-  window = jax.device_put(jnp.ones((2, 1, 8, ROWS.value, 128), jnp.bfloat16), host)
-  jax.block_until_ready(window)
-  firsts = range(0, ROWS.value, CHUNK_ROWS.value)
-  ways = {
-      "whole": lambda: [jax.device_put(window, dev)],
-      f"chunks of {CHUNK_ROWS.value} rows": lambda: [
-          cache_lib.rows_to_device(window, f, min(CHUNK_ROWS.value, ROWS.value - f), dev) for f in firsts
-      ],
-  }
-  print(f"window {window.nbytes / 2**30:.2f} GiB, {jax.devices()[0].device_kind}")
-  for name, deliver in ways.items():
-    jax.block_until_ready(deliver())  # Compiles.
-    for _ in range(REPS.value):
-      t0 = time.perf_counter()
-      out = deliver()
-      t_issue = time.perf_counter() - t0
-      jax.block_until_ready(out)
-      dt = time.perf_counter() - t0
-      print(f"{name}: {window.nbytes / dt / 1e9:.1f} GB/s ({1e3 * dt:.1f} ms, issued in {1e3 * t_issue:.1f} ms)")
-      del out
+  rows_out = []
+  for batch in map(int, BATCHES.value):
+    shape = (2, batch, 8, ROWS.value // batch, 128)
+    window = jax.device_put(jnp.ones(shape, jnp.bfloat16), host)
+    jax.block_until_ready(window)
+    c_rows = chunked.chunk_rows(CHUNK_MIB.value, window.nbytes // shape[3], 256)
+    pieces = chunked.chunks(shape[3], c_rows)
+    chunks = lambda: [cache_lib.rows_to_device(window, c.first_row, c.rows, dev) for c in pieces]
+    row = {
+        "batch": batch,
+        "chunk_rows": c_rows,
+        "run_mib": c_rows * 256 / 2**20,
+        "whole": _gbps(window, lambda: [jax.device_put(window, dev)]),
+    }
+    for name, least in (("runs", _ALL), ("slice", _NONE)):
+      cache_lib.MIN_RUN_BYTES = least
+      row[name] = _gbps(window, chunks)
+    rows_out.append(row)
+    window.delete()
+  print(f"{jax.devices()[0].device_kind}, window {2 * 8 * ROWS.value * 256 / 2**30:.1f} GiB, GB/s:")
+  print("| batch | chunk rows | run MiB | whole | runs | slice |\n|---|---|---|---|---|---|")
+  for r in rows_out:
+    print(
+        f"| {r['batch']} | {r['chunk_rows']} | {r['run_mib']:.2f} | {r['whole']:.1f} | {r['runs']:.1f} | "
+        f"{r['slice']:.1f} |"
+    )
+  if JSON_OUT.value:
+    with open(JSON_OUT.value, "w") as f:
+      json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows_out), f, indent=1)
 
 
 if __name__ == "__main__":
