@@ -147,16 +147,20 @@ def _slice_fn(sharding: jax.sharding.Sharding, rows: int):
   )
 
 
-def rows_to_device(window: jax.Array, first: int, rows: int, sharding: jax.sharding.Sharding) -> jax.Array:
-  """Rows [first, first + rows) of a window [2, B, K, W, E] (in pinned host memory) -> on the devices, in
-  `sharding` (a delivery chunk, jaxkv.chunked). Where its runs are large enough (delivers_runs), each (K or V,
-  sequence, head) run of the rows, contiguous in host memory, is copied by a jax.device_put of a zero-copy numpy
-  view of it (jaxkv.host.attention.shard_views): DMA on the runtime's host-to-device stream, beside the devices'
-  compute; then each device's runs are stacked in one call. Else one jitted slice copies the rows: a program, run
-  in the devices' compute order (34.6 GB/s against 54.1 for the runs on the H100, docs/design.md)."""
+def put_rows(window: jax.Array, first: int, rows: int, sharding: jax.sharding.Sharding) -> Callable[[], jax.Array]:
+  """Issues the copy of rows [first, first + rows) of a window [2, B, K, W, E] (in pinned host memory) to the
+  devices, in `sharding` (a delivery chunk, jaxkv.chunked); returns the function that gives the rows there. Where
+  its runs are large enough (delivers_runs), each (K or V, sequence, head) run of the rows, contiguous in host
+  memory, is copied now by a jax.device_put of a zero-copy numpy view of it (jaxkv.host.attention.shard_views): DMA
+  on the runtime's host-to-device stream, beside the devices' compute; the function then stacks each device's runs
+  in one call. That call waits for the runs' DMA in the devices' compute order, and holds up every call dispatched
+  after it: the chunk's consumer makes it just before the call that reads the chunk (jaxkv.transport), not the
+  thread that issues the copies ahead. Else one jitted slice copies the rows now: a program, run in the devices'
+  compute order (34.6 GB/s against 54.1 for the runs on the H100, docs/design.md)."""
   if not delivers_runs(rows, window.shape[4] * window.dtype.itemsize):
-    return _slice_fn(sharding, rows)(window, first)
-  shape, parts = (*window.shape[:3], rows, window.shape[4]), []
+    chunk = _slice_fn(sharding, rows)(window, first)
+    return lambda: chunk
+  puts = []
   for shard, (_, view) in zip(window.addressable_shards, host_attention.shard_views(window)):
     runs = [
         view[i, b, h, first : first + rows]
@@ -164,9 +168,21 @@ def rows_to_device(window: jax.Array, first: int, rows: int, sharding: jax.shard
         for b in range(view.shape[1])
         for h in range(view.shape[2])
     ]
-    on = jax.device_put(runs, [jax.sharding.SingleDeviceSharding(shard.device)] * len(runs))
-    parts.append(_stack_fn(shard.device, (*view.shape[:3], rows, view.shape[4]))(on))
-  return jax.make_array_from_single_device_arrays(shape, sharding, parts)
+    puts.append(
+        (shard.device, view.shape, jax.device_put(runs, [jax.sharding.SingleDeviceSharding(shard.device)] * len(runs)))
+    )
+
+  def stacked() -> jax.Array:
+    parts = [_stack_fn(device, (*v[:3], rows, v[4]))(on) for device, v, on in puts]
+    return jax.make_array_from_single_device_arrays((*window.shape[:3], rows, window.shape[4]), sharding, parts)
+
+  return stacked
+
+
+def rows_to_device(window: jax.Array, first: int, rows: int, sharding: jax.sharding.Sharding) -> jax.Array:
+  """Rows [first, first + rows) of a window [2, B, K, W, E] (in pinned host memory) -> on the devices, in
+  `sharding`: put_rows' copy, stacked at once."""
+  return put_rows(window, first, rows, sharding)()
 
 
 @functools.lru_cache(maxsize=None)

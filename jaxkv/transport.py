@@ -114,6 +114,11 @@ class Delivery:
   chunk: chunked.Chunk | None = None
 
 
+def _arrays(chunk: chunked.Chunk | None, windows: list) -> list[jax.Array | None]:
+  """A delivery's windows on the devices: a chunk's from the function that jaxkv.cache.put_rows returned."""
+  return windows if chunk is None or windows[0] is None else [windows[0]()]
+
+
 _BARRIER = -1  # Feeder job: acknowledge that every earlier job has been issued.
 _STOP = -2
 
@@ -195,10 +200,11 @@ class Transport:
         try:
           if chunk is not None:
             l = layers[0]
-            windows[0] = cache_lib.rows_to_device(
+            # The chunk's runs stacked by the consumer (_arrays), not here: jaxkv.cache.put_rows.
+            windows[0] = cache_lib.put_rows(
                 self.cache.windows[l], chunk.first_row, chunk.rows, self.cache.device_shardings[l]
             )
-            nbytes, calls = windows[0].nbytes, 1
+            nbytes, calls = chunk.rows * self.cache.row_bytes(), 1
           elif held := [i for i, l in enumerate(layers) if self.cache.windows[l] is not None]:
             moved = distributed.move_many(
                 [self.cache.windows[layers[i]] for i in held], [self.cache.device_shardings[layers[i]] for i in held]
@@ -248,6 +254,7 @@ class Transport:
           self._calls += calls
           with self._lock:
             self._h2d[self._stage_of[layers[0]]] += nbytes
+          windows = _arrays(chunk, windows)
           if self.debug >= 2 and nbytes:
             jax.block_until_ready(windows)
             self.layer_times.append((layers[0], t_issue, time.perf_counter()))
@@ -280,10 +287,10 @@ class Transport:
         break
     self._jobs.put((_BARRIER, True))
     while True:
-      group, _, windows, nbytes, _, slots, _ = self._ready.get()
+      group, chunk, windows, nbytes, _, slots, _ = self._ready.get()
       if group == _BARRIER:
         break
-      jax.block_until_ready(windows)
+      jax.block_until_ready(_arrays(chunk, windows))
       del windows
       with self._lock:
         self._h2d[self._stage_of[self.groups[group][0]]] += nbytes  # Moved all the same.
