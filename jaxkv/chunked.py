@@ -71,7 +71,7 @@ def slot_bytes(
 ) -> int:
   """A ring slot's bytes per device for a layer's window of window_bytes (row_bytes a row, head_row_bytes one head's
   row): where the window is chunked, the largest chunk's buffer, C + S rows, twice where it is delivered as runs
-  (the runs and their stacked copy, both on the devices until the stacking call runs: jaxkv.cache.rows_to_device),
+  (the runs and their stacked copy, both on the devices until the stacking call runs: jaxkv.cache.put_rows),
   else the window."""
   if not c_rows or window_bytes <= c_rows * row_bytes:
     return window_bytes
