@@ -474,12 +474,15 @@ class KVCache:
     """buffer [2, B, K, A, E] (donated, in `sharding`: the layer's device or pinned host memory) with the first
     `rows` rows of each (part, rows) of pieces (pinned host arrays [2, B, K, R, E]) written one after another from
     row `at`, a delivery chunk at a time through the devices (a chunk on them at a time, not the whole window).
-    Returns it and the chunks moved."""
+    The last chunk of a piece ends at its last row, overlapping the one before where the rows are not a whole
+    number of chunks: every chunk of a piece has one size, so a head that grows by a page at a time (decode) compiles
+    no new copy. Returns it and the chunks moved."""
     device, chunks = self.device_shardings[layer], 0
     for part, rows in pieces:
-      step = self.chunk_rows or rows
+      step = min(self.chunk_rows or rows, rows)
       for first in range(0, rows, max(step, 1)):
-        chunk = rows_to_device(part, first, min(step, rows - first), device)
+        first = min(first, rows - step)
+        chunk = rows_to_device(part, first, step, device)
         buffer, chunks = write_rows(buffer, chunk, at + first, sharding), chunks + 1
       at += rows
     return buffer, chunks
