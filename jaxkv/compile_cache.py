@@ -123,6 +123,7 @@ class _Event:
   t: float  # time.perf_counter() when the compile ended.
   from_cache: bool
   seconds: float  # Its duration.
+  name: str  # The program's (the jitted function's) name.
 
 
 class CompileCounter:
@@ -131,6 +132,7 @@ class CompileCounter:
   with CompileCounter() as counter:
     ...
   counter.counts()  # {programs_compiled, programs_from_cache}; counts(since=t): of the compiles ending after t.
+  counter.names()  # Their programs' names (names(since=t) likewise).
   counter.seconds()  # Their time (seconds(since=t) likewise).
   """
 
@@ -143,11 +145,11 @@ class CompileCounter:
     if event == _HIT_EVENT:
       self._hit.value = True
 
-  def _on_duration(self, event: str, duration: float, **_) -> None:
+  def _on_duration(self, event: str, duration: float, fun_name: str = "", **_) -> None:
     if event == _COMPILE_EVENT:  # On the compiling thread, after its hit event, if any.
       hit, self._hit.value = getattr(self._hit, "value", False), False
       with self._lock:
-        self._events.append(_Event(time.perf_counter(), hit, duration))
+        self._events.append(_Event(time.perf_counter(), hit, duration, fun_name))
 
   def __enter__(self) -> CompileCounter:
     jax.monitoring.register_event_listener(self._on_event)
@@ -168,6 +170,10 @@ class CompileCounter:
     events = self._since(since)
     hits = sum(e.from_cache for e in events)
     return dict(programs_compiled=len(events) - hits, programs_from_cache=hits)
+
+  def names(self, since: float | None = None) -> list[str]:
+    """The programs' names, in the order their compiles ended (of every compile or of those ending after `since`)."""
+    return [e.name for e in self._since(since)]
 
   def seconds(self, since: float | None = None) -> float:
     """The seconds XLA took to compile (or load from the persistent cache) the programs, of every compile or of those

@@ -77,6 +77,7 @@ def test_models_health_and_metric_names(server, client):
       "jaxkv_tokens_per_second",
       "jaxkv_queue_length",
       "jaxkv_slots_busy",
+      "jaxkv_epoch_running",
       "jaxkv_host_to_device_bytes_total",
       "jaxkv_ring_high_water_bytes",
       "jaxkv_time_to_first_token_seconds_count",

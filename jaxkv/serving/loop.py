@@ -76,6 +76,7 @@ class Stats:
   tokens: int = 0
   waiting: int = 0  # Submitted, not yet in a slot.
   busy: int = 0  # Requests in a slot.
+  epoch_running: bool = False  # An epoch (a cache and its slots) is under way: a request that comes joins it.
   recent: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=64))  # [s, tokens].
 
 
@@ -236,6 +237,7 @@ class ServingLoop:
         elif self._closing and not feed.handles:
           return
         continue
+      self.stats.epoch_running = True
       try:
         for progress in run.epoch():  # Before each scheduling decision: what the run did, then what arrived.
           feed.report(progress)
@@ -243,6 +245,8 @@ class ServingLoop:
       except Exception as e:  # pylint: disable=broad-except  (the server keeps serving; the requests hear why)
         logging.exception("serving loop: epoch %d failed", run.epochs - 1)
         feed.fail(f"{type(e).__name__}: {e}")
+      finally:
+        self.stats.epoch_running = False
 
 
 class _Feed:

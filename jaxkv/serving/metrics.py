@@ -90,6 +90,11 @@ class _LoopCollector:
     yield core.GaugeMetricFamily("jaxkv_queue_length", "Requests waiting for a slot.", stats.waiting)
     yield core.GaugeMetricFamily("jaxkv_slots_busy", "Slots serving a request.", stats.busy)
     yield core.GaugeMetricFamily("jaxkv_slots", "Slots (--parallel).", self.loop.parallel)
+    yield core.GaugeMetricFamily(
+        "jaxkv_epoch_running",
+        "1 while an epoch (a cache and its slots) serves; a request then joins it.",
+        stats.epoch_running,
+    )
     yield core.CounterMetricFamily(
         "jaxkv_host_to_device_bytes", "KV bytes delivered from host to devices (all devices).", transport["h2d_bytes"]
     )
