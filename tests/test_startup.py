@@ -16,8 +16,8 @@ H100, H200 = [81559 * 2**20], [143771 * 2**20]  # Their memory as NVML reports i
 def test_the_pinned_pool_is_capped_at_what_the_plan_streams_on_the_devices_found(monkeypatch):
   """The memory fraction for auto, CUDA's stream-ordered allocator where it streams, and the pinned pool's cap to
   the layers that the 8B's 1M bf16 cache streams on the device found (its plan, a layer more), not the whole cache:
-  on an 80 GiB H100 24 of 32 layers and one in flight (100 GiB), under a 128 GiB host's RAM; on an H200 under the 64 GiB default (no cap set). Unknown devices:
-  the whole cache (134 GiB). What the user set is kept."""
+  on an 80 GiB H100 24 of 32 layers and one in flight (100 GiB), under a 128 GiB host's RAM; on an H200 under the
+  64 GiB default (no cap set). Unknown devices: the whole cache (134 GiB). What the user set is kept."""
   c = config_lib.from_config_dict(llama3_8b.get_config())
   cfg = c.model
   auto = startup.CacheNeed(config_lib.KVConfig(placement="auto"), 1, 2**20, c.engine.prefill_chunk)
